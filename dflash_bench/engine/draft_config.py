@@ -61,14 +61,14 @@ class DraftConfig:
 def _field(cfg: dict[str, Any], key: str, where: str, kind: type = int, positive: bool = True) -> Any:
     """One required field of `kind`; bools are not ints here, and sizes must be positive."""
     if key not in cfg:
-        raise BadDraftConfig(f"drafter config.json has no {where}{key!r}")
+        raise BadDraftConfig(f"drafter config.json has no {where}{key}")
     value = cfg[key]
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if isinstance(value, bool) or not isinstance(value, kind):
-        raise BadDraftConfig(f"drafter config.json {where}{key!r} is {value!r}, expected {kind.__name__}")
+        raise BadDraftConfig(f"drafter config.json {where}{key} is {value!r}, expected {kind.__name__}")
     if positive and value <= 0:
-        raise BadDraftConfig(f"drafter config.json {where}{key!r} is {value!r}, expected a positive number")
+        raise BadDraftConfig(f"drafter config.json {where}{key} is {value!r}, expected a positive number")
     return value
 
 
