@@ -11,7 +11,7 @@ import pytest
 from dflash_bench.engine.draft_config import parse_draft_config, read_draft_config
 from dflash_bench.engine.errors import BadDraftConfig
 
-PUBLISHED = Path("/work/shared/fixtures/published")
+PUBLISHED = Path(__file__).parent / "data" / "published"
 
 
 def published(name: str) -> dict:

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from dflash_bench.cli import app
 
-PUBLISHED = Path("/work/shared/fixtures/published")
+PUBLISHED = Path(__file__).parent / "data" / "published"
 
 
 def invoke(*args: str):

@@ -22,7 +22,7 @@ from dflash_bench.engine.inventory import (
     tensor_bytes,
 )
 
-PUBLISHED = Path("/work/shared/fixtures/published")
+PUBLISHED = Path(__file__).parent / "data" / "published"
 
 
 def published_draft(name: str) -> DraftConfig:

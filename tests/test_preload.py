@@ -13,7 +13,7 @@ from dflash_bench.engine.errors import BadDraftConfig, DraftForAnotherTarget, No
 from dflash_bench.engine.preload import check_dirs, check_pair
 from dflash_bench.engine.target_config import parse_target_config
 
-PUBLISHED = Path("/work/shared/fixtures/published")
+PUBLISHED = Path(__file__).parent / "data" / "published"
 
 
 def published(name: str) -> dict:

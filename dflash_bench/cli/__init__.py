@@ -1,0 +1,30 @@
+"""The `dflash-bench` command line: one Typer app, one module per command group.
+
+Exit codes: 0 passed, 1 a check failed (or a refusal), 2 incomplete, 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import typer
+
+import dflash_bench  # noqa: F401  (loads OpenBLAS before any mlx import)
+
+app = typer.Typer(
+    name="dflash-bench",
+    help="Exactness checks and benchmarks for DFlash speculative decoding, with a bundled MLX engine.",
+    no_args_is_help=True,
+    rich_markup_mode="rich",
+    pretty_exceptions_enable=False,
+)
+
+@app.callback()
+def _root() -> None:
+    """Exactness checks and benchmarks for DFlash speculative decoding, with a bundled MLX engine."""
+
+
+# Each command module registers its commands on `app` when imported.
+from dflash_bench.cli import inspect as _inspect  # noqa: E402,F401
+
+
+def main() -> None:
+    app()
