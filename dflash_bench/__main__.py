@@ -1,0 +1,3 @@
+from dflash_bench.cli import main
+
+main()
