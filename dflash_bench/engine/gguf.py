@@ -9,11 +9,12 @@ through `mx.save_gguf`, applying llama.cpp's Q/K permutation so the file looks l
 
 from __future__ import annotations
 
+import mmap
 import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -61,19 +62,27 @@ class Header:
 
 
 class _Reader:
-    def __init__(self, f: BinaryIO, path: Path):
-        self.f = f
+    """Reads GGUF values at a moving offset of a memory-mapped file (only header pages are touched)."""
+
+    def __init__(self, buf: mmap.mmap, path: Path):
+        self.buf = buf
         self.path = path
+        self.pos = 0
 
     def take(self, n: int) -> bytes:
-        data = self.f.read(n)
-        if len(data) != n:
+        if self.pos + n > len(self.buf):
             raise CheckpointError(f"{self.path}: GGUF header ends early (truncated file?)")
+        data = self.buf[self.pos : self.pos + n]
+        self.pos += n
         return data
 
     def scalar(self, kind: int) -> Any:
         fmt, size = _SCALARS[kind]
-        return struct.unpack(fmt, self.take(size))[0]
+        if self.pos + size > len(self.buf):
+            raise CheckpointError(f"{self.path}: GGUF header ends early (truncated file?)")
+        value = struct.unpack_from(fmt, self.buf, self.pos)[0]
+        self.pos += size
+        return value
 
     def string(self) -> str:
         return self.take(self.scalar(10)).decode("utf-8", errors="replace")
@@ -98,11 +107,12 @@ def read_header(path: str | Path) -> Header:
     """Parse a GGUF file's metadata and tensor infos; tensor data is not read."""
     path = Path(path)
     try:
-        f = open(path, "rb")
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot open ({e.strerror})") from None
-    with f:
-        r = _Reader(f, path)
+        with open(path, "rb") as f:
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: cannot map the file ({e})") from None
+    with buf:
+        r = _Reader(buf, path)
         if r.take(4) != MAGIC:
             raise CheckpointError(f"{path}: not a GGUF file (magic is not 'GGUF')")
         version = r.scalar(4)
