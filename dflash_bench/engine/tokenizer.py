@@ -155,8 +155,8 @@ class Tokenizer:
             eos.append(i)
         for name in ("generation_config.json", "config.json"):
             cfg = _read_json(path / name)
-            cfg = cfg.get("text_config", cfg) if "eos_token_id" not in cfg else cfg
-            value = cfg.get("eos_token_id")
+            text_cfg = cfg.get("text_config")
+            value = cfg.get("eos_token_id", text_cfg.get("eos_token_id") if isinstance(text_cfg, dict) else None)
             eos.extend(value if isinstance(value, list) else [value] if isinstance(value, int) else [])
         return cls(
             backend,
