@@ -11,6 +11,7 @@ import hashlib
 import json
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -25,9 +26,11 @@ from dflash_bench.engine.checkpoint import (
     read_target_config,
     resolve,
 )
-from dflash_bench.engine.errors import CheckpointError
+from dflash_bench.engine.errors import BadTargetConfig, CheckpointError
 from dflash_bench.engine.target_config import TargetConfig, parse_target_config
 from dflash_bench.engine.tokenizer import Tokenizer
+
+PUBLISHED = Path(__file__).parent / "data" / "published"
 
 LLAMA = {
     "model_type": "llama",
@@ -353,3 +356,36 @@ def test_qwen3_5_mlx_layout_is_already_sanitized(tmp_path):
     mlx_names = {(f"language_model.{k}" if k.startswith("lm_head") else f"language_model.model.{k}"): v for k, v in hf.weights.items()}
     again = load_target(write_hf_dir(tmp_path / "mlx", QWEN3_5, mlx_names))
     assert_same_weights(again.weights, hf.weights)  # no second +1, no second conv1d move
+
+
+def test_qwen3_dense_hf_layout_keeps_its_qk_norms(tmp_path):
+    config = {**LLAMA, "model_type": "qwen3", "head_dim": 16, "tie_word_embeddings": True}
+    cfg = parse_target_config(config)
+    weights = random_weights(cfg, seed=4)
+    assert "layers.1.self_attn.k_norm.weight" in weights
+    loaded = load_target(write_hf_dir(tmp_path / "hf", config, hf_names(weights)))
+    assert_same_weights(loaded.weights, weights)  # no +1: qwen3's norms are plain RMSNorm weights
+
+
+def test_published_qwen3_5_4b_config_prices_the_real_tensor_shapes():
+    cfg = parse_target_config(json.loads((PUBLISHED / "qwen3.5-4b.config.json").read_text()))
+    shapes = expected_shapes(cfg)
+    assert "lm_head.weight" not in shapes  # tied
+    assert shapes["embed_tokens.weight"] == (248320, 2560)
+    assert shapes["layers.3.self_attn.q_proj.weight"] == (2 * 16 * 256, 2560)
+    assert shapes["layers.3.self_attn.k_proj.weight"] == (4 * 256, 2560)
+    assert shapes["layers.0.linear_attn.conv1d.weight"] == (2 * 16 * 128 + 32 * 128, 4, 1)
+    assert shapes["layers.0.linear_attn.in_proj_z.weight"] == (32 * 128, 2560)
+    assert shapes["layers.0.linear_attn.A_log"] == (32,)
+    assert sum(k.startswith("layers.31.") for k in shapes) == 2 + 4 + 2 + 3  # norms, q/k/v/o, q/k norms, mlp
+    assert sum(k.startswith("layers.0.") for k in shapes) == 2 + 9 + 3  # norms, GatedDeltaNet, mlp
+
+
+def test_gguf_of_an_unsupported_architecture_is_refused(tmp_path):
+    path = tmp_path / "m.gguf"
+    mx.save_gguf(str(path), {"token_embd.weight": mx.zeros((4, 4))}, {"general.architecture": "gemma2"})
+    with pytest.raises(BadTargetConfig, match="general.architecture is 'gemma2', expected one of llama"):
+        read_target_config(path)
+    mx.save_gguf(str(path), {"token_embd.weight": mx.zeros((4, 4))}, {"general.architecture": "llama"})
+    with pytest.raises(BadTargetConfig, match="GGUF metadata has no llama.embedding_length"):
+        read_target_config(path)

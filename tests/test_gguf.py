@@ -72,7 +72,6 @@ def test_truncated_or_foreign_files_are_refused_with_the_path(tmp_path):
         ("output", "lm_head"),
         ("blk.12.attn_q", "layers.12.self_attn.q_proj"),
         ("blk.0.attn_output", "layers.0.self_attn.o_proj"),
-        ("blk.3.attn_k_norm", "layers.3.self_attn.k_norm"),
         ("blk.29.ffn_down", "layers.29.mlp.down_proj"),
         ("blk.1.ffn_norm", "layers.1.post_attention_layernorm"),
     ],

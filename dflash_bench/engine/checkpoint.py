@@ -163,7 +163,7 @@ def expected_shapes(cfg: TargetConfig) -> dict[str, tuple[int, ...]]:
 
 # --- GGUF ---------------------------------------------------------------------------------------
 
-_GGUF_ARCHS = ("llama", "qwen3")
+_GGUF_ARCHS = ("llama",)  # llama.cpp names and Q/K order are handled for llama only
 _QUANT_SUFFIX = re.compile(r"[.-](?:I?Q\d\w*|F16|F32|BF16)$", re.IGNORECASE)
 
 
@@ -217,13 +217,17 @@ def _gguf_weights(path: Path, cfg: TargetConfig, expected: dict[str, tuple[int, 
         name = gguf.canonical_module(module)
         return f"{name}.{leaf}" if name else key
 
-    staged = _stage(mx.load(str(path)), rename, expected, path, quant=None)
-    if cfg.family == "llama":  # llama.cpp stores llama's Q/K rows permuted for interleaved RoPE
-        for i in range(cfg.num_layers):
-            for proj, n_head in (("q_proj", cfg.num_heads), ("k_proj", cfg.num_kv_heads)):
-                name = f"layers.{i}.self_attn.{proj}.weight"
-                if name in staged and staged[name].shape == expected[name]:
-                    staged[name] = gguf.unpermute_qk(staged[name], n_head)
+    try:
+        raw = mx.load(str(path))
+    except Exception as e:  # mlx raises RuntimeError/ValueError with the reason
+        raise CheckpointError(f"{path}: unreadable GGUF tensors ({e})") from None
+    staged = _stage(raw, rename, expected, path, quant=None)
+    # llama.cpp stores llama's Q/K rows permuted for interleaved RoPE; the engine uses rotate-half.
+    for i in range(cfg.num_layers):
+        for proj, n_head in (("q_proj", cfg.num_heads), ("k_proj", cfg.num_kv_heads)):
+            name = f"layers.{i}.self_attn.{proj}.weight"
+            if name in staged and staged[name].shape == expected[name]:
+                staged[name] = gguf.unpermute_qk(staged[name], n_head)
     return staged
 
 

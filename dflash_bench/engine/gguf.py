@@ -133,7 +133,7 @@ def read_header(path: str | Path) -> Header:
     return Header(version, metadata, tensors)
 
 
-# llama.cpp's tensor names for the families the engine runs -> canonical names (see helpers-brief).
+# llama.cpp's llama tensor names -> canonical names (see docs/helpers-brief.md).
 _GLOBAL_NAMES = {
     "token_embd": "embed_tokens",
     "output_norm": "norm",
@@ -146,8 +146,6 @@ _LAYER_NAMES = {
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
