@@ -1,0 +1,140 @@
+"""qwen3_5: hybrid layers, GatedDeltaNet linear attention and gated full attention.
+
+Three of every four layers are GatedDeltaNet (a depthwise causal conv, then a gated delta-rule
+recurrence over a (Hv, Dv, Dk) state); the rest are full attention with a sigmoid output gate
+(`SelfAttention(gated=True)`). Projections run over the packed rows in fixed tiles; the conv and
+the recurrence run per segment, one row after another, so a row's result depends only on its
+stream's earlier rows:
+
+- the conv is written with elementwise products and sums in a fixed order (`mx.conv1d` may choose
+  its algorithm by length, so a window's rows could differ from the same rows fed one at a time);
+- the recurrence is mlx-lm's `gated_delta_ops`, a loop of the same compiled one-row step, so n rows
+  at once are bit-equal to n single rows by construction on every backend (`mx.fast.gated_delta_update`
+  is bit-equal too on MLX 0.32.4's CPU backend, but it is documented as chunked and may not be on a GPU).
+
+Rolling back part of a window re-runs the recurrence over the kept rows from the state the window
+started from (`LinearCache.redo`): the state after each row is never stored, since one is
+Hv x Dv x Dk floats per layer.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+from mlx_lm.models.gated_delta import compute_g, gated_delta_ops, normalize_qk
+
+from dflash_bench.engine.cache import AttentionCache, LinearCache, TargetState
+from dflash_bench.engine.target_config import TargetConfig
+from dflash_bench.engine.targets.base import Segment, Target, repack
+from dflash_bench.engine.targets.dense import SelfAttention
+from dflash_bench.engine.tiles import Weight, linear
+
+
+def silu(x: mx.array) -> mx.array:
+    return x * mx.sigmoid(x)
+
+
+class GatedDeltaNet:
+    """One linear-attention layer: packed projections, then conv and recurrence per segment."""
+
+    def __init__(self, config: TargetConfig, weights: dict[str, mx.array], prefix: str):
+        lin = config.linear
+        assert lin is not None
+        self.hk, self.hv, self.dk, self.dv = lin.num_key_heads, lin.num_value_heads, lin.key_head_dim, lin.value_head_dim
+        self.kernel = lin.conv_kernel
+        self.key_dim = self.hk * self.dk
+        self.conv_dim = lin.conv_dim
+        self.qkv = Weight(weights[f"{prefix}.in_proj_qkv.weight"])
+        self.z = Weight(weights[f"{prefix}.in_proj_z.weight"])
+        self.b = Weight(weights[f"{prefix}.in_proj_b.weight"])
+        self.a = Weight(weights[f"{prefix}.in_proj_a.weight"])
+        self.out = Weight(weights[f"{prefix}.out_proj.weight"])
+        self.conv_w = weights[f"{prefix}.conv1d.weight"][:, :, 0].T  # (kernel, conv_dim): tap j of every channel
+        self.dt_bias = weights[f"{prefix}.dt_bias"]
+        self.A_log = weights[f"{prefix}.A_log"]
+        self.norm = weights[f"{prefix}.norm.weight"]
+        self.eps = config.rms_norm_eps
+
+    def new_cache(self) -> LinearCache:
+        return LinearCache(
+            conv=mx.zeros((self.kernel - 1, self.conv_dim), dtype=mx.float32),
+            state=mx.zeros((self.hv, self.dv, self.dk), dtype=mx.float32),
+        )
+
+    def __call__(self, x: mx.array, segments: list[Segment], spans: list[tuple[int, int]], layer: int) -> mx.array:
+        qkv, z, b, a = linear(x, self.qkv), linear(x, self.z), linear(x, self.b), linear(x, self.a)
+        outs = []
+        for seg, (lo, hi) in zip(segments, spans):
+            cache = seg.state.layers[layer]
+            assert isinstance(cache, LinearCache)
+            n = hi - lo
+            inputs = mx.concatenate([cache.conv, qkv[lo:hi]])  # (kernel - 1 + n, conv_dim)
+            q, k, v, g, beta = self.mix(inputs, n, a[lo:hi], b[lo:hi])
+            y, state = gated_delta_ops(q[None], k[None], v[None], g[None], beta[None], cache.state[None])
+            prev_conv, prev_state = cache.conv, cache.state
+            cache.conv, cache.state = mx.contiguous(inputs[n:]), state[0]  # a copy: a view would pin the chunk
+            cache.redo = self.redo_fn(prev_conv, prev_state, inputs, q, k, v, g, beta) if n > 1 else None
+            cache.window_start = seg.start
+            cache.length = seg.start + n
+            outs.append(self.gated_norm(y[0], z[lo:hi].reshape(n, self.hv, self.dv)).reshape(n, -1))
+        return linear(repack(outs, x.shape[0]), self.out)
+
+    def mix(
+        self, inputs: mx.array, n: int, a: mx.array, b: mx.array
+    ) -> tuple[mx.array, mx.array, mx.array, mx.array, mx.array]:
+        """Conv (row t sees inputs t .. t + kernel - 1, summed in tap order), silu, q/k/v, gates."""
+        acc = self.conv_w[0] * inputs[0:n]
+        for j in range(1, self.kernel):
+            acc = acc + self.conv_w[j] * inputs[j : j + n]
+        mixed = silu(acc)
+        q = mixed[:, : self.key_dim].reshape(n, self.hk, self.dk)
+        k = mixed[:, self.key_dim : 2 * self.key_dim].reshape(n, self.hk, self.dk)
+        v = mixed[:, 2 * self.key_dim :].reshape(n, self.hv, self.dv)
+        q, k = normalize_qk(q, k, inv_scale=self.dk**-0.5, eps=1e-6)
+        return q, k, v, compute_g(self.A_log, a, self.dt_bias), mx.sigmoid(b)
+
+    def redo_fn(self, prev_conv, prev_state, inputs, q, k, v, g, beta):
+        """The (conv, state) after the first m rows of this window, from the state before it."""
+        span = self.kernel - 1
+
+        def redo(m: int) -> tuple[mx.array, mx.array]:
+            if m == 0:
+                return prev_conv, prev_state
+            _, state = gated_delta_ops(q[None, :m], k[None, :m], v[None, :m], g[None, :m], beta[None, :m], prev_state[None])
+            return mx.contiguous(inputs[m : m + span]), state[0]
+
+        return redo
+
+    def gated_norm(self, y: mx.array, z: mx.array) -> mx.array:
+        """RMSNorm of each value head, times silu of the z gate (mlx-lm's precise_swiglu order)."""
+        return silu(z) * mx.fast.rms_norm(y, self.norm, self.eps)
+
+
+class HybridTarget(Target):
+    """Embedding, N x (GatedDeltaNet or gated attention, then SwiGLU MLP), final norm, lm_head."""
+
+    def __init__(self, config: TargetConfig, weights: dict[str, mx.array]):
+        super().__init__(config, weights)
+        self.mixers: list[GatedDeltaNet | SelfAttention] = []
+        self.mlps, self.norms = [], []
+        for i, kind in enumerate(config.layer_types):
+            p = f"layers.{i}"
+            if kind == "linear_attention":
+                self.mixers.append(GatedDeltaNet(config, weights, f"{p}.linear_attn"))
+            else:
+                self.mixers.append(SelfAttention(config, weights, f"{p}.self_attn", gated=True))
+            self.mlps.append(tuple(Weight(weights[f"{p}.mlp.{n}_proj.weight"]) for n in ("gate", "up", "down")))
+            self.norms.append((weights[f"{p}.input_layernorm.weight"], weights[f"{p}.post_attention_layernorm.weight"]))
+
+    def new_state(self) -> TargetState:
+        c = self.config
+        return TargetState(
+            [
+                m.new_cache() if isinstance(m, GatedDeltaNet) else AttentionCache(c.num_kv_heads, c.head_dim)
+                for m in self.mixers
+            ]
+        )
+
+    def layer(self, i: int, x: mx.array, segments: list[Segment], spans: list[tuple[int, int]]) -> mx.array:
+        pre, post = self.norms[i]
+        x = x + self.mixers[i](mx.fast.rms_norm(x, pre, self.eps), segments, spans, i)
+        return x + self.mlp(mx.fast.rms_norm(x, post, self.eps), *self.mlps[i])
