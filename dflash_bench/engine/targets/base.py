@@ -1,0 +1,103 @@
+"""What every target model shares: segments, the packed forward's edges, taps and logits.
+
+One forward serves every stream in a round. Each stream contributes a segment (its prompt chunk,
+or its pending token plus its drafts) at its own absolute positions against its own caches; the
+projections run over all segments' rows packed together in fixed row tiles, attention and
+linear-attention run per segment. Because every op is row-independent (`engine/tiles.py`), a
+segment's outputs do not depend on the other segments, on padding, or on how rows were split.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from dflash_bench.engine.cache import TargetState
+from dflash_bench.engine.target_config import TargetConfig
+from dflash_bench.engine.tiles import ROW_TILE, Weight, linear, pad_rows
+
+
+@dataclass
+class Segment:
+    """Rows one stream feeds this forward: `tokens` at positions start, start+1, ..."""
+
+    tokens: list[int]
+    start: int
+    state: TargetState
+    logit_rows: list[int] = field(default_factory=list)  # rows (0-based in the segment) whose logits are wanted
+    want_taps: bool = False
+
+
+@dataclass
+class SegmentOut:
+    logits: mx.array | None  # (len(logit_rows), vocab) float32
+    taps: mx.array | None  # (rows, taps * hidden): the tap layers' outputs side by side
+
+
+class Target:
+    """Shared parts of the target families; subclasses implement `layer`."""
+
+    config: TargetConfig
+
+    def __init__(self, config: TargetConfig, weights: dict[str, mx.array]):
+        self.config = config
+        self.embed = weights["embed_tokens.weight"]
+        head = weights.get("lm_head.weight", self.embed) if not config.tie_word_embeddings else self.embed
+        self.lm_head = Weight(head)
+        self.norm = weights["norm.weight"]
+        self.eps = config.rms_norm_eps
+
+    def new_state(self) -> TargetState:
+        raise NotImplementedError
+
+    def layer(self, i: int, x: mx.array, segments: list[Segment], spans: list[tuple[int, int]]) -> mx.array:
+        raise NotImplementedError
+
+    def forward(self, segments: list[Segment], taps: tuple[int, ...] = ()) -> list[SegmentOut]:
+        """Run every segment through the model; caches grow by each segment's rows."""
+        spans, rows = [], 0
+        for seg in segments:
+            if seg.start != seg.state.length:
+                raise ValueError(f"segment starts at {seg.start} but its state holds {seg.state.length} positions")
+            spans.append((rows, rows + len(seg.tokens)))
+            rows += len(seg.tokens)
+        ids = mx.array([t for seg in segments for t in seg.tokens], dtype=mx.int32)
+        x = pad_rows(self.embed[ids])
+        planes: list[mx.array] = []
+        for i in range(self.config.num_layers):
+            x = self.layer(i, x, segments, spans)
+            if i in taps:
+                planes.append(x)
+        tap_rows = mx.concatenate([planes[taps.index(i)] for i in taps], axis=-1) if taps else None
+        wanted = [a + r for seg, (a, _) in zip(segments, spans) for r in seg.logit_rows]
+        logits = self.logits(x, wanted) if wanted else None
+        outs, cursor = [], 0
+        for seg, (a, b) in zip(segments, spans):
+            n = len(seg.logit_rows)
+            outs.append(
+                SegmentOut(
+                    logits=logits[cursor : cursor + n] if n else None,
+                    taps=tap_rows[a:b] if (seg.want_taps and tap_rows is not None) else None,
+                )
+            )
+            cursor += n
+        return outs
+
+    def logits(self, x: mx.array, rows: list[int]) -> mx.array:
+        h = mx.fast.rms_norm(x[mx.array(rows, dtype=mx.int32)], self.norm, self.eps)
+        return linear(pad_rows(h), self.lm_head)[: len(rows)]
+
+    def mlp(self, x: mx.array, gate: Weight, up: Weight, down: Weight) -> mx.array:
+        return linear(mx.sigmoid(g := linear(x, gate)) * g * linear(x, up), down)
+
+
+def per_segment(x: mx.array, spans: list[tuple[int, int]]) -> list[mx.array]:
+    """The rows of each segment out of the packed rows."""
+    return [x[a:b] for a, b in spans]
+
+
+def repack(parts: list[mx.array], rows: int) -> mx.array:
+    """Segments' rows back into one packed array padded to `rows` (a multiple of ROW_TILE)."""
+    x = mx.concatenate(parts) if len(parts) > 1 else parts[0]
+    return pad_rows(x, ROW_TILE) if x.shape[0] != rows else x

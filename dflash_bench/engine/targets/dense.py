@@ -1,0 +1,88 @@
+"""llama and qwen3: dense decoder layers (qwen3 adds RMS norms on each head's queries and keys)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+from dflash_bench.engine.cache import AttentionCache, TargetState
+from dflash_bench.engine.target_config import TargetConfig
+from dflash_bench.engine.targets.base import Segment, Target, per_segment, repack
+from dflash_bench.engine.tiles import QUERY_TILE, Weight, attention, linear, pad_rows
+
+
+class SelfAttention:
+    """Rotary multi-head attention with grouped K/V heads, one stream's cache per segment.
+
+    `gated` is qwen3_5's variant: q_proj yields queries and a sigmoid gate on the output.
+    """
+
+    def __init__(self, config: TargetConfig, weights: dict[str, mx.array], prefix: str, gated: bool = False):
+        self.heads, self.kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.q = Weight(weights[f"{prefix}.q_proj.weight"])
+        self.k = Weight(weights[f"{prefix}.k_proj.weight"])
+        self.v = Weight(weights[f"{prefix}.v_proj.weight"])
+        self.o = Weight(weights[f"{prefix}.o_proj.weight"])
+        self.q_norm = weights.get(f"{prefix}.q_norm.weight") if config.qk_norm else None
+        self.k_norm = weights.get(f"{prefix}.k_norm.weight") if config.qk_norm else None
+        self.eps = config.rms_norm_eps
+        self.rope_dims = config.rope_dims
+        self.rope_theta = config.rope_theta
+        self.gated = gated
+        self.scale = self.head_dim**-0.5
+
+    def __call__(self, x: mx.array, segments: list[Segment], spans: list[tuple[int, int]], layer: int) -> mx.array:
+        q, k, v = linear(x, self.q), linear(x, self.k), linear(x, self.v)
+        outs = []
+        for seg, qs, ks, vs in zip(segments, per_segment(q, spans), per_segment(k, spans), per_segment(v, spans)):
+            n = len(seg.tokens)
+            if self.gated:
+                qs, gate = mx.split(qs.reshape(n, self.heads, 2 * self.head_dim), 2, axis=-1)
+            else:
+                qs, gate = qs.reshape(n, self.heads, self.head_dim), None
+            ks = ks.reshape(n, self.kv_heads, self.head_dim)
+            if self.q_norm is not None:
+                qs = mx.fast.rms_norm(qs, self.q_norm, self.eps)
+                ks = mx.fast.rms_norm(ks, self.k_norm, self.eps)
+            qs = self.rope(qs.transpose(1, 0, 2), seg.start)
+            ks = self.rope(ks.transpose(1, 0, 2), seg.start)
+            vs = vs.reshape(n, self.kv_heads, self.head_dim).transpose(1, 0, 2)
+            cache = seg.state.layers[layer]
+            assert isinstance(cache, AttentionCache)
+            cache.write(seg.start, ks, vs)
+            keys, values = cache.view(seg.start + n)
+            pos = mx.arange(seg.start, seg.start + n, dtype=mx.int32)
+            qp = pad_rows(qs.swapaxes(0, 1), QUERY_TILE).swapaxes(0, 1)
+            pos = mx.concatenate([pos, mx.full(((-n) % QUERY_TILE,), seg.start, dtype=mx.int32)])
+            o = attention(qp, keys, values, pos, 0, seg.start + n, scale=self.scale)[:, :n]
+            o = o.transpose(1, 0, 2).reshape(n, self.heads * self.head_dim)
+            if gate is not None:
+                o = o * mx.sigmoid(gate.reshape(n, -1))
+            outs.append(o)
+        return linear(repack(outs, x.shape[0]), self.o)
+
+    def rope(self, x: mx.array, offset: int) -> mx.array:
+        return mx.fast.rope(
+            x[None], self.rope_dims, traditional=False, base=self.rope_theta, scale=1.0, offset=offset
+        )[0]
+
+
+class DenseTarget(Target):
+    """Embedding, N x (attention + SwiGLU MLP), final norm, lm_head."""
+
+    def __init__(self, config: TargetConfig, weights: dict[str, mx.array]):
+        super().__init__(config, weights)
+        self.attn, self.mlps, self.norms = [], [], []
+        for i in range(config.num_layers):
+            p = f"layers.{i}"
+            self.attn.append(SelfAttention(config, weights, f"{p}.self_attn"))
+            self.mlps.append(tuple(Weight(weights[f"{p}.mlp.{n}_proj.weight"]) for n in ("gate", "up", "down")))
+            self.norms.append((weights[f"{p}.input_layernorm.weight"], weights[f"{p}.post_attention_layernorm.weight"]))
+
+    def new_state(self) -> TargetState:
+        c = self.config
+        return TargetState([AttentionCache(c.num_kv_heads, c.head_dim) for _ in range(c.num_layers)])
+
+    def layer(self, i: int, x: mx.array, segments: list[Segment], spans: list[tuple[int, int]]) -> mx.array:
+        pre, post = self.norms[i]
+        x = x + self.attn[i](mx.fast.rms_norm(x, pre, self.eps), segments, spans, i)
+        return x + self.mlp(mx.fast.rms_norm(x, post, self.eps), *self.mlps[i])

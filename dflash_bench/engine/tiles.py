@@ -1,0 +1,128 @@
+"""Fixed-shape arithmetic: the reason a row's bits never depend on what shares its forward.
+
+BLAS (OpenBLAS on Linux, cuBLAS on CUDA) picks a kernel by the shape of each call, so a row of
+`x @ W.T` computed among 1, 5 or 40 rows can differ in its last bits. Two rules make every row
+independent of its company (measured in ../shared/notes/row-independence.md, proven here by
+tests/test_rows.py):
+
+- every projection runs in tiles of a fixed row count per weight (`row_tile`), each tile its own
+  matmul call (a batched matmul over a broadcast weight would fold the tiles back into one call);
+- attention multiplies `QUERY_TILE` queries by `KEY_TILE` keys at absolute key positions, masks with
+  exact zeros, and reduces over key tiles in a fixed order, so trailing masked tiles add exact zeros.
+
+OpenBLAS sends products of at most 64^3 multiply-adds to a "small matrix" kernel in which, at 16
+rows, a row's bits depend on its position in the tile (rows 6-15 of a 16x64x64 product differ from
+the same row placed first); at 8 rows they do not. So a product that small runs in tiles of 8 rows,
+and attention (64-key tiles, head dims of 64-256) always does.
+MLX's own CPU ops (rms_norm, rope, softmax, exp, sums, elementwise) are row-wise and bit-stable.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+ROW_TILE = 16
+SMALL_TILE = 8
+QUERY_TILE = SMALL_TILE
+SMALL_PRODUCT = 64**3
+KEY_TILE = 64
+
+
+def pad_rows(x: mx.array, multiple: int = ROW_TILE) -> mx.array:
+    """Pad the first axis with zero rows up to a multiple of `multiple`."""
+    extra = (-x.shape[0]) % multiple
+    if extra == 0:
+        return x
+    return mx.concatenate([x, mx.zeros((extra, *x.shape[1:]), dtype=x.dtype)])
+
+
+class Weight:
+    """A projection's weight: float32 (or bf16) `(out, in)`, or an MLX affine-quantized triple."""
+
+    def __init__(self, w: mx.array, bits: int = 0, group_size: int = 64):
+        self.out_features, self.in_features = w.shape
+        self.bits = bits
+        self.group_size = group_size
+        self.scales: mx.array | None = None
+        self.biases: mx.array | None = None
+        if bits:
+            self.w, self.scales, self.biases = mx.quantize(w, group_size=group_size, bits=bits)
+        else:
+            self.w = w
+
+    def tile(self, x: mx.array) -> mx.array:
+        if self.bits:
+            return mx.quantized_matmul(
+                x, self.w, self.scales, self.biases, transpose=True, group_size=self.group_size, bits=self.bits
+            )
+        return x @ self.w.T
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in (self.w, self.scales, self.biases) if a is not None)
+
+
+def row_tile(in_features: int, out_features: int) -> int:
+    """The fixed row count of every matmul call against a weight of this shape."""
+    return ROW_TILE if ROW_TILE * in_features * out_features > SMALL_PRODUCT else SMALL_TILE
+
+
+def linear(x: mx.array, weight: Weight | mx.array) -> mx.array:
+    """`x @ W.T` for `x` of shape (R, in) with R a multiple of ROW_TILE, one call per row tile."""
+    if not isinstance(weight, Weight):
+        weight = Weight(weight)
+    rows = x.shape[0]
+    if rows % ROW_TILE:
+        raise ValueError(f"linear takes a multiple of {ROW_TILE} rows, got {rows}")
+    tile = row_tile(weight.in_features, weight.out_features)
+    if rows == tile:
+        return weight.tile(x)
+    return mx.concatenate([weight.tile(x[i : i + tile]) for i in range(0, rows, tile)])
+
+
+def attention(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    q_pos: mx.array,
+    k_start: int,
+    k_len: int,
+    *,
+    scale: float,
+    causal: bool = True,
+    window: int | None = None,
+) -> mx.array:
+    """Attention of one stream's query rows over its keys, row-independent by construction.
+
+    q: (Hq, Rq, d) with Rq a multiple of ROW_TILE; k, v: (Hkv, Lk, d) with Lk a multiple of
+    KEY_TILE, key j at absolute position k_start + j; q_pos: (Rq,) absolute query positions.
+    A key is seen when its position is below `k_len`, not after the query (causal), and within
+    `window` positions of it (sliding). Returns (Hq, Rq, d).
+    """
+    hq, rq, d = q.shape
+    hkv, lk, _ = k.shape
+    group = hq // hkv
+    nq, nk = rq // QUERY_TILE, lk // KEY_TILE
+    if rq % QUERY_TILE or lk % KEY_TILE:
+        raise ValueError(f"attention takes tiles of {QUERY_TILE} queries and {KEY_TILE} keys, got {rq} and {lk}")
+    qt = (q * scale).reshape(hkv, group, nq, 1, QUERY_TILE, d)
+    kt = k.reshape(hkv, 1, 1, nk, KEY_TILE, d).swapaxes(-1, -2)
+    vt = v.reshape(hkv, 1, 1, nk, KEY_TILE, d)
+    scores = qt @ kt  # (hkv, group, nq, nk, QUERY_TILE, KEY_TILE): one fixed-shape gemm per tile pair
+    kpos = (mx.arange(lk, dtype=mx.int32) + k_start).reshape(nk, 1, KEY_TILE)
+    qp = q_pos.reshape(nq, 1, QUERY_TILE, 1)
+    seen = kpos < k_len
+    if causal:
+        seen = seen & (kpos <= qp)
+    if window is not None:
+        seen = seen & (qp - kpos < window)
+    scores = mx.where(seen, scores, -math.inf)
+    top = mx.max(mx.max(scores, axis=-1, keepdims=True), axis=3, keepdims=True)
+    top = mx.maximum(top, -1e30)  # a padded query row with nothing to see stays finite
+    e = mx.exp(scores - top)
+    total = mx.sum(mx.sum(e, axis=-1, keepdims=True), axis=3)  # (hkv, group, nq, QUERY_TILE, 1)
+    out = mx.sum(e @ vt, axis=3)  # per key tile (QUERY_TILE x KEY_TILE) @ (KEY_TILE x d), summed in order
+    out = out / mx.maximum(total, 1e-30)
+    return out.reshape(hq, rq, d)
