@@ -1,0 +1,195 @@
+"""The DFlash (v1) drafter: a qwen3-style body over the target's fused tap planes.
+
+As each token's target forward completes, `absorb` fuses its tap planes into one hidden-size row
+(`fc`, then `hidden_norm`) and appends that row's keys and values to every drafter layer's context
+cache: the stream's ring holds one fused row's K/V per token, never the raw planes. `propose` runs
+one pass over the block `[last token, mask x (B-1)]` of every drafting stream: each layer's queries
+see the context (a sliding layer its own window, a full layer all of it) plus the block (causal
+inside it when the layer is), and rows 1..B-1 become drafts through the target's lm_head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+from dflash_bench.engine.cache import AttentionCache
+from dflash_bench.engine.draft_config import DraftConfig, read_draft_config
+from dflash_bench.engine.errors import CheckpointError
+from dflash_bench.engine.sampling import SamplingParams, choose
+from dflash_bench.engine.targets.base import Target, repack
+from dflash_bench.engine.tiles import KEY_TILE, QUERY_TILE, Weight, attention, linear, pad_rows
+
+
+class DrafterState:
+    """One stream's drafter context: a K/V cache per drafter layer over the fused rows so far."""
+
+    def __init__(self, layers: list[AttentionCache]):
+        self.layers = layers
+
+    @property
+    def length(self) -> int:
+        return self.layers[0].length
+
+    def snapshot(self, length: int) -> "DrafterState":
+        return DrafterState([layer.snapshot(length) for layer in self.layers])
+
+    def arrays(self) -> list[mx.array]:
+        return [a for layer in self.layers for a in (layer.k, layer.v)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)
+
+
+@dataclass
+class Proposal:
+    """What one drafting stream asks for: drafts after `last`, keyed like its target draws."""
+
+    state: DrafterState
+    last: int
+    count: int
+    params: SamplingParams
+
+
+class DFlashDrafter:
+    kind = "DFlash"
+
+    def __init__(self, config: DraftConfig, weights: dict[str, mx.array], target: Target, bits: int = 0):
+        self.config = config
+        self.target = target
+        self.bits = bits
+        c = config
+        self.taps = tuple(c.taps)
+        self.block = c.block_size
+        self.heads, self.kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.scale = c.head_dim**-0.5
+        self.eps = c.rms_norm_eps
+
+        def w(name: str) -> Weight:
+            return Weight(weights[name], bits=bits)
+
+        self.fc = w("fc.weight")
+        self.hidden_norm = weights["hidden_norm.weight"]
+        self.norm = weights["norm.weight"]
+        self.layers = []
+        for i in range(c.num_layers):
+            p = f"layers.{i}"
+            self.layers.append(
+                dict(
+                    q=w(f"{p}.self_attn.q_proj.weight"),
+                    k=w(f"{p}.self_attn.k_proj.weight"),
+                    v=w(f"{p}.self_attn.v_proj.weight"),
+                    o=w(f"{p}.self_attn.o_proj.weight"),
+                    q_norm=weights[f"{p}.self_attn.q_norm.weight"],
+                    k_norm=weights[f"{p}.self_attn.k_norm.weight"],
+                    pre=weights[f"{p}.input_layernorm.weight"],
+                    post=weights[f"{p}.post_attention_layernorm.weight"],
+                    mlp=tuple(w(f"{p}.mlp.{n}_proj.weight") for n in ("gate", "up", "down")),
+                    window=c.sliding_window if c.layer_types[i] == "sliding_attention" else None,
+                    causal=c.causal[i],
+                )
+            )
+        self.nbytes = sum(v.nbytes for v in weights.values())
+
+    def new_state(self) -> DrafterState:
+        return DrafterState([AttentionCache(self.kv_heads, self.head_dim) for _ in self.layers])
+
+    def rope(self, x: mx.array, offset: int) -> mx.array:
+        return mx.fast.rope(x[None], self.head_dim, traditional=False, base=self.config.rope_theta, scale=1.0, offset=offset)[0]
+
+    def absorb(self, items: list[tuple[DrafterState, mx.array]]) -> None:
+        """Fuse each stream's new tap rows and append their K/V at the stream's next positions."""
+        if not items:
+            return
+        spans, rows = [], 0
+        for _, taps in items:
+            spans.append((rows, rows + taps.shape[0]))
+            rows += taps.shape[0]
+        fused = mx.fast.rms_norm(linear(pad_rows(mx.concatenate([t for _, t in items])), self.fc), self.hidden_norm, self.eps)
+        for li, layer in enumerate(self.layers):
+            k, v = linear(fused, layer["k"]), linear(fused, layer["v"])
+            for (state, _), (a, b) in zip(items, spans):
+                n, start = b - a, state.length
+                ks = mx.fast.rms_norm(k[a:b].reshape(n, self.kv_heads, self.head_dim), layer["k_norm"], self.eps)
+                ks = self.rope(ks.transpose(1, 0, 2), start)
+                vs = v[a:b].reshape(n, self.kv_heads, self.head_dim).transpose(1, 0, 2)
+                state.layers[li].write(start, ks, vs)
+
+    def propose(self, items: list[Proposal]) -> list[list[int]]:
+        """Drafts for every drafting stream from one pass over their blocks."""
+        if not items:
+            return []
+        mask = self.config.mask_token_id
+        blocks = [[p.last] + [mask] * (self.block - 1) for p in items]
+        spans = [(i * self.block, (i + 1) * self.block) for i in range(len(items))]
+        h = pad_rows(self.target.embed[mx.array([t for b in blocks for t in b], dtype=mx.int32)])
+        for li, layer in enumerate(self.layers):
+            x = mx.fast.rms_norm(h, layer["pre"], self.eps)
+            q, k, v = linear(x, layer["q"]), linear(x, layer["k"]), linear(x, layer["v"])
+            outs = [self.attend(layer, li, p.state, q[a:b], k[a:b], v[a:b]) for p, (a, b) in zip(items, spans)]
+            h = h + linear(repack(outs, h.shape[0]), layer["o"])
+            x = mx.fast.rms_norm(h, layer["post"], self.eps)
+            gate, up, down = layer["mlp"]
+            g = linear(x, gate)
+            h = h + linear(mx.sigmoid(g) * g * linear(x, up), down)
+        rows = [a + r for a, _ in spans for r in range(1, self.block)]
+        logits = self.logits(h, rows)
+        drafts = []
+        for i, p in enumerate(items):
+            part = logits[i * (self.block - 1) : i * (self.block - 1) + p.count]
+            pos = mx.arange(p.state.length + 1, p.state.length + 1 + p.count, dtype=mx.int32)
+            drafts.append(choose(part, pos, p.params).tolist())
+        return drafts
+
+    def logits(self, h: mx.array, rows: list[int]) -> mx.array:
+        x = mx.fast.rms_norm(h[mx.array(rows, dtype=mx.int32)], self.norm, self.eps)
+        out = linear(pad_rows(x), self.target.lm_head)[: len(rows)]
+        c = self.config
+        if c.output_multiplier != 1.0:
+            out = out * c.output_multiplier
+        if c.final_logit_softcapping:
+            out = mx.tanh(out / c.final_logit_softcapping) * c.final_logit_softcapping
+        return out
+
+    def attend(self, layer: dict, li: int, state: DrafterState, q: mx.array, k: mx.array, v: mx.array) -> mx.array:
+        """One stream's block queries over its context plus the block, in the layer's window."""
+        n, start = q.shape[0], state.length
+        qs = mx.fast.rms_norm(q.reshape(n, self.heads, self.head_dim), layer["q_norm"], self.eps)
+        ks = mx.fast.rms_norm(k.reshape(n, self.kv_heads, self.head_dim), layer["k_norm"], self.eps)
+        qs = self.rope(qs.transpose(1, 0, 2), start)
+        ks = self.rope(ks.transpose(1, 0, 2), start)
+        vs = v.reshape(n, self.kv_heads, self.head_dim).transpose(1, 0, 2)
+        cache = state.layers[li]
+        cache.write(start, ks, vs)  # the block sits after the context only for this pass
+        keys, values = cache.view(start + n)
+        cache.keep(start)
+        first = 0
+        if layer["window"] is not None:
+            first = max(0, start + n - layer["window"]) // KEY_TILE * KEY_TILE
+        pos = mx.arange(start, start + n, dtype=mx.int32)
+        pos = mx.concatenate([pos, mx.full(((-n) % QUERY_TILE,), start, dtype=mx.int32)])
+        qp = pad_rows(qs.swapaxes(0, 1), QUERY_TILE).swapaxes(0, 1)
+        o = attention(
+            qp, keys[:, first:], values[:, first:], pos, first, start + n,
+            scale=self.scale, causal=layer["causal"], window=layer["window"],
+        )[:, :n]
+        return o.transpose(1, 0, 2).reshape(n, self.heads * self.head_dim)
+
+
+def load_drafter(path: str | Path, target: Target, bits: int = 0) -> DFlashDrafter:
+    """Read a DFlash drafter directory (config.json + model.safetensors) for `target`."""
+    path = Path(path)
+    config = read_draft_config(path)
+    if config.is_dflash2:
+        raise CheckpointError(f"{path}: the engine drafts with DFlash (v1) drafters; DFlash2 runs are not built yet")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{path}: no *.safetensors weights beside config.json")
+    weights: dict[str, mx.array] = {}
+    for f in files:
+        weights.update(mx.load(str(f)))
+    weights = {k: v.astype(mx.float32) for k, v in weights.items()}
+    return DFlashDrafter(config, weights, target, bits=bits)

@@ -1,0 +1,185 @@
+"""The Engine: a target, an optional drafter and N lanes behind a thread-safe submit().
+
+The server and the tests use this API. `submit` returns a Handle whose events carry each round's
+new tokens and, last, the finish reason and the per-request stats. With `start()` a background
+thread runs rounds while there is work; without it, `step()` / `run()` drive rounds in the caller's
+thread (deterministic, for tests and benchmarks).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+from dflash_bench.engine.checkpoint import LoadedTarget, load_target, read_target_config
+from dflash_bench.engine.drafters.dflash import DFlashDrafter, load_drafter
+from dflash_bench.engine.lanes import CHUNK, Lanes
+from dflash_bench.engine.preload import check_dirs
+from dflash_bench.engine.prompt_cache import PromptCache
+from dflash_bench.engine.request import Handle, Request, Result
+from dflash_bench.engine.targets import Target, build_target
+
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Settings:
+    parallel: int = 1
+    context: int = 4096
+    prompt_cache_gib: float = 0.0
+    drafter_bits: int = 0  # 0 keeps float32 on CPU (measured faster than 4-bit there)
+    chunk: int = CHUNK
+
+
+def preload(target: str, drafter: str | None) -> None:
+    """The pre-load checks from the two config files alone; raises the one-line refusal."""
+    if drafter is not None:
+        check_dirs(read_target_config(target), drafter)
+
+
+class Engine:
+    def __init__(
+        self,
+        target: str | Path = "default",
+        drafter: str | Path | None = None,
+        settings: Settings = Settings(),
+        *,
+        model: Target | None = None,
+        draft_model: DFlashDrafter | None = None,
+        eos_ids: tuple[int, ...] | None = None,
+    ):
+        """Load `target` (and `drafter`) from disk, or take ready-made models (tests' doubles)."""
+        self.settings = settings
+        self.loaded: LoadedTarget | None = None
+        if model is None:
+            preload(str(target), None if drafter is None else str(drafter))
+            self.loaded = load_target(target)
+            model = build_target(self.loaded.config, self.loaded.weights)
+            if drafter is not None:
+                draft_model = load_drafter(drafter, model, bits=settings.drafter_bits)
+            eos_ids = self.loaded.config.eos_token_ids or self.loaded.tokenizer.eos_ids
+        self.target = model
+        self.drafter = draft_model
+        self.tokenizer = self.loaded.tokenizer if self.loaded else None
+        self.lanes = Lanes(
+            model,
+            draft_model,
+            settings.parallel,
+            settings.context,
+            PromptCache(int(settings.prompt_cache_gib * GIB)),
+            tuple(eos_ids or ()),
+            settings.chunk,
+        )
+        self._lock = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        mx.eval(self.target.embed)
+        self.baseline_bytes = mx.get_active_memory()
+
+    # -- identity ------------------------------------------------------------------------------
+    @property
+    def drafter_kind(self) -> str | None:
+        return self.drafter.kind if self.drafter else None
+
+    @property
+    def model_name(self) -> str:
+        if self.loaded is None:
+            return "test-double"
+        return self.loaded.config.name or self.loaded.path.name
+
+    def startup_line(self) -> str:
+        drafts = f"{self.drafter_kind} drafts" if self.drafter else "no drafter"
+        s = self.settings
+        cache = f", prompt cache {s.prompt_cache_gib:g} GiB" if s.prompt_cache_gib else ""
+        return f"serving {self.model_name}: {drafts}, {s.parallel} streams of {s.context} tokens{cache}"
+
+    # -- requests ------------------------------------------------------------------------------
+    def submit(self, request: Request) -> Handle:
+        """Queue a request (raises ContextExceeded or ValueError before it takes a lane)."""
+        handle = Handle(request)
+        with self._lock:
+            self.lanes.submit(handle)
+            self._lock.notify()
+        return handle
+
+    def generate(self, request: Request) -> Result:
+        """Submit and wait (runs rounds in this thread when no background loop is started)."""
+        handle = self.submit(request)
+        while self._thread is None and self.lanes.busy:
+            self.step()
+        return handle.result()
+
+    def run(self, requests: list[Request], arrivals: list[int] | None = None) -> list[Result]:
+        """Run requests to the end in this thread; request i is submitted before round arrivals[i]."""
+        arrivals = arrivals or [0] * len(requests)
+        handles: list[Handle | None] = [None] * len(requests)
+        round_no = 0
+        while round_no <= max(arrivals) or self.lanes.busy:
+            for i, req in enumerate(requests):
+                if arrivals[i] == round_no:
+                    handles[i] = self.submit(req)
+            self.step()
+            round_no += 1
+        return [h.result() for h in handles if h is not None]
+
+    def step(self) -> None:
+        """One round (admit, target forward, keep, drafter pass)."""
+        with self._lock:
+            try:
+                self.lanes.round()
+            except Exception as exc:  # an engine failure ends every request with the error, not the process
+                self.lanes.fail_all(f"{type(exc).__name__}: {exc}")
+                traceback.print_exc()
+
+    # -- background loop -----------------------------------------------------------------------
+    def start(self) -> None:
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="dflash-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stop = True
+            self._lock.notify()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stop and not self.lanes.busy:
+                    self._lock.wait(timeout=0.5)
+                    if any(h.cancelled.is_set() for h in self.lanes.waiting):
+                        break
+                if self._stop:
+                    self.lanes.fail_all("server shutting down")
+                    return
+            self.step()
+            if not self.lanes.streams:
+                mx.clear_cache()
+
+    # -- memory --------------------------------------------------------------------------------
+    @property
+    def active_streams(self) -> int:
+        return len(self.lanes.streams)
+
+    def memory(self) -> dict[str, int]:
+        return {
+            "active_bytes": mx.get_active_memory(),
+            "peak_bytes": mx.get_peak_memory(),
+            "baseline_bytes": self.baseline_bytes,
+            "prompt_cache_bytes": self.lanes.prompt_cache.nbytes,
+        }
+
+
+def wait_idle(engine: Engine, timeout: float = 60.0) -> None:
+    """Block until the background loop has no stream or waiting request."""
+    end = time.monotonic() + timeout
+    while engine.lanes.busy and time.monotonic() < end:
+        time.sleep(0.01)

@@ -1,0 +1,246 @@
+"""Lanes: up to N streams share rounds.
+
+A round is one target forward over every active stream's segment (a prompt chunk, or its pending
+token plus its drafts), then keep (each stream commits the rows the target agreed with: trim the
+attention K/V, roll the linear-attention state back, absorb the kept rows' taps into the drafter's
+context), then one drafter pass over every drafting stream. Plain streams (`draft: false`) ride in
+the same rounds with a window of one row. Prompt chunks and decode windows mix freely in a round:
+every row is computed independently of the others (engine/tiles.py), so a long prompt does not
+stall running streams and nothing a stream sees depends on its neighbours.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from dflash_bench.engine.drafters.dflash import DFlashDrafter, Proposal
+from dflash_bench.engine.prompt_cache import Entry, PromptCache, last_boundary
+from dflash_bench.engine.request import Event, Handle, Stats
+from dflash_bench.engine.sampling import SamplingParams, choose, seed_from_prompt
+from dflash_bench.engine.targets.base import Segment, Target
+
+CHUNK = 256  # prompt chunk; boundaries at multiples of it from position 0
+
+
+class ContextExceeded(ValueError):
+    """A prompt plus max_tokens past the window: refused before it takes a lane."""
+
+    def __init__(self, prompt_tokens: int, max_tokens: int, context: int):
+        self.prompt_tokens, self.max_tokens, self.context = prompt_tokens, max_tokens, context
+        super().__init__(
+            f"prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) is {prompt_tokens + max_tokens}, "
+            f"past the context window of {context}"
+        )
+
+
+@dataclass
+class Stream:
+    handle: Handle
+    segment_state: object
+    drafter_state: object
+    params: SamplingParams
+    drafting: bool
+    pos: int  # next prompt position to prefill; == len(prompt) once decoding
+    stats: Stats
+    started: float
+    pending: int | None = None
+    drafts: tuple[int, ...] = ()
+    boundary: Entry | None = None
+    decode_started: float = 0.0
+    emitted: int = 0
+    finished: bool = False
+
+    @property
+    def request(self):
+        return self.handle.request
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.handle.request.prompt
+
+
+class Lanes:
+    def __init__(
+        self,
+        target: Target,
+        drafter: DFlashDrafter | None,
+        parallel: int,
+        context: int,
+        prompt_cache: PromptCache,
+        eos_ids: tuple[int, ...],
+        chunk: int = CHUNK,
+    ):
+        self.target, self.drafter = target, drafter
+        self.parallel, self.context, self.chunk = parallel, context, chunk
+        self.prompt_cache = prompt_cache
+        self.eos = frozenset(eos_ids)
+        self.waiting: deque[Handle] = deque()
+        self.streams: list[Stream] = []
+        self.rounds = 0
+
+    # -- admission ---------------------------------------------------------------------------
+    def check(self, prompt_tokens: int, max_tokens: int) -> None:
+        if prompt_tokens < 1:
+            raise ValueError("prompt is empty")
+        if prompt_tokens + max_tokens > self.context:
+            raise ContextExceeded(prompt_tokens, max_tokens, self.context)
+
+    def submit(self, handle: Handle) -> None:
+        self.check(len(handle.request.prompt), handle.request.max_tokens)
+        self.waiting.append(handle)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.streams)
+
+    def admit(self) -> None:
+        while self.waiting and len(self.streams) < self.parallel:
+            handle = self.waiting.popleft()
+            if handle.cancelled.is_set():
+                handle.events.put(Event([], finish="cancelled", stats=Stats(prompt_tokens=len(handle.request.prompt))))
+                continue
+            self.streams.append(self.open(handle))
+
+    def open(self, handle: Handle) -> Stream:
+        req = handle.request
+        drafting = bool(req.draft and self.drafter is not None)
+        seed = req.seed if req.seed is not None else seed_from_prompt(req.prompt)
+        params = SamplingParams(req.temperature, req.top_k, req.top_p, seed)
+        entry = self.prompt_cache.lookup(req.prompt, self.chunk, drafting) if self.prompt_cache.enabled else None
+        if entry is not None:
+            n = len(entry.tokens)
+            state = entry.state.snapshot(n)
+            dstate = entry.drafter.snapshot(n) if drafting else None
+        else:
+            n, state = 0, self.target.new_state()
+            dstate = self.drafter.new_state() if drafting else None
+        stats = Stats(
+            prompt_tokens=len(req.prompt),
+            cached_tokens=n,
+            drafter=self.drafter.kind if drafting else None,
+            seed=seed,
+        )
+        return Stream(handle, state, dstate, params, drafting, n, stats, time.perf_counter())
+
+    # -- one round ---------------------------------------------------------------------------
+    def round(self) -> None:
+        """Admit, run one target forward over every stream, keep, then one drafter pass."""
+        for s in [s for s in self.streams if s.handle.cancelled.is_set()]:
+            self.finish(s, "cancelled")
+        self.admit()
+        if not self.streams:
+            return
+        self.rounds += 1
+        segments = [self.segment(s) for s in self.streams]
+        outs = self.target.forward(segments, self.drafter.taps if self.drafter else ())
+        absorb, proposals = [], []
+        for s, seg, out in zip(list(self.streams), segments, outs):
+            if s.pending is None:
+                kept_taps = self.after_chunk(s, seg, out)
+            else:
+                kept_taps = self.after_window(s, seg, out)
+            if s.drafting and kept_taps is not None:
+                absorb.append((s.drafter_state, kept_taps))
+        if self.drafter is not None:
+            self.drafter.absorb(absorb)
+            for s in self.streams:
+                if s.drafting and s.pending is not None:
+                    count = min(self.drafter.block - 1, s.request.max_tokens - s.emitted - 1)
+                    if count > 0:
+                        proposals.append((s, Proposal(s.drafter_state, s.pending, count, s.params)))
+            drafts = self.drafter.propose([p for _, p in proposals])
+            for (s, _), d in zip(proposals, drafts):
+                s.drafts = tuple(d)
+        mx.eval([a for s in self.streams for a in self.arrays(s)])
+
+    def segment(self, s: Stream) -> Segment:
+        if s.pending is None:
+            end = min(len(s.prompt), (s.pos // self.chunk + 1) * self.chunk)
+            rows = list(s.prompt[s.pos : end])
+            return Segment(rows, s.pos, s.segment_state, [len(rows) - 1] if end == len(s.prompt) else [], s.drafting)
+        window = [s.pending, *s.drafts]
+        return Segment(window, s.segment_state.length, s.segment_state, list(range(len(window))), s.drafting)
+
+    def after_chunk(self, s: Stream, seg: Segment, out) -> mx.array | None:
+        s.pos = seg.start + len(seg.tokens)
+        s.segment_state.keep(s.pos)  # a prompt chunk is kept whole (and drops its rollback record)
+        if self.prompt_cache.enabled and s.pos == last_boundary(len(s.prompt), self.chunk) and s.pos > 0:
+            s.boundary = Entry(
+                tuple(s.prompt[: s.pos]),
+                s.segment_state.snapshot(s.pos),
+                s.drafter_state.snapshot(s.pos) if s.drafting else None,
+            )
+        if s.pos == len(s.prompt):
+            first = choose(out.logits, mx.array([s.pos], dtype=mx.int32), s.params).item()
+            now = time.perf_counter()
+            s.stats.prefill_seconds = s.stats.ttft_seconds = now - s.started
+            s.decode_started = now
+            s.pending = first
+            self.emit(s, [first], from_round=False)
+        return out.taps
+
+    def after_window(self, s: Stream, seg: Segment, out) -> mx.array | None:
+        n = len(seg.tokens)
+        positions = mx.arange(seg.start + 1, seg.start + n + 1, dtype=mx.int32)
+        chosen = choose(out.logits, positions, s.params).tolist()
+        k = 0
+        while k < len(s.drafts) and s.drafts[k] == chosen[k]:
+            k += 1
+        s.segment_state.keep(seg.start + k + 1)
+        s.stats.rounds += 1
+        s.stats.drafted += len(s.drafts)
+        s.stats.accepted += k
+        s.drafts = ()
+        s.pending = chosen[k]
+        self.emit(s, chosen[: k + 1], from_round=True)
+        return out.taps[: k + 1] if out.taps is not None else None
+
+    # -- output ------------------------------------------------------------------------------
+    def emit(self, s: Stream, tokens: list[int], from_round: bool) -> None:
+        out, finish = [], None
+        for t in tokens:
+            if t in self.eos and not s.request.ignore_eos:
+                finish = "stop"
+                break
+            out.append(t)
+            s.emitted += 1
+            if s.emitted >= s.request.max_tokens:
+                finish = "length"
+                break
+        if from_round:  # a round's tokens include the eos that ends it
+            s.stats.decode_tokens += len(out) + (finish == "stop")
+        if out:
+            s.handle.events.put(Event(out))
+        if finish is not None:
+            self.finish(s, finish)
+
+    def finish(self, s: Stream, reason: str, error: str | None = None) -> None:
+        if s.finished:
+            return
+        s.finished = True
+        if s.decode_started:
+            s.stats.decode_seconds = time.perf_counter() - s.decode_started
+        if reason in ("stop", "length") and s.boundary is not None:
+            self.prompt_cache.insert(s.boundary)
+        s.boundary = None
+        self.streams.remove(s)
+        s.handle.events.put(Event([], finish=reason, stats=s.stats, error=error))
+
+    def fail_all(self, error: str) -> None:
+        """An engine failure: every stream and waiting request ends with the error."""
+        for s in list(self.streams):
+            self.finish(s, "error", error)
+        while self.waiting:
+            h = self.waiting.popleft()
+            h.events.put(Event([], finish="error", stats=Stats(prompt_tokens=len(h.request.prompt)), error=error))
+
+    @staticmethod
+    def arrays(s: Stream) -> list[mx.array]:
+        out = s.segment_state.arrays()
+        if s.drafter_state is not None:
+            out += s.drafter_state.arrays()
+        return out
