@@ -1,0 +1,380 @@
+"""The HTTP client the checks use: one request in, one `Record` out (streamed or not).
+
+A record keeps everything a receipt needs about one request, whatever the server is: fields a
+server does not send stay None, so a check can tell "not reported" from "zero". HTTP errors become
+records (a refusal can be the expected outcome); transport errors (server gone, timeout) raise, so
+the run stops and its receipt is marked incomplete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Iterable, Iterator
+
+import httpx
+
+# The /metrics gauges the checks read, named in one place.
+PEAK_MEMORY_METRIC = "dflash_peak_memory_bytes"
+ACTIVE_MEMORY_METRIC = "dflash_active_memory_bytes"
+
+
+def token_sha(ids: Iterable[int]) -> str:
+    """First 12 hex digits of sha256 over the comma-joined decimal token ids (the server's `token_sha`)."""
+    return hashlib.sha256(",".join(str(int(i)) for i in ids).encode()).hexdigest()[:12]
+
+
+@dataclass
+class Request:
+    """One request; `prompt` is text or token ids (completions), `messages` a chat."""
+
+    prompt_id: str
+    prompt: str | list[int] | None = None
+    messages: list[dict] | None = None
+    max_tokens: int = 64
+    temperature: float = 0.0
+    seed: int | None = None
+    draft: bool | None = True
+    ignore_eos: bool = True
+    return_token_ids: bool = True
+    stream: bool = False
+
+    @property
+    def path(self) -> str:
+        return "/v1/chat/completions" if self.messages is not None else "/v1/completions"
+
+    def body(self, model: str | None) -> dict:
+        body: dict = {"max_tokens": self.max_tokens, "temperature": self.temperature, "stream": self.stream}
+        if model:
+            body["model"] = model
+        if self.messages is not None:
+            body["messages"] = self.messages
+        else:
+            body["prompt"] = self.prompt
+        if self.seed is not None:
+            body["seed"] = self.seed
+        if self.draft is not None:
+            body["draft"] = self.draft
+        if self.ignore_eos:
+            body["ignore_eos"] = True
+        if self.return_token_ids:
+            body["return_token_ids"] = True
+        if self.stream:
+            body["stream_options"] = {"include_usage": True}
+        return body
+
+
+@dataclass
+class Record:
+    """What one request did. status: ok, error (HTTP error reply), dropped (we closed it), bad_reply."""
+
+    prompt_id: str
+    endpoint: str
+    draft: bool | None
+    temperature: float
+    seed: int | None
+    max_tokens: int
+    stream: bool
+    status: str = "ok"
+    error: str | None = None
+    http_status: int | None = None
+    prompt_tokens: int | None = None
+    cached_tokens: int | None = None
+    completion_tokens: int | None = None
+    token_sha: str | None = None
+    sha_source: str | None = None
+    token_ids: list[int] | None = None
+    text: str = ""
+    finish_reason: str | None = None
+    ttft: float | None = None
+    decode_seconds: float | None = None
+    first_chunk_tokens: int | None = None
+    elapsed: float | None = None
+    tokens_per_round: float | None = None
+    rounds: int | None = None
+    drafted: int | None = None
+    accepted: int | None = None
+    drafter: str | None = None
+    prefill_seconds: float | None = None
+    server_decode_seconds: float | None = None
+    has_dflash: bool = False
+    labels: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def decode_tps(self) -> float | None:
+        """Client-side decode rate: tokens after the first chunk over the time after it (streamed only)."""
+        if not self.decode_seconds or self.completion_tokens is None:
+            return None
+        after_first = self.completion_tokens - (self.first_chunk_tokens or 1)
+        return after_first / self.decode_seconds if after_first > 0 else None
+
+
+def sse_events(lines: Iterable[str]) -> Iterator[str]:
+    """Server-sent events' data payloads: data lines joined until a blank line; comments skipped."""
+    data: list[str] = []
+    for line in lines:
+        if line == "":
+            if data:
+                yield "\n".join(data)
+                data = []
+            continue
+        if line.startswith(":"):
+            continue
+        name, _, value = line.partition(":")
+        if name == "data":
+            data.append(value[1:] if value.startswith(" ") else value)
+    if data:
+        yield "\n".join(data)
+
+
+def _error_text(response: httpx.Response) -> str:
+    try:
+        payload = response.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return response.text[:500]
+    err = payload.get("error", payload) if isinstance(payload, dict) else payload
+    if isinstance(err, dict):
+        parts = [str(err[k]) for k in ("code", "type", "message") if err.get(k)]
+        return ": ".join(dict.fromkeys(parts)) or json.dumps(err)[:500]
+    return str(err)[:500]
+
+
+class _Reply:
+    """Collects a reply's pieces, from one JSON body or from many stream chunks."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.ids: list[int] | None = None
+        self.usage: dict | None = None
+        self.dflash: dict | None = None
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+
+    def feed(self, chunk: dict) -> int:
+        """Takes one chunk (or a whole reply); returns how many tokens it carried."""
+        if chunk.get("error"):
+            self.error = _error_text_from(chunk["error"])
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        if chunk.get("dflash"):
+            self.dflash = chunk["dflash"]
+        carried = 0
+        for choice in chunk.get("choices") or []:
+            piece = choice.get("text")
+            if piece is None:
+                piece = (choice.get("delta") or choice.get("message") or {}).get("content")
+            if piece:
+                self.text.append(piece)
+            ids = choice.get("token_ids")
+            if ids:
+                self.ids = (self.ids or []) + [int(i) for i in ids]
+                carried += len(ids)
+            elif piece:
+                carried += 1
+            if choice.get("finish_reason"):
+                self.finish_reason = choice["finish_reason"]
+        return carried
+
+    def fill(self, rec: Record) -> None:
+        rec.text = "".join(self.text)
+        rec.finish_reason = self.finish_reason
+        rec.token_ids = self.ids
+        usage = self.usage or {}
+        rec.prompt_tokens = usage.get("prompt_tokens")
+        rec.completion_tokens = usage.get("completion_tokens")
+        details = usage.get("prompt_tokens_details") or {}
+        rec.cached_tokens = details.get("cached_tokens")
+        if rec.completion_tokens is None and self.ids is not None:
+            rec.completion_tokens = len(self.ids)
+        d = self.dflash
+        if d is not None:
+            rec.has_dflash = True
+            rec.token_sha = d.get("token_sha")
+            rec.sha_source = "server" if rec.token_sha else None
+            rec.tokens_per_round = d.get("tokens_per_round")
+            rec.rounds, rec.drafted, rec.accepted = d.get("rounds"), d.get("drafted"), d.get("accepted")
+            rec.drafter = d.get("drafter")
+            rec.prefill_seconds = d.get("prefill_seconds")
+            rec.server_decode_seconds = d.get("decode_seconds")
+        if self.ids is not None:
+            own = token_sha(self.ids)
+            if rec.token_sha is None:
+                rec.token_sha, rec.sha_source = own, "ids"
+            elif rec.token_sha != own:
+                rec.status = "bad_reply"
+                rec.error = f"token_sha {rec.token_sha} does not match the returned token ids (their sha {own})"
+        if self.error:
+            rec.status, rec.error = "error", self.error
+
+
+def _error_text_from(err) -> str:
+    if isinstance(err, dict):
+        return ": ".join(str(err[k]) for k in ("code", "message") if err.get(k)) or json.dumps(err)
+    return str(err)
+
+
+class Client:
+    """A thread-safe client for one server (httpx pools the connections)."""
+
+    def __init__(self, base_url: str, timeout: float = 600.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+        self.http = httpx.Client(base_url=self.base_url, timeout=httpx.Timeout(timeout, connect=10.0),
+                                 limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
+        self.model: str | None = None
+
+    def close(self) -> None:
+        self.http.close()
+
+    def health(self) -> dict:
+        r = self.http.get("/health", timeout=10.0)
+        r.raise_for_status()
+        return r.json()
+
+    def models(self) -> list[str]:
+        r = self.http.get("/v1/models", timeout=10.0)
+        r.raise_for_status()
+        return [m.get("id") for m in r.json().get("data", [])]
+
+    def pick_model(self) -> str | None:
+        """The model name requests carry: the server's first listed model, if it lists any."""
+        try:
+            names = self.models()
+        except httpx.HTTPStatusError:
+            names = []
+        self.model = names[0] if names else None
+        return self.model
+
+    def metrics(self) -> dict[str, float] | None:
+        """Prometheus text as {name: value} (unlabelled samples, or the sum of labelled ones); None if absent."""
+        r = self.http.get("/metrics", timeout=10.0)
+        if r.status_code != 200:
+            return None
+        return parse_metrics(r.text)
+
+    def metric(self, name: str) -> float | None:
+        values = self.metrics()
+        return None if values is None else values.get(name)
+
+    def tokenize(self, text: str) -> list[int] | None:
+        """Token ids from POST /tokenize, or None if the server has no such endpoint."""
+        r = self.http.post("/tokenize", json={"prompt": text})
+        if r.status_code in (404, 405):
+            return None
+        r.raise_for_status()
+        return [int(i) for i in r.json()["tokens"]]
+
+    def detokenize(self, ids: list[int]) -> str | None:
+        r = self.http.post("/detokenize", json={"tokens": ids})
+        if r.status_code in (404, 405):
+            return None
+        r.raise_for_status()
+        return r.json()["prompt"]
+
+    def send(self, req: Request, *, drop_after_tokens: int | None = None,
+             drop_after_seconds: float | None = None, labels: dict | None = None) -> Record:
+        """Sends one request. With `drop_after_tokens` (streams) the connection is closed after that many
+        tokens; with `drop_after_seconds` it is closed if no token came by then, or at the first token."""
+        rec = Record(prompt_id=req.prompt_id, endpoint=req.path, draft=req.draft, temperature=req.temperature,
+                     seed=req.seed, max_tokens=req.max_tokens, stream=req.stream, labels=dict(labels or {}))
+        body = req.body(self.model)
+        t0 = time.perf_counter()
+        if not req.stream:
+            r = self.http.post(req.path, json=body)
+            rec.elapsed = time.perf_counter() - t0
+            if r.status_code != 200:
+                rec.status, rec.http_status, rec.error = "error", r.status_code, _error_text(r)
+                return rec
+            reply = _Reply()
+            reply.feed(r.json())
+            reply.fill(rec)
+            return rec
+        return self._stream(req, body, rec, t0, drop_after_tokens, drop_after_seconds)
+
+    def _stream(self, req: Request, body: dict, rec: Record, t0: float, drop_after_tokens: int | None,
+                drop_after_seconds: float | None) -> Record:
+        timeout = httpx.Timeout(self.timeout, connect=10.0, read=drop_after_seconds or self.timeout)
+        reply, tokens, t_first, t_last = _Reply(), 0, None, None
+        try:
+            with self.http.stream("POST", req.path, json=body, timeout=timeout) as r:
+                if r.status_code != 200:
+                    r.read()
+                    rec.status, rec.http_status, rec.error = "error", r.status_code, _error_text(r)
+                    rec.elapsed = time.perf_counter() - t0
+                    return rec
+                for data in sse_events(r.iter_lines()):
+                    if data.strip() == "[DONE]":
+                        break
+                    carried = reply.feed(json.loads(data))
+                    if carried:
+                        now = time.perf_counter()
+                        if t_first is None:
+                            t_first, rec.first_chunk_tokens = now, carried
+                        t_last, tokens = now, tokens + carried
+                    if (drop_after_tokens is not None and tokens >= drop_after_tokens) or (
+                            drop_after_seconds is not None and tokens > 0):
+                        rec.status = "dropped"
+                        break
+        except httpx.ReadTimeout:
+            if drop_after_seconds is None:
+                raise
+            rec.status = "dropped"
+        rec.elapsed = time.perf_counter() - t0
+        status = rec.status
+        reply.fill(rec)
+        if status == "dropped":
+            rec.status, rec.completion_tokens = "dropped", tokens
+        if t_first is not None:
+            rec.ttft = t_first - t0
+            rec.decode_seconds = t_last - t_first if t_last > t_first else None
+        return rec
+
+    def send_many(self, requests: list[Request], labels: dict | None = None) -> tuple[list[Record], float]:
+        """Sends requests at once (one thread each, released together); returns records and wall seconds."""
+        if len(requests) == 1:
+            t0 = time.perf_counter()
+            rec = self.send(requests[0], labels=labels)
+            return [rec], time.perf_counter() - t0
+        gate = threading.Barrier(len(requests) + 1)
+
+        def go(req: Request) -> Record:
+            gate.wait()
+            return self.send(req, labels=labels)
+
+        with ThreadPoolExecutor(max_workers=len(requests)) as pool:
+            futures = [pool.submit(go, req) for req in requests]
+            gate.wait()
+            t0 = time.perf_counter()
+            records = [f.result() for f in futures]
+            wall = time.perf_counter() - t0
+        return records, wall
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """A small reader for Prometheus text: enough for gauges and counters."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        if not head:
+            continue
+        name = head.split("{", 1)[0].strip()
+        try:
+            number = float(value)
+        except ValueError:
+            continue
+        out[name] = out.get(name, 0.0) + number if "{" in head else number
+    return out

@@ -1,0 +1,179 @@
+"""compare BEFORE AFTER: the seed PR's before/after tables, from receipts, with ratios.
+
+The rule (also in `dflash-bench compare --help`):
+- a cell is noisy when either run's spread, (max - min) / median of its reps, exceeds --noise; a noisy
+  cell is marked and left out of the ratios and of the verdict;
+- a speed cell (tok/s) is a drop when AFTER's median is below BEFORE's by more than the larger of
+  the two runs' own spreads (max - min); a cell with fewer than two reps on either side has no
+  spread and is never called a drop;
+- tokens per round and peak footprint are shown with ratios but never fail;
+- any verdict failure in AFTER's receipts (drafted != plain, concurrent != solo, ...) fails the comparison.
+Exit codes: 1 on a drop or a failure in AFTER, 2 if a receipt on either side is incomplete, else 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from dflash_bench.checks.receipt import BadReceipt, Receipt, summary
+
+SPEED_KINDS = ("decode", "prefill")
+
+
+@dataclass
+class Cell:
+    section: str
+    row: str
+    mode: str
+    before: dict | None
+    after: dict | None
+    judged: bool
+    noisy: bool = False
+    ratio: float | None = None
+    drop: bool = False
+    note: str = ""
+
+
+@dataclass
+class CompareResult:
+    before: list[str]
+    after: list[str]
+    noise: float
+    cells: list[Cell] = field(default_factory=list)
+    failures: list[dict] = field(default_factory=list)
+    incomplete: list[str] = field(default_factory=list)
+
+    @property
+    def drops(self) -> list[Cell]:
+        return [c for c in self.cells if c.drop]
+
+    @property
+    def exit_code(self) -> int:
+        if self.failures or self.drops:
+            return 1
+        return 2 if self.incomplete else 0
+
+    def to_dict(self) -> dict:
+        return {"before": self.before, "after": self.after, "noise": self.noise,
+                "cells": [asdict(c) for c in self.cells], "failures": self.failures,
+                "drops": [f"{c.section} {c.row} {c.mode}" for c in self.drops],
+                "incomplete": self.incomplete, "exit_code": self.exit_code}
+
+
+def load_side(path: Path, label: str) -> dict[str, tuple[Path, Receipt]]:
+    """A receipt file, or a folder of them (a suite): {kind: (path, receipt)}."""
+    path = Path(path)
+    if path.is_dir():
+        out: dict[str, tuple[Path, Receipt]] = {}
+        for file in sorted(path.glob("*.json")):
+            try:
+                receipt = Receipt.load(file)
+            except BadReceipt:
+                continue  # side files (prefill arrays) live beside receipts
+            if receipt.kind in out:
+                raise BadReceipt(f"{label} folder {path} holds two {receipt.kind} receipts: "
+                                 f"{out[receipt.kind][0].name} and {file.name}")
+            out[receipt.kind] = (file, receipt)
+        if not out:
+            raise BadReceipt(f"{label} folder {path} holds no receipts")
+        return out
+    receipt = Receipt.load(path)
+    return {receipt.kind: (path, receipt)}
+
+
+def _single(value) -> dict | None:
+    return summary([value]) if value is not None else None
+
+
+def _pick(by_mode: dict, mode: str) -> tuple[dict | None, str]:
+    """A side's cell for `mode`; a side without drafted numbers (no drafter) stands in with plain."""
+    if mode in by_mode:
+        return by_mode[mode], ""
+    if mode == "drafted" and "plain" in by_mode:
+        return by_mode["plain"], "plain"
+    return None, ""
+
+
+def _mode_cells(section: str, row: str, before: dict, after: dict, judged: bool, wrap=lambda v: v) -> list[Cell]:
+    cells = []
+    for mode in [m for m in ("drafted", "plain") if m in before or m in after]:
+        b, b_note = _pick(before, mode)
+        a, a_note = _pick(after, mode)
+        note = "; ".join(f"{side} has no drafted run: its plain run stands in"
+                         for side, n in (("before", b_note), ("after", a_note)) if n)
+        cells.append(Cell(section, row, mode, wrap(b), wrap(a), judged, note=note))
+    return cells
+
+
+def decode_cells(before: Receipt, after: Receipt) -> list[Cell]:
+    b, a = before.aggregates, after.aggregates
+    cells = []
+    for role in sorted(set(b.get("single_tps", {})) | set(a.get("single_tps", {}))):
+        cells += _mode_cells("single-stream tok/s", role, b.get("single_tps", {}).get(role, {}),
+                             a.get("single_tps", {}).get(role, {}), True)
+    for name, judged, wrap in (("aggregate tok/s", True, lambda v: v), ("tokens per round", False, _single)):
+        key = "aggregate_tps" if judged else "tokens_per_round"
+        for role in sorted(set(b.get(key, {})) | set(a.get(key, {}))):
+            levels = set(b.get(key, {}).get(role, {})) | set(a.get(key, {}).get(role, {}))
+            for level in sorted(levels, key=int):
+                cells += _mode_cells(name, f"{role} x{level}", b.get(key, {}).get(role, {}).get(level, {}),
+                                     a.get(key, {}).get(role, {}).get(level, {}), judged, wrap)
+    cells.append(Cell("peak footprint", "decode", "-", _single(before.server.get("peak_memory_bytes")),
+                      _single(after.server.get("peak_memory_bytes")), False))
+    return cells
+
+
+def prefill_cells(before: Receipt, after: Receipt) -> list[Cell]:
+    b, a = before.aggregates.get("sizes", {}), after.aggregates.get("sizes", {})
+    cells = []
+    for size in sorted(set(b) | set(a), key=int):
+        for metric, judged in (("tps", True), ("seconds", False)):
+            bm = {m: v[metric] for m, v in b.get(size, {}).items()}
+            am = {m: v[metric] for m, v in a.get(size, {}).items()}
+            cells += _mode_cells(f"prefill {'tok/s' if judged else 'seconds'}", size, bm, am, judged)
+    cells.append(Cell("peak footprint", "prefill", "-", _single(before.server.get("peak_memory_bytes")),
+                      _single(after.server.get("peak_memory_bytes")), False))
+    return cells
+
+
+def judge(cell: Cell, noise: float) -> None:
+    """Sets the cell's ratio, noisy mark and drop flag by the rule in this module's docstring."""
+    b, a = cell.before, cell.after
+    if not b or not a or b.get("median") is None or a.get("median") is None:
+        return
+    spreads = [s.get("spread") for s in (b, a) if s.get("spread") is not None]
+    if any(sp > noise for sp in spreads):
+        cell.noisy = True
+        cell.note = "; ".join(filter(None, [cell.note, f"noisy: spread {max(spreads):.0%} > {noise:.0%}"]))
+        return
+    if b["median"]:
+        cell.ratio = a["median"] / b["median"]
+    if not cell.judged:
+        return
+    if min(b.get("n", 0), a.get("n", 0)) < 2:
+        if a["median"] < b["median"]:
+            cell.note = "; ".join(filter(None, [cell.note, "one rep: no spread to judge a drop"]))
+        return
+    allowed = max(b["max"] - b["min"], a["max"] - a["min"])
+    if b["median"] - a["median"] > allowed:
+        cell.drop = True
+        cell.note = "; ".join(filter(None, [cell.note, f"drop beyond the runs' spread ({allowed:.4g})"]))
+
+
+def compare(before_path: Path, after_path: Path, noise: float = 0.10) -> CompareResult:
+    before = load_side(before_path, "BEFORE")
+    after = load_side(after_path, "AFTER")
+    result = CompareResult([str(p) for p, _ in before.values()], [str(p) for p, _ in after.values()], noise)
+    for kind, build in (("decode", decode_cells), ("prefill", prefill_cells)):
+        if kind in before and kind in after:
+            result.cells += build(before[kind][1], after[kind][1])
+    for cell in result.cells:
+        judge(cell, noise)
+    for side, receipts in (("BEFORE", before), ("AFTER", after)):
+        for kind, (path, receipt) in receipts.items():
+            if not receipt.complete:
+                result.incomplete.append(f"{side} {kind} ({path.name}): {receipt.incomplete_reason}")
+    for kind, (path, receipt) in after.items():
+        result.failures += [dict(f, receipt=path.name) for f in receipt.failures]
+    return result

@@ -1,0 +1,71 @@
+"""decode: how fast replies come, drafted and plain side by side in one server.
+
+Per probe (code, chat) and level L: L copies of the probe sent at once, `reps` times, each rep
+drafted then plain (the same requests with `"draft": false`), so slow drift hits both modes alike.
+Single-stream tok/s is the client's decode rate of the level-1 replies (tokens after the first
+chunk over the time after it); aggregate tok/s is all completion tokens over the wall time.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+from dflash_bench.checks import prompts as prompt_sets
+from dflash_bench.checks.client import Record
+from dflash_bench.checks.receipt import summary
+from dflash_bench.checks.runner import NO_DFLASH, Context
+
+
+@dataclass
+class DecodeSettings:
+    levels: tuple[int, ...] = (1, 4)
+    tokens: int = 256
+    reps: int = 3
+    temperature: float = 0.0
+
+
+def run(ctx: Context, s: DecodeSettings) -> None:
+    caps = ctx.capabilities()
+    modes = {"drafted": True, "plain": False} if caps.dflash else {"plain": None}
+    if not caps.dflash:
+        ctx.receipt.skip("decode_drafted", NO_DFLASH)
+    probes = prompt_sets.probes()
+    advance = ctx.task("decode", len(probes) * sum(s.levels) * s.reps * len(modes))
+    single: dict = {role: {m: [] for m in modes} for role in probes}
+    agg: dict = {role: {L: {m: [] for m in modes} for L in s.levels} for role in probes}
+    rounds: dict = {role: {L: {m: [] for m in modes} for L in s.levels} for role in probes}
+    first: dict[tuple[str, str], Record] = {}
+    for role, probe in probes.items():
+        for level in s.levels:
+            for rep in range(s.reps):
+                for mode, draft in modes.items():
+                    req = probe.request(draft=draft, max_tokens=s.tokens, temperature=s.temperature, stream=True)
+                    records, wall = ctx.send_many([req] * level, probe=role, level=level, rep=rep, mode=mode)
+                    advance(level)
+                    for rec in records:
+                        if rec.status != "ok":
+                            ctx.receipt.fail("decode", f"{role} x{level} rep {rep} {mode}",
+                                             f"request {rec.status}: {rec.error}")
+                    agg[role][level][mode].append(sum(r.completion_tokens or 0 for r in records) / wall)
+                    rounds[role][level][mode] += [r.tokens_per_round for r in records]
+                    if level == 1:
+                        single[role][mode].append(records[0].decode_tps)
+                        first.setdefault((role, mode), records[0])
+        if caps.dflash and (role, "drafted") in first:
+            ctx.expect_equal("drafted_equals_plain", probe.id, first[(role, "drafted")], first[(role, "plain")],
+                             "drafted and plain replies")
+    ctx.receipt.aggregates.update(
+        modes=list(modes),
+        single_tps={r: {m: summary(v) for m, v in by.items()} for r, by in single.items()},
+        aggregate_tps={r: {str(L): {m: summary(v) for m, v in by.items()} for L, by in lv.items()}
+                       for r, lv in agg.items()},
+        tokens_per_round={r: {str(L): {m: _median(v) for m, v in by.items()} for L, by in lv.items()}
+                          for r, lv in rounds.items()},
+        probes={role: p.id for role, p in probes.items()},
+    )
+
+
+def _median(values: list) -> float | None:
+    vals = [v for v in values if v is not None]
+    return statistics.median(vals) if vals else None

@@ -1,0 +1,82 @@
+"""exactness: every prompt drafted and with `"draft": false` (greedy, ignore_eos) gives the same tokens.
+
+Prompts: the known-answer questions (each also checked for its expected answer), the code and chat
+probes, and prompts longer than the drafter's sliding window (so its full layer is exercised).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dflash_bench.checks import prompts as prompt_sets
+from dflash_bench.checks.runner import NO_DFLASH, NO_HASH, Context
+
+CHECK = "drafted_equals_plain"
+
+
+@dataclass
+class ExactnessSettings:
+    known_tokens: int = 64
+    probe_tokens: int = 256
+    long_tokens: int = 256
+    window: int = 512
+
+
+def prompt_list(s: ExactnessSettings) -> list[tuple[prompt_sets.Prompt, int]]:
+    probes = prompt_sets.probes()
+    return ([(p, s.known_tokens) for p in prompt_sets.known_answers()]
+            + [(probes["code"], s.probe_tokens), (probes["chat"], s.probe_tokens)]
+            + [(p, s.long_tokens) for p in prompt_sets.long_prompts()])
+
+
+def run(ctx: Context, s: ExactnessSettings) -> None:
+    caps = ctx.capabilities()
+    compare = caps.dflash and caps.hashes
+    if not caps.dflash:
+        ctx.receipt.skip(CHECK, NO_DFLASH)
+    elif not caps.hashes:
+        ctx.receipt.skip(CHECK, NO_HASH)
+    items = prompt_list(s)
+    advance = ctx.task("exactness", len(items) * (2 if compare else 1))
+    rows = []
+    for prompt, max_tokens in items:
+        drafted = ctx.send(prompt.request(draft=True if caps.dflash else None, max_tokens=max_tokens),
+                           mode="drafted" if caps.dflash else "default", kind=prompt.kind)
+        advance()
+        row = {"prompt_id": prompt.id, "kind": prompt.kind, "prompt_tokens": drafted.prompt_tokens,
+               "completion_tokens": drafted.completion_tokens, "drafted_sha": drafted.token_sha,
+               "drafted_tokens_per_round": drafted.tokens_per_round, "equal": None, "first_diff": None}
+        if drafted.status != "ok" and not compare:
+            ctx.receipt.fail(CHECK, prompt.id, f"{prompt.id}: drafted request {drafted.status}: {drafted.error}")
+        if compare:
+            plain = ctx.send(prompt.request(draft=False, max_tokens=max_tokens), mode="plain", kind=prompt.kind)
+            advance()
+            cmp = ctx.expect_equal(CHECK, prompt.id, drafted, plain, "drafted and plain replies")
+            row.update(plain_sha=plain.token_sha, plain_tokens_per_round=plain.tokens_per_round,
+                       equal=cmp.equal, first_diff=cmp.index)
+            if plain.tokens_per_round not in (None, 1, 1.0):
+                ctx.receipt.fail(CHECK, prompt.id, f"{prompt.id}: the draft:false reply reports "
+                                 f"{plain.tokens_per_round} tokens a round, not 1.0: the server drafted anyway")
+        if prompt.expect is not None:
+            row["known_answer"] = _known_answer(ctx, prompt, drafted.text)
+        if prompt.kind == "long" and drafted.prompt_tokens is not None and drafted.prompt_tokens <= s.window:
+            ctx.receipt.warn(CHECK, prompt.id, f"{prompt.id}: {drafted.prompt_tokens} prompt tokens do not pass the "
+                             f"drafter's {s.window}-token window (--window)")
+        rows.append(row)
+    known = [r["known_answer"] for r in rows if "known_answer" in r]
+    ctx.receipt.aggregates.update(
+        prompts=rows,
+        equal=sum(r["equal"] is True for r in rows), compared=sum(r["equal"] is not None for r in rows),
+        known_answers={"right": sum(known), "asked": len(known)},
+    )
+
+
+def _known_answer(ctx: Context, prompt: prompt_sets.Prompt, text: str) -> bool:
+    right = prompt.expect.lower() in text.lower()
+    if not right:
+        message = f"{prompt.id}: expected {prompt.expect!r} in the answer, got {text[:80]!r}"
+        if prompt.verified:
+            ctx.receipt.fail("known_answers", prompt.id, message)
+        else:
+            ctx.receipt.warn("known_answers", prompt.id, message + " (prompt not yet verified against the model)")
+    return right

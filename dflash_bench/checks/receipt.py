@@ -1,0 +1,240 @@
+"""Receipts: one canonical JSON file per run (SPEC section 5).
+
+Canonical means sorted keys, two-space indent, UTF-8, no NaN: the same run data always gives the
+same bytes, so receipts diff cleanly. Written atomically (a temporary file in the same folder, then
+os.replace), so a reader never sees half a receipt and an interrupted write leaves the old one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import dflash_bench
+from dflash_bench.engine import blas
+from dflash_bench.engine.errors import DFlashBenchError
+
+SCHEMA = "dflash-bench/receipt"
+SCHEMA_VERSION = 1
+
+
+class BadReceipt(DFlashBenchError):
+    """A file is not a receipt this version reads."""
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def utc_stamp() -> str:
+    """For file names: receipts/<command>-<stamp>.json."""
+    return datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+
+
+def _plain(value):
+    """JSON-ready copy: dataclasses and tuples become dicts and lists, NaN and infinities become None."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = dataclasses.asdict(value)
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+def canonical_json(data) -> str:
+    return json.dumps(_plain(data), sort_keys=True, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Writes `text` to `path` through a temporary file in the same folder and os.replace."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def summary(values) -> dict:
+    """Median, extremes, spread ((max - min) / median) and the per-rep values of a list of numbers."""
+    vals = [float(v) for v in values if v is not None]
+    if not vals:
+        return {"n": 0, "median": None, "min": None, "max": None, "spread": None, "values": []}
+    med = statistics.median(vals)
+    return {"n": len(vals), "median": med, "min": min(vals), "max": max(vals),
+            "spread": (max(vals) - min(vals)) / med if med else None, "values": vals}
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=Path(__file__).resolve().parent, capture_output=True,
+                             text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def git_revision() -> dict:
+    head = _git("rev-parse", "HEAD")
+    dirty = _git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": head, "dirty": bool(dirty) if dirty is not None else None}
+
+
+def _cpu() -> str:
+    if sys.platform == "darwin":
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            return subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True, text=True,
+                                  timeout=5).stdout.strip()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith(("model name", "hardware")):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def _memory_bytes() -> int | None:
+    with contextlib.suppress(ValueError, OSError, AttributeError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return None
+
+
+def environment() -> dict:
+    """Where the harness ran: OS, CPU, memory, Python, MLX and its default device, the BLAS."""
+    env = {"os": platform.platform(), "machine": platform.machine(), "cpu": _cpu(), "cpu_count": os.cpu_count(),
+           "memory_bytes": _memory_bytes(), "python": platform.python_version(),
+           "blas": dataclasses.asdict(blas.choice())}
+    try:
+        import mlx.core as mx
+
+        env["mlx"] = {"version": mx.__version__, "default_device": str(mx.default_device())}
+    except ImportError as err:
+        env["mlx"] = {"version": None, "default_device": None, "error": str(err)}
+    return env
+
+
+@dataclass
+class Receipt:
+    """One run. Checks append records and verdict entries as they go, so an interrupted run keeps them."""
+
+    kind: str
+    command: list[str]
+    settings: dict
+    started_at: str = field(default_factory=utc_now)
+    finished_at: str | None = None
+    complete: bool = False
+    incomplete_reason: str | None = None
+    tool: dict = field(default_factory=dict)
+    environment: dict = field(default_factory=dict)
+    server: dict = field(default_factory=dict)
+    records: list[dict] = field(default_factory=list)
+    aggregates: dict = field(default_factory=dict)
+    failures: list[dict] = field(default_factory=list)
+    unverified: list[dict] = field(default_factory=list)
+    warnings: list[dict] = field(default_factory=list)
+    not_run: list[dict] = field(default_factory=list)
+    side_files: dict = field(default_factory=dict)
+
+    @classmethod
+    def new(cls, kind: str, command: list[str], settings: dict) -> Receipt:
+        return cls(kind=kind, command=list(command), settings=_plain(settings),
+                   tool={"name": "dflash-bench", "version": dflash_bench.__version__, "git": git_revision()},
+                   environment=environment())
+
+    def fail(self, check: str, subject: str, message: str) -> None:
+        self.failures.append({"check": check, "subject": subject, "message": message})
+
+    def unverify(self, check: str, subject: str, message: str) -> None:
+        self.unverified.append({"check": check, "subject": subject, "message": message})
+
+    def warn(self, check: str, subject: str, message: str) -> None:
+        self.warnings.append({"check": check, "subject": subject, "message": message})
+
+    def skip(self, check: str, reason: str) -> None:
+        """Reports a check as not run (never as passed)."""
+        self.not_run.append({"check": check, "reason": reason})
+
+    def finish(self, complete: bool, reason: str | None = None) -> None:
+        self.complete, self.incomplete_reason, self.finished_at = complete, reason, utc_now()
+
+    @property
+    def passed(self) -> bool:
+        """Passed only if complete, nothing failed, nothing left unverified and nothing skipped."""
+        return self.complete and not (self.failures or self.unverified or self.not_run)
+
+    def to_dict(self) -> dict:
+        return {
+            "schema": SCHEMA, "schema_version": SCHEMA_VERSION, "kind": self.kind, "command": self.command,
+            "started_at": self.started_at, "finished_at": self.finished_at, "complete": self.complete,
+            "incomplete_reason": self.incomplete_reason, "tool": self.tool, "environment": self.environment,
+            "server": self.server, "settings": self.settings, "records": self.records,
+            "aggregates": self.aggregates, "not_run": self.not_run, "side_files": self.side_files,
+            "verdict": {"passed": self.passed, "failures": self.failures, "unverified": self.unverified,
+                        "warnings": self.warnings},
+        }
+
+    def write(self, path: Path) -> None:
+        write_atomic(Path(path), canonical_json(self.to_dict()))
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "receipt") -> Receipt:
+        if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+            raise BadReceipt(f"{where}: schema is {data.get('schema') if isinstance(data, dict) else None!r}, "
+                             f"not {SCHEMA!r}")
+        if data.get("schema_version") != SCHEMA_VERSION:
+            raise BadReceipt(f"{where}: schema_version {data.get('schema_version')!r}, this tool reads "
+                             f"{SCHEMA_VERSION}")
+        verdict = data.get("verdict") or {}
+        missing = [k for k in ("kind", "command", "settings", "complete") if k not in data]
+        if missing:
+            raise BadReceipt(f"{where}: field {missing[0]!r} is missing")
+        return cls(kind=data["kind"], command=data["command"], settings=data["settings"],
+                   started_at=data.get("started_at"), finished_at=data.get("finished_at"),
+                   complete=data["complete"], incomplete_reason=data.get("incomplete_reason"),
+                   tool=data.get("tool", {}), environment=data.get("environment", {}),
+                   server=data.get("server", {}), records=data.get("records", []),
+                   aggregates=data.get("aggregates", {}), failures=verdict.get("failures", []),
+                   unverified=verdict.get("unverified", []), warnings=verdict.get("warnings", []),
+                   not_run=data.get("not_run", []), side_files=data.get("side_files", {}))
+
+    @classmethod
+    def load(cls, path: Path) -> Receipt:
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise BadReceipt(f"{path}: no such file") from None
+        except json.JSONDecodeError as err:
+            raise BadReceipt(f"{path}: not JSON ({err})") from None
+        return cls.from_dict(data, str(path))
+
+
+def exit_code(receipt: Receipt, interrupted: bool = False) -> int:
+    """0 passed, 1 a check failed, 2 incomplete (cut short, or something not run or unverified), 130 interrupted."""
+    if interrupted:
+        return 130
+    if receipt.failures:
+        return 1
+    return 0 if receipt.passed else 2

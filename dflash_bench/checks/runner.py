@@ -1,0 +1,189 @@
+"""Runs one check: opens the server, hands the check a `Context`, and always writes the receipt.
+
+Whatever stops a run (Ctrl-C, the server dying, a timeout, a bug) the receipt is written in the
+`finally`, marked incomplete with the reason; the exit code says which (see receipt.exit_code).
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import httpx
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from dflash_bench.checks.client import PEAK_MEMORY_METRIC, Client, Record, Request
+from dflash_bench.checks.receipt import Receipt, exit_code
+from dflash_bench.checks.server import ServeSettings, open_server
+from dflash_bench.engine.errors import DFlashBenchError
+
+NO_DFLASH = ("the server's replies carry no `dflash` block, so whether it honours `draft` is unknown "
+             "(e.g. mlx_lm.server)")
+NO_HASH = "the server returns neither `dflash.token_sha` nor token ids, so replies cannot be compared"
+NO_CACHED = "the server does not report usage.prompt_tokens_details.cached_tokens"
+
+
+@dataclass
+class Capabilities:
+    """What the server's replies carry, seen on one small request."""
+
+    dflash: bool
+    token_ids: bool
+    cached_tokens: bool
+    drafter: str | None
+    probe_error: str | None = None
+
+    @property
+    def hashes(self) -> bool:
+        return self.dflash or self.token_ids
+
+
+@dataclass
+class Comparison:
+    """Two replies compared: equal is None when they cannot be (a hash is missing)."""
+
+    equal: bool | None
+    index: int | None = None
+    detail: str = ""
+
+
+def compare_records(a: Record, b: Record) -> Comparison:
+    """Token ids when both have them (names the first differing index), else the two token hashes."""
+    for rec in (a, b):
+        if rec.status != "ok":
+            return Comparison(False, None, f"request {rec.status}: {rec.error}")
+    if a.token_ids is not None and b.token_ids is not None:
+        for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)):
+            if x != y:
+                return Comparison(False, i, f"first differing token at index {i} ({x} vs {y})")
+        if len(a.token_ids) != len(b.token_ids):
+            n = min(len(a.token_ids), len(b.token_ids))
+            return Comparison(False, n, f"lengths differ ({len(a.token_ids)} vs {len(b.token_ids)} tokens)")
+        return Comparison(True)
+    if a.token_sha and b.token_sha:
+        if a.token_sha == b.token_sha:
+            return Comparison(True)
+        return Comparison(False, None, f"token_sha {a.token_sha} vs {b.token_sha}")
+    return Comparison(None, None, "no token hash or ids to compare")
+
+
+@dataclass
+class Context:
+    """What a check works with: the client, the receipt being filled, the server, progress bars."""
+
+    client: Client
+    receipt: Receipt
+    server: object
+    progress: Progress
+    out_path: Path
+    caps: Capabilities | None = None
+    extras: dict = field(default_factory=dict)
+
+    def capabilities(self) -> Capabilities:
+        """Probes once with a tiny drafted request asking for token ids, and records what came back."""
+        if self.caps is None:
+            rec = self.send(Request("capability-probe", prompt="Hello", max_tokens=4, draft=True), step="probe")
+            self.caps = Capabilities(dflash=rec.has_dflash, token_ids=rec.token_ids is not None,
+                                     cached_tokens=rec.cached_tokens is not None, drafter=rec.drafter,
+                                     probe_error=None if rec.ok else rec.error)
+            self.receipt.server["capabilities"] = vars(self.caps)
+        return self.caps
+
+    def keep(self, rec: Record, **labels) -> Record:
+        rec.labels.update(labels)
+        self.receipt.records.append(rec.to_dict())
+        return rec
+
+    def send(self, req: Request, **labels) -> Record:
+        return self.keep(self.client.send(req), **labels)
+
+    def send_many(self, requests: list[Request], **labels) -> tuple[list[Record], float]:
+        records, wall = self.client.send_many(requests)
+        for i, rec in enumerate(records):
+            self.keep(rec, stream_index=i, **labels)
+        return records, wall
+
+    def expect_equal(self, check: str, subject: str, a: Record, b: Record, what: str) -> Comparison:
+        """Files a failure or an unverified entry unless a and b are the same tokens."""
+        cmp = compare_records(a, b)
+        if cmp.equal is False:
+            self.receipt.fail(check, subject, f"{subject}: {what} differ: {cmp.detail}")
+        elif cmp.equal is None:
+            self.receipt.unverify(check, subject, f"{subject}: {what}: {cmp.detail}")
+        return cmp
+
+    def task(self, description: str, total: int):
+        """A progress bar; returns the function that advances it."""
+        task_id = self.progress.add_task(description, total=total)
+        return lambda n=1: self.progress.advance(task_id, n)
+
+
+@dataclass
+class RunSpec:
+    """How to reach the server and where the receipt goes."""
+
+    kind: str
+    out: Path
+    url: str | None = None
+    serve: ServeSettings = field(default_factory=ServeSettings)
+    startup_timeout: float = 600.0
+    request_timeout: float = 600.0
+    command: list[str] = field(default_factory=lambda: list(sys.argv))
+
+
+def make_progress(console: Console | None = None) -> Progress:
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console or Console(stderr=True), transient=True)
+
+
+def run_check(spec: RunSpec, settings: dict, body: Callable[[Context], None],
+              progress: Progress | None = None) -> tuple[Receipt, int]:
+    """Runs `body` against the server and writes the receipt, complete or not; returns it and the exit code."""
+    receipt = Receipt.new(spec.kind, spec.command, settings)
+    log_path = spec.out.with_suffix(".server.log")
+    interrupted = False
+    progress = progress or make_progress()
+    server = open_server(spec.url, spec.serve, log_path, spec.startup_timeout)
+    try:
+        with progress, server:
+            receipt.server.update(server.describe())
+            client = Client(server.url, spec.request_timeout)
+            try:
+                client.pick_model()
+                receipt.server["model"] = client.model
+                ctx = Context(client, receipt, server, progress, spec.out)
+                body(ctx)
+                _read_peak(client, receipt)
+                receipt.finish(True)
+            finally:
+                client.close()
+    except KeyboardInterrupt:
+        interrupted = True
+        receipt.finish(False, "interrupted (Ctrl-C)")
+    except (httpx.HTTPError, DFlashBenchError) as err:
+        death = server.death()
+        reason = f"{type(err).__name__}: {err}" + (f"; {death}" if death else "")
+        receipt.finish(False, reason)
+    except Exception as err:  # a bug still leaves a receipt behind, and its traceback on stderr
+        traceback.print_exc()
+        receipt.finish(False, f"{type(err).__name__}: {err}")
+    finally:
+        if not receipt.server:
+            receipt.server.update(server.describe())
+        if server.managed:
+            receipt.server["startup_line"] = server.startup_line()
+        if not receipt.finished_at:
+            receipt.finish(False, "stopped before the run finished")
+        receipt.write(spec.out)
+    return receipt, exit_code(receipt, interrupted)
+
+
+def _read_peak(client: Client, receipt: Receipt) -> None:
+    try:
+        receipt.server["peak_memory_bytes"] = client.metric(PEAK_MEMORY_METRIC)
+    except httpx.HTTPError:
+        receipt.server["peak_memory_bytes"] = None
