@@ -1,0 +1,287 @@
+"""The check commands: exactness, concurrent, resume, cancel, decode, prefill, suite, compare, show.
+
+Each check runs against --url, or starts the bundled server (`dflash-bench serve`) on a free
+loopback port and stops it after; writes a receipt (receipts/<command>-<UTC stamp>.json unless
+--out), prints its table (or the receipt with --json). Exit codes: 0 passed, 1 a check failed,
+2 incomplete (cut short, or something not run or unverified), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Annotated, Callable, Optional
+
+import typer
+from rich.console import Console
+
+from dflash_bench.checks import cancel as cancel_check
+from dflash_bench.checks import compare as compare_mod
+from dflash_bench.checks import concurrent as concurrent_check
+from dflash_bench.checks import decode as decode_check
+from dflash_bench.checks import exactness as exactness_check
+from dflash_bench.checks import prefill as prefill_check
+from dflash_bench.checks import resume as resume_check
+from dflash_bench.checks import tables
+from dflash_bench.checks.receipt import Receipt, canonical_json, exit_code, utc_stamp, write_atomic
+from dflash_bench.checks.runner import RunSpec, run_check
+from dflash_bench.checks.server import ServeSettings
+from dflash_bench.cli import app
+from dflash_bench.engine.errors import DFlashBenchError
+
+SERVER = "Bundled server (ignored with --url)"
+OUTPUT = "Output"
+
+Url = Annotated[Optional[str], typer.Option(help="Check a running OpenAI-compatible server instead of starting "
+                                                 "the bundled one.", rich_help_panel=SERVER)]
+Target = Annotated[str, typer.Option(help="Target for the bundled server.", rich_help_panel=SERVER)]
+Drafter = Annotated[Optional[str], typer.Option(help="Drafter folder for the bundled server.", rich_help_panel=SERVER)]
+Parallel = Annotated[Optional[int], typer.Option(help="Streams (--parallel) for the bundled server.",
+                                                 rich_help_panel=SERVER)]
+ContextSize = Annotated[Optional[int], typer.Option(help="Context (--context) for the bundled server.",
+                                                rich_help_panel=SERVER)]
+Cache = Annotated[Optional[float], typer.Option("--prompt-cache-gib", help="Prompt cache for the bundled server.",
+                                                rich_help_panel=SERVER)]
+Bits = Annotated[Optional[int], typer.Option(help="--drafter-bits for the bundled server.", rich_help_panel=SERVER)]
+Startup = Annotated[float, typer.Option(help="Seconds to wait for the bundled server's /health to say ready.",
+                                        rich_help_panel=SERVER)]
+Timeout = Annotated[float, typer.Option(help="Seconds one request may take.", rich_help_panel=SERVER)]
+Out = Annotated[Optional[Path], typer.Option(help="Receipt path (default receipts/<command>-<UTC stamp>.json).",
+                                             rich_help_panel=OUTPUT)]
+Json = Annotated[bool, typer.Option("--json", help="Print the receipt as JSON instead of a table.",
+                                    rich_help_panel=OUTPUT)]
+Levels = Annotated[str, typer.Option(help="Stream counts, comma-separated.")]
+Tokens = Annotated[int, typer.Option(help="Tokens each reply decodes (max_tokens, ignore_eos).")]
+Reps = Annotated[int, typer.Option(help="Repetitions of each cell.")]
+
+
+def ints(value: str, option: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(v) for v in value.split(",") if v.strip())
+    except ValueError:
+        raise typer.BadParameter(f"{option} {value!r}: expected comma-separated integers such as 1,4") from None
+    if not out or min(out) < 1:
+        raise typer.BadParameter(f"{option} {value!r}: expected positive integers")
+    return out
+
+
+def floats(value: str, option: str) -> tuple[float, ...]:
+    try:
+        out = tuple(float(v) for v in value.split(",") if v.strip())
+    except ValueError:
+        raise typer.BadParameter(f"{option} {value!r}: expected comma-separated numbers such as 0,0.7") from None
+    if not out or min(out) < 0:
+        raise typer.BadParameter(f"{option} {value!r}: expected numbers >= 0")
+    return out
+
+
+def default_out(kind: str) -> Path:
+    return Path("receipts") / f"{kind}-{utc_stamp()}.json"
+
+
+def serve_settings(given: tuple, **defaults) -> ServeSettings:
+    """The bundled server's settings from (target, drafter, parallel, context, prompt_cache_gib, drafter_bits):
+    what was given, else the check's own defaults, else the server's."""
+    names = ("target", "drafter", "parallel", "context", "prompt_cache_gib", "drafter_bits")
+    return ServeSettings(**{k: v if v is not None else defaults.get(k) for k, v in zip(names, given)})
+
+
+def execute(kind: str, out: Path | None, url: str | None, serve: ServeSettings, startup: float, timeout: float,
+            settings, body: Callable, json_out: bool) -> None:
+    """Runs one check, prints its table (or JSON) and exits with its code."""
+    spec = RunSpec(kind=kind, out=out or default_out(kind), url=url, serve=serve, startup_timeout=startup,
+                   request_timeout=timeout)
+    receipt, code = run_check(spec, asdict(settings), lambda ctx: body(ctx, settings))
+    report(receipt, spec.out, json_out)
+    raise typer.Exit(code)
+
+
+def report(receipt: Receipt, path: Path, json_out: bool) -> None:
+    if json_out:
+        typer.echo(canonical_json(receipt.to_dict()), nl=False)
+        return
+    console = Console()
+    console.print(tables.render(receipt))
+    console.print(f"receipt: {path}", style="dim")
+
+
+@app.command(rich_help_panel="Checks")
+def exactness(url: Url = None, target: Target = "default", drafter: Drafter = None, parallel: Parallel = None,
+              context: ContextSize = None, prompt_cache_gib: Cache = None, drafter_bits: Bits = None,
+              startup_timeout: Startup = 600.0, timeout: Timeout = 600.0, out: Out = None, json_out: Json = False,
+              known_tokens: int = 64, probe_tokens: int = 256, long_tokens: int = 256,
+              window: Annotated[int, typer.Option(help="The drafter's sliding window: long prompts must pass it.")] = 512):
+    """Drafted equals `"draft": false`, token for token: known-answer prompts, code and chat probes, long prompts."""
+    s = exactness_check.ExactnessSettings(known_tokens, probe_tokens, long_tokens, window)
+    execute("exactness", out, url, serve_settings((target, drafter, parallel, context, prompt_cache_gib, drafter_bits)),
+            startup_timeout, timeout, s, exactness_check.run, json_out)
+
+
+@app.command(rich_help_panel="Checks")
+def concurrent(url: Url = None, target: Target = "default", drafter: Drafter = None, parallel: Parallel = None,
+               context: ContextSize = None, prompt_cache_gib: Cache = None, drafter_bits: Bits = None,
+               startup_timeout: Startup = 600.0, timeout: Timeout = 600.0, out: Out = None, json_out: Json = False,
+               levels: Levels = "1,4", tokens: Tokens = 256, reps: Reps = 3,
+               temperatures: Annotated[str, typer.Option(help="Temperatures, comma-separated (seeded).")] = "0,0.7",
+               alone: Annotated[bool, typer.Option(help="Each concurrent reply must equal its solo reply.")] = True,
+               serial: Annotated[bool, typer.Option(help="Each solo drafted reply must equal draft:false.")] = True,
+               seed: int = 1234):
+    """Concurrent equals solo: every stream's reply is what it is alone (and, --serial, what draft:false gives)."""
+    lv = ints(levels, "--levels")
+    s = concurrent_check.ConcurrentSettings(lv, tokens, reps, floats(temperatures, "--temperatures"), alone, serial,
+                                            seed)
+    execute("concurrent", out, url,
+            serve_settings((target, drafter, parallel, context, prompt_cache_gib, drafter_bits), parallel=max(lv)),
+            startup_timeout, timeout, s, concurrent_check.run, json_out)
+
+
+@app.command(rich_help_panel="Checks")
+def resume(url: Url = None, target: Target = "default", drafter: Drafter = None, parallel: Parallel = None,
+           context: ContextSize = None, prompt_cache_gib: Cache = None, drafter_bits: Bits = None,
+           startup_timeout: Startup = 600.0, timeout: Timeout = 600.0, out: Out = None, json_out: Json = False,
+           tokens: Tokens = 256,
+           prompt: Annotated[Optional[str], typer.Option(help="Long prompt id (default: the longest).")] = None):
+    """Resumed equals fresh: a long prompt twice with the prompt cache on (bundled server: 1 GiB)."""
+    s = resume_check.ResumeSettings(tokens, prompt)
+    execute("resume", out, url,
+            serve_settings((target, drafter, parallel, context, prompt_cache_gib, drafter_bits), prompt_cache_gib=1.0),
+            startup_timeout, timeout, s, resume_check.run, json_out)
+
+
+@app.command(rich_help_panel="Checks")
+def cancel(url: Url = None, target: Target = "default", drafter: Drafter = None, parallel: Parallel = None,
+           context: ContextSize = None, prompt_cache_gib: Cache = None, drafter_bits: Bits = None,
+           startup_timeout: Startup = 600.0, timeout: Timeout = 600.0, out: Out = None, json_out: Json = False,
+           probe_tokens: int = 128, drop_after_tokens: int = 16,
+           prefill_tokens: Annotated[int, typer.Option(help="Size of the prompt dropped mid-prefill.")] = 6000,
+           drop_after_seconds: Annotated[float, typer.Option(help="When the mid-prefill drop happens.")] = 0.5,
+           memory_tolerance_mib: Annotated[float, typer.Option(help="Active memory allowed above baseline.")] = 1.0):
+    """Cancellation changes nothing: drops mid-reply, mid-prefill, beside a probe, and a refusal past the window."""
+    s = cancel_check.CancelSettings(probe_tokens, drop_after_tokens, 512, prefill_tokens, drop_after_seconds,
+                                    int(memory_tolerance_mib * (1 << 20)))
+    execute("cancel", out, url,
+            serve_settings((target, drafter, parallel, context, prompt_cache_gib, drafter_bits), parallel=2,
+                           prompt_cache_gib=0, context=8192),
+            startup_timeout, timeout, s, cancel_check.run, json_out)
+
+
+@app.command(rich_help_panel="Benchmarks")
+def decode(url: Url = None, target: Target = "default", drafter: Drafter = None, parallel: Parallel = None,
+           context: ContextSize = None, prompt_cache_gib: Cache = None, drafter_bits: Bits = None,
+           startup_timeout: Startup = 600.0, timeout: Timeout = 600.0, out: Out = None, json_out: Json = False,
+           levels: Levels = "1,4", tokens: Tokens = 256, reps: Reps = 3):
+    """Decode speed, drafted and plain side by side: single-stream and aggregate tok/s, tokens a round, footprint."""
+    lv = ints(levels, "--levels")
+    s = decode_check.DecodeSettings(lv, tokens, reps)
+    execute("decode", out, url,
+            serve_settings((target, drafter, parallel, context, prompt_cache_gib, drafter_bits), parallel=max(lv),
+                           prompt_cache_gib=0),
+            startup_timeout, timeout, s, decode_check.run, json_out)
+
+
+@app.command(rich_help_panel="Benchmarks")
+def prefill(url: Url = None, target: Target = "default", drafter: Drafter = None, parallel: Parallel = None,
+            context: ContextSize = None, prompt_cache_gib: Cache = None, drafter_bits: Bits = None,
+            startup_timeout: Startup = 600.0, timeout: Timeout = 600.0, out: Out = None, json_out: Json = False,
+            sizes: Annotated[str, typer.Option(help="Exact prompt sizes in tokens, comma-separated.")] = "512,2048,8192",
+            rounds: Annotated[int, typer.Option(help="Rounds over the sizes (after one warm-up).")] = 3):
+    """Cold prefill speed at exact token counts (cached_tokens must be 0), drafted and plain serve."""
+    sz = ints(sizes, "--sizes")
+    s = prefill_check.PrefillSettings(sz, rounds)
+    execute("prefill", out, url,
+            serve_settings((target, drafter, parallel, context, prompt_cache_gib, drafter_bits), parallel=1,
+                           prompt_cache_gib=0, context=max(sz) + 64),
+            startup_timeout, timeout, s, prefill_check.run, json_out)
+
+
+@app.command(rich_help_panel="Benchmarks")
+def suite(url: Url = None, target: Target = "default", drafter: Drafter = None, parallel: Parallel = None,
+          context: ContextSize = None, prompt_cache_gib: Cache = None, drafter_bits: Bits = None,
+          startup_timeout: Startup = 600.0, timeout: Timeout = 600.0,
+          out: Annotated[Optional[Path], typer.Option(help="Folder (default receipts/suite-<UTC stamp>/).")] = None,
+          json_out: Json = False, levels: Levels = "1,4", tokens: Tokens = 256, reps: Reps = 3,
+          sizes: str = "512,2048,8192", rounds: int = 3, temperatures: str = "0,0.7"):
+    """Every check and benchmark in one run, a folder of receipts plus suite.json (stops at a Ctrl-C)."""
+    folder = out or Path("receipts") / f"suite-{utc_stamp()}"
+    lv, sz = ints(levels, "--levels"), ints(sizes, "--sizes")
+    base = (target, drafter, parallel, context, prompt_cache_gib, drafter_bits)
+    plan = [
+        ("exactness", exactness_check.ExactnessSettings(), exactness_check.run, serve_settings(base)),
+        ("concurrent", concurrent_check.ConcurrentSettings(lv, tokens, reps, floats(temperatures, "--temperatures")),
+         concurrent_check.run, serve_settings(base, parallel=max(lv))),
+        ("resume", resume_check.ResumeSettings(tokens), resume_check.run, serve_settings(base, prompt_cache_gib=1.0)),
+        ("cancel", cancel_check.CancelSettings(), cancel_check.run,
+         serve_settings(base, parallel=2, prompt_cache_gib=0, context=8192)),
+        ("decode", decode_check.DecodeSettings(lv, tokens, reps), decode_check.run,
+         serve_settings(base, parallel=max(lv), prompt_cache_gib=0)),
+        ("prefill", prefill_check.PrefillSettings(sz, rounds), prefill_check.run,
+         serve_settings(base, parallel=1, prompt_cache_gib=0, context=max(sz) + 64)),
+    ]
+    index = Receipt.new("suite", list(sys.argv), {"folder": str(folder), "checks": [p[0] for p in plan]})
+    rows, codes = [], []
+    index.aggregates["checks"] = rows
+    for kind, s, body, serve in plan:
+        spec = RunSpec(kind=kind, out=folder / f"{kind}.json", url=url, serve=serve, startup_timeout=startup_timeout,
+                       request_timeout=timeout)
+        receipt, code = run_check(spec, asdict(s), lambda ctx, s=s, body=body: body(ctx, s))
+        codes.append(code)
+        rows.append({"kind": kind, "receipt": spec.out.name, "exit_code": code,
+                     "result": "passed" if receipt.passed else "failed" if receipt.failures else "not passed"})
+        if not json_out:
+            report(receipt, spec.out, False)
+        if code == 130:
+            break
+    interrupted = 130 in codes
+    index.finish(len(rows) == len(plan) and not interrupted, None if len(rows) == len(plan) else "stopped early")
+    for row in rows:
+        if row["exit_code"] == 1:
+            index.fail("suite", row["kind"], f"{row['kind']} failed ({row['receipt']})")
+        elif row["exit_code"] != 0:
+            index.unverify("suite", row["kind"], f"{row['kind']} did not pass ({row['receipt']})")
+    index.write(folder / "suite.json")
+    report(index, folder / "suite.json", json_out)
+    raise typer.Exit(exit_code(index, interrupted))
+
+
+@app.command(rich_help_panel="Receipts")
+def compare(before: Annotated[Path, typer.Argument(help="BEFORE receipt, or a suite folder.")],
+            after: Annotated[Path, typer.Argument(help="AFTER receipt, or a suite folder.")],
+            noise: Annotated[float, typer.Option(help="Spread ((max-min)/median of reps) above which a cell is noisy.")]
+            = 0.10,
+            json_out: Json = False,
+            out: Annotated[Optional[Path], typer.Option(help="Also write the comparison as JSON here.")] = None):
+    """Before/after tables with ratios (decode tok/s per probe and level, tokens a round, footprint, prefill).
+
+    Noisy: a cell whose spread, (max - min) / median of its reps, exceeds --noise in either run is marked * and left out of the ratios and of the verdict.
+
+    Drop: a tok/s cell whose AFTER median is below BEFORE's by more than the larger of the two runs' own spreads (max - min); a cell with one rep on a side has no spread and is never called a drop. Tokens a round and footprint never fail.
+
+    Exit 1 on a drop or on any verdict failure in AFTER's receipts (drafted != plain, concurrent != solo, ...), 2 if a receipt on either side is incomplete, else 0.
+    """
+    try:
+        result = compare_mod.compare(before, after, noise)
+    except DFlashBenchError as err:
+        typer.echo(err.line(), err=True)
+        raise typer.Exit(1) from None
+    if out:
+        write_atomic(out, canonical_json(result.to_dict()))
+    if json_out:
+        typer.echo(canonical_json(result.to_dict()), nl=False)
+    else:
+        Console().print(tables.compare_table(result))
+    raise typer.Exit(result.exit_code)
+
+
+@app.command(rich_help_panel="Receipts")
+def show(receipt: Annotated[Path, typer.Argument(help="A receipt, or a suite folder.")], json_out: Json = False):
+    """Print a receipt's table again (every receipt in a folder)."""
+    paths = sorted(p for p in receipt.glob("*.json") if not p.name.endswith(".prefill-arrays.json")) \
+        if receipt.is_dir() else [receipt]
+    try:
+        loaded = [(p, Receipt.load(p)) for p in paths]
+    except DFlashBenchError as err:
+        typer.echo(err.line(), err=True)
+        raise typer.Exit(1) from None
+    for path, r in loaded:
+        report(r, path, json_out)
