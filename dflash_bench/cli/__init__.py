@@ -24,6 +24,7 @@ def _root() -> None:
 
 # Each command module registers its commands on `app` when imported.
 from dflash_bench.cli import inspect as _inspect  # noqa: E402,F401
+from dflash_bench.cli import fixture as _fixture  # noqa: E402,F401
 from dflash_bench.cli import checks as _checks  # noqa: E402,F401
 
 

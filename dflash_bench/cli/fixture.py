@@ -1,0 +1,27 @@
+"""`dflash-bench fixture KIND DIR`: tiny random checkpoints in the real published layouts."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+
+import typer
+
+from dflash_bench.cli import app
+from dflash_bench.engine.fixtures import FIXTURE_KINDS, TARGET_KINDS, write_fixture
+
+# Typer turns an Enum into a choice: an unknown kind is a usage error (exit 2) naming the choices.
+FixtureKind = Enum("FixtureKind", {k: k for k in FIXTURE_KINDS}, type=str)
+TargetKind = Enum("TargetKind", {k: k for k in TARGET_KINDS}, type=str)
+
+
+@app.command()
+def fixture(
+    kind: FixtureKind = typer.Argument(..., help="What to write."),
+    out_dir: Path = typer.Argument(..., metavar="DIR", help="Folder to write into (created if missing)."),
+    seed: int = typer.Option(0, help="Random seed: the same seed writes byte-identical files."),
+    target: TargetKind = typer.Option("llama", help="The target fixture a drafter is made for (drafters only)."),
+) -> None:
+    """Write a tiny random checkpoint (targets: HF, GGUF, MLX 4-bit; drafters: DFlash, DFlash2) and print
+    the path to load: the folder, or the .gguf file."""
+    typer.echo(str(write_fixture(kind.value, out_dir, seed=seed, target=target.value)))
