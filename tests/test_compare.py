@@ -1,0 +1,172 @@
+"""compare: ratios, noisy cells, drops beyond the runs' own spread, and exit codes, on hand-written receipts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from dflash_bench.checks.compare import compare
+from dflash_bench.checks.receipt import Receipt, summary
+from dflash_bench.cli import app
+
+
+def decode_receipt(code_reps: dict, chat_x4: dict | None = None, peak: float = 20e9) -> Receipt:
+    """A decode receipt whose single-stream code cells have the given per-rep values by mode."""
+    r = Receipt.new("decode", ["dflash-bench", "decode"], {"levels": [1, 4]})
+    r.aggregates = {
+        "modes": list(code_reps),
+        "single_tps": {"code": {m: summary(v) for m, v in code_reps.items()}},
+        "aggregate_tps": {"chat": {"4": {m: summary(v) for m, v in (chat_x4 or {}).items()}}},
+        "tokens_per_round": {"code": {"1": {m: (5.8 if m == "drafted" else 1.0) for m in code_reps}}},
+    }
+    r.server = {"peak_memory_bytes": peak}
+    r.finish(True)
+    return r
+
+
+def write(tmp_path, name: str, r: Receipt):
+    path = tmp_path / name
+    r.write(path)
+    return path
+
+
+def cell(result, section: str, row: str, mode: str):
+    return next(c for c in result.cells if (c.section, c.row, c.mode) == (section, row, mode))
+
+
+def test_ratio_is_after_median_over_before_median(tmp_path):
+    b = write(tmp_path, "b.json", decode_receipt({"drafted": [93.0, 93.3, 92.9], "plain": [93.1, 93.0, 93.2]}))
+    a = write(tmp_path, "a.json", decode_receipt({"drafted": [306.2, 306.4, 306.0], "plain": [93.0, 93.1, 93.2]}))
+    result = compare(b, a)
+    assert cell(result, "single-stream tok/s", "code", "drafted").ratio == pytest.approx(306.2 / 93.0)
+    assert cell(result, "tokens per round", "code x1", "drafted").ratio == pytest.approx(1.0)
+    assert result.exit_code == 0 and not result.drops
+
+
+def test_a_noisy_cell_is_marked_and_left_out_of_ratios_and_verdict(tmp_path):
+    # the seed PR's M5 "before 3" chat reps: 123.15 / 19.63 / 21.32
+    b = write(tmp_path, "b.json", decode_receipt({"plain": [123.0, 123.2, 122.9]}, {"plain": [464.9, 463.0, 466.0]}))
+    a = write(tmp_path, "a.json", decode_receipt({"plain": [123.15, 19.63, 21.32]}, {"plain": [464.0, 465.0, 463.5]}))
+    result = compare(b, a, noise=0.10)
+    c = cell(result, "single-stream tok/s", "code", "plain")
+    assert c.noisy and c.ratio is None and not c.drop and "noisy" in c.note
+    assert not cell(result, "aggregate tok/s", "chat x4", "plain").noisy
+    assert result.exit_code == 0
+
+
+def test_a_drop_beyond_both_runs_spread_fails(tmp_path):
+    b = write(tmp_path, "b.json", decode_receipt({"plain": [100.0, 101.0, 99.0]}))
+    a = write(tmp_path, "a.json", decode_receipt({"plain": [95.0, 96.0, 94.5]}))
+    result = compare(b, a)
+    c = cell(result, "single-stream tok/s", "code", "plain")
+    assert c.drop and not c.noisy and c.ratio == pytest.approx(0.95)
+    assert result.exit_code == 1
+
+
+def test_a_drop_within_the_runs_spread_passes(tmp_path):
+    b = write(tmp_path, "b.json", decode_receipt({"plain": [100.0, 104.0, 97.0]}))
+    a = write(tmp_path, "a.json", decode_receipt({"plain": [97.0, 99.0, 96.0]}))
+    result = compare(b, a)
+    assert not cell(result, "single-stream tok/s", "code", "plain").drop and result.exit_code == 0
+
+
+def test_one_rep_has_no_spread_and_is_never_a_drop(tmp_path):
+    b = write(tmp_path, "b.json", decode_receipt({"plain": [100.0]}))
+    a = write(tmp_path, "a.json", decode_receipt({"plain": [50.0]}))
+    result = compare(b, a)
+    c = cell(result, "single-stream tok/s", "code", "plain")
+    assert not c.drop and c.ratio == pytest.approx(0.5) and "one rep" in c.note
+    assert result.exit_code == 0
+
+
+def test_footprint_and_tokens_per_round_never_fail(tmp_path):
+    b = write(tmp_path, "b.json", decode_receipt({"drafted": [100.0, 100.5, 99.5]}, peak=20e9))
+    after = decode_receipt({"drafted": [100.0, 100.5, 99.5]}, peak=26e9)
+    after.aggregates["tokens_per_round"]["code"]["1"]["drafted"] = 1.7
+    a = write(tmp_path, "a.json", after)
+    result = compare(b, a)
+    assert cell(result, "peak footprint", "decode", "-").ratio == pytest.approx(1.3)
+    assert cell(result, "tokens per round", "code x1", "drafted").ratio < 1
+    assert result.exit_code == 0
+
+
+def test_a_before_without_drafted_runs_lets_its_plain_run_stand_in(tmp_path):
+    b = write(tmp_path, "b.json", decode_receipt({"plain": [93.0, 93.2, 92.9]}))
+    a = write(tmp_path, "a.json", decode_receipt({"drafted": [306.0, 306.2, 306.4], "plain": [93.0, 93.1, 93.0]}))
+    c = cell(compare(b, a), "single-stream tok/s", "code", "drafted")
+    assert c.ratio == pytest.approx(306.2 / 93.0) and "before has no drafted run" in c.note
+
+
+def prefill_receipt(tps: dict[str, list[float]]) -> Receipt:
+    r = Receipt.new("prefill", ["dflash-bench", "prefill"], {"sizes": [2048]})
+    r.aggregates = {"sizes": {"2048": {m: {"tps": summary(v), "seconds": summary([2048 / x for x in v])}
+                                       for m, v in tps.items()}}}
+    r.finish(True)
+    return r
+
+
+def test_prefill_cells_compare_tok_s_and_seconds_per_size(tmp_path):
+    b = write(tmp_path, "b.json", prefill_receipt({"plain": [1248.9, 1250.0, 1247.0]}))
+    a = write(tmp_path, "a.json", prefill_receipt({"plain": [1082.5, 1083.0, 1081.0]}))
+    result = compare(b, a)
+    assert cell(result, "prefill tok/s", "2048", "plain").drop
+    assert cell(result, "prefill seconds", "2048", "plain").ratio > 1
+    assert result.exit_code == 1
+
+
+def exactness_receipt(failed: bool) -> Receipt:
+    r = Receipt.new("exactness", ["dflash-bench", "exactness"], {})
+    if failed:
+        r.fail("drafted_equals_plain", "capital-france", "capital-france: differ at token 7")
+    r.finish(True)
+    return r
+
+
+def suite_folder(tmp_path, name: str, decode: Receipt, exact: Receipt):
+    folder = tmp_path / name
+    decode.write(folder / "decode.json")
+    exact.write(folder / "exactness.json")
+    (folder / "prefill.prefill-arrays.json").parent.mkdir(exist_ok=True)
+    (folder / "prefill.prefill-arrays.json").write_text('{"512": [1, 2]}')
+    return folder
+
+
+def test_an_exactness_failure_in_after_fails_the_comparison(tmp_path):
+    reps = {"plain": [100.0, 100.5, 99.5]}
+    b = suite_folder(tmp_path, "before", decode_receipt(reps), exactness_receipt(False))
+    a = suite_folder(tmp_path, "after", decode_receipt(reps), exactness_receipt(True))
+    result = compare(b, a)
+    assert result.exit_code == 1 and "token 7" in result.failures[0]["message"]
+
+
+def test_an_exactness_failure_in_before_does_not_fail_the_comparison(tmp_path):
+    reps = {"plain": [100.0, 100.5, 99.5]}
+    b = suite_folder(tmp_path, "before", decode_receipt(reps), exactness_receipt(True))
+    a = suite_folder(tmp_path, "after", decode_receipt(reps), exactness_receipt(False))
+    assert compare(b, a).exit_code == 0
+
+
+def test_an_incomplete_receipt_exits_2(tmp_path):
+    reps = {"plain": [100.0, 100.5, 99.5]}
+    after = decode_receipt(reps)
+    after.finish(False, "interrupted (Ctrl-C)")
+    result = compare(write(tmp_path, "b.json", decode_receipt(reps)), write(tmp_path, "a.json", after))
+    assert result.exit_code == 2 and "interrupted" in result.incomplete[0]
+
+
+def test_cli_prints_the_table_and_exits_with_the_verdict(tmp_path):
+    b = write(tmp_path, "b.json", decode_receipt({"plain": [100.0, 101.0, 99.0]}))
+    a = write(tmp_path, "a.json", decode_receipt({"plain": [95.0, 96.0, 94.5]}))
+    res = CliRunner().invoke(app, ["compare", str(b), str(a)], env={"COLUMNS": "200"})
+    assert res.exit_code == 1 and "single-stream tok/s" in res.output and "FAILED" in res.output
+    res = CliRunner().invoke(app, ["compare", str(b), str(a), "--json"])
+    data = json.loads(res.stdout)
+    assert res.exit_code == 1 and data["drops"] == ["single-stream tok/s code plain"]
+
+
+def test_cli_refuses_a_file_that_is_not_a_receipt_in_one_line(tmp_path):
+    (tmp_path / "x.json").write_text("{}")
+    res = CliRunner().invoke(app, ["compare", str(tmp_path / "x.json"), str(tmp_path / "x.json")])
+    assert res.exit_code == 1 and res.output.strip().startswith("BadReceipt:")
