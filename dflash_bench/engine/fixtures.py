@@ -6,8 +6,9 @@ Every kind is written the way its real counterpart is published: Hugging Face sa
 and tensor names for the `dflash` and `dflash2` drafters. The loaders therefore read fixtures through
 the same code paths as real weights. The same seed gives byte-identical files.
 
-Weights are random but scaled so a forward stays varied: embeddings ~N(0, 1), projections
-~N(0, 1/fan_in), norms near one (qwen3_5's HF norms are stored as offsets from one, as published).
+Weights are random but scaled so a forward gives varied argmax tokens: projections ~N(0, 1/fan_in),
+embeddings ~N(0, 1) (0.1 when the head is tied, or the head would copy its input), norms near one
+(qwen3_5's HF norms are stored as offsets from one, as published).
 Values below 2**-17 are flushed to zero so every bf16 weight is exactly representable in f16: the
 GGUF fixture then holds exactly the HF fixture's weights.
 """
