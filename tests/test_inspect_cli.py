@@ -7,9 +7,7 @@ import math
 import struct
 from pathlib import Path
 
-import click
 import pytest
-import typer
 from typer.testing import CliRunner
 
 from dflash_bench.cli import app
@@ -18,11 +16,8 @@ PUBLISHED = Path(__file__).parent / "data" / "published"
 
 
 def invoke(*args: str):
-    """Run `dflash-bench inspect ARGS` (Typer collapses an app with a lone command into that command)."""
-    argv = list(args)
-    if isinstance(typer.main.get_command(app), click.Group):
-        argv.insert(0, "inspect")
-    return CliRunner().invoke(app, argv, env={"COLUMNS": "200"})
+    """Run `dflash-bench inspect ARGS`."""
+    return CliRunner().invoke(app, ["inspect", *args], env={"COLUMNS": "200"})
 
 
 @pytest.fixture

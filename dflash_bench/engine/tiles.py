@@ -82,24 +82,31 @@ def linear(x: mx.array, weight: Weight | mx.array) -> mx.array:
     return mx.concatenate([weight.tile(x[i : i + tile]) for i in range(0, rows, tile)])
 
 
-def attention(
-    q: mx.array,
-    k: mx.array,
-    v: mx.array,
-    q_pos: mx.array,
-    k_start: int,
-    k_len: int,
-    *,
-    scale: float,
-    causal: bool = True,
-    window: int | None = None,
+def key_mask(
+    q_pos: mx.array, k_start: int, k_rows: int, k_len: int, causal: bool = True, window: int | None = None
 ) -> mx.array:
+    """Which keys each query sees, shaped (query tiles, key tiles, QUERY_TILE, KEY_TILE).
+
+    Keys sit at absolute positions k_start .. k_start + k_rows - 1; a key is seen when its position is
+    below `k_len`, not after the query (causal), and within `window` positions of it (sliding).
+    Built once per segment and reused by every layer of the same kind.
+    """
+    nq, nk = q_pos.shape[0] // QUERY_TILE, k_rows // KEY_TILE
+    kpos = (mx.arange(k_rows, dtype=mx.int32) + k_start).reshape(nk, 1, KEY_TILE)
+    qp = q_pos.reshape(nq, 1, QUERY_TILE, 1)
+    seen = kpos < k_len
+    if causal:
+        seen = seen & (kpos <= qp)
+    if window is not None:
+        seen = seen & (qp - kpos < window)
+    return seen
+
+
+def attention(q: mx.array, k: mx.array, v: mx.array, seen: mx.array, *, scale: float) -> mx.array:
     """Attention of one stream's query rows over its keys, row-independent by construction.
 
-    q: (Hq, Rq, d) with Rq a multiple of ROW_TILE; k, v: (Hkv, Lk, d) with Lk a multiple of
-    KEY_TILE, key j at absolute position k_start + j; q_pos: (Rq,) absolute query positions.
-    A key is seen when its position is below `k_len`, not after the query (causal), and within
-    `window` positions of it (sliding). Returns (Hq, Rq, d).
+    q: (Hq, Rq, d) with Rq a multiple of QUERY_TILE; k, v: (Hkv, Lk, d) with Lk a multiple of
+    KEY_TILE; `seen` from `key_mask`. Returns (Hq, Rq, d).
     """
     hq, rq, d = q.shape
     hkv, lk, _ = k.shape
@@ -110,15 +117,7 @@ def attention(
     qt = (q * scale).reshape(hkv, group, nq, 1, QUERY_TILE, d)
     kt = k.reshape(hkv, 1, 1, nk, KEY_TILE, d).swapaxes(-1, -2)
     vt = v.reshape(hkv, 1, 1, nk, KEY_TILE, d)
-    scores = qt @ kt  # (hkv, group, nq, nk, QUERY_TILE, KEY_TILE): one fixed-shape gemm per tile pair
-    kpos = (mx.arange(lk, dtype=mx.int32) + k_start).reshape(nk, 1, KEY_TILE)
-    qp = q_pos.reshape(nq, 1, QUERY_TILE, 1)
-    seen = kpos < k_len
-    if causal:
-        seen = seen & (kpos <= qp)
-    if window is not None:
-        seen = seen & (qp - kpos < window)
-    scores = mx.where(seen, scores, -math.inf)
+    scores = mx.where(seen, qt @ kt, -math.inf)  # one fixed-shape gemm per (query tile, key tile)
     top = mx.max(mx.max(scores, axis=-1, keepdims=True), axis=3, keepdims=True)
     top = mx.maximum(top, -1e30)  # a padded query row with nothing to see stays finite
     e = mx.exp(scores - top)
@@ -126,3 +125,14 @@ def attention(
     out = mx.sum(e @ vt, axis=3)  # per key tile (QUERY_TILE x KEY_TILE) @ (KEY_TILE x d), summed in order
     out = out / mx.maximum(total, 1e-30)
     return out.reshape(hq, rq, d)
+
+
+def query_positions(start: int, n: int) -> mx.array:
+    """Absolute positions of n query rows from `start`, padded to whole query tiles (pads repeat start)."""
+    pad = (-n) % QUERY_TILE
+    return mx.concatenate([mx.arange(start, start + n, dtype=mx.int32), mx.full((pad,), start, dtype=mx.int32)])
+
+
+def pad_queries(q: mx.array) -> mx.array:
+    """(H, n, d) queries padded with zero rows to whole query tiles."""
+    return pad_rows(q.swapaxes(0, 1), QUERY_TILE).swapaxes(0, 1)

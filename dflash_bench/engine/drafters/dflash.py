@@ -20,7 +20,7 @@ from dflash_bench.engine.draft_config import DraftConfig, read_draft_config
 from dflash_bench.engine.errors import CheckpointError
 from dflash_bench.engine.sampling import SamplingParams, choose
 from dflash_bench.engine.targets.base import Target, repack
-from dflash_bench.engine.tiles import KEY_TILE, QUERY_TILE, Weight, attention, linear, pad_rows
+from dflash_bench.engine.tiles import KEY_TILE, Weight, attention, key_mask, linear, pad_queries, pad_rows, query_positions
 
 
 class DrafterState:
@@ -169,13 +169,8 @@ class DFlashDrafter:
         first = 0
         if layer["window"] is not None:
             first = max(0, start + n - layer["window"]) // KEY_TILE * KEY_TILE
-        pos = mx.arange(start, start + n, dtype=mx.int32)
-        pos = mx.concatenate([pos, mx.full(((-n) % QUERY_TILE,), start, dtype=mx.int32)])
-        qp = pad_rows(qs.swapaxes(0, 1), QUERY_TILE).swapaxes(0, 1)
-        o = attention(
-            qp, keys[:, first:], values[:, first:], pos, first, start + n,
-            scale=self.scale, causal=layer["causal"], window=layer["window"],
-        )[:, :n]
+        seen = key_mask(query_positions(start, n), first, keys.shape[1] - first, start + n, layer["causal"], layer["window"])
+        o = attention(pad_queries(qs), keys[:, first:], values[:, first:], seen, scale=self.scale)[:, :n]
         return o.transpose(1, 0, 2).reshape(n, self.heads * self.head_dim)
 
 

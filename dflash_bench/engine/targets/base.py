@@ -15,7 +15,7 @@ import mlx.core as mx
 
 from dflash_bench.engine.cache import TargetState
 from dflash_bench.engine.target_config import TargetConfig
-from dflash_bench.engine.tiles import ROW_TILE, Weight, linear, pad_rows
+from dflash_bench.engine.tiles import ROW_TILE, Weight, key_mask, linear, pad_rows, query_positions
 
 
 @dataclass
@@ -27,6 +27,14 @@ class Segment:
     state: TargetState
     logit_rows: list[int] = field(default_factory=list)  # rows (0-based in the segment) whose logits are wanted
     want_taps: bool = False
+    _masks: dict[int, mx.array] = field(default_factory=dict, repr=False)
+
+    def key_mask(self, k_rows: int) -> mx.array:
+        """The causal mask of this segment's rows over `k_rows` keys from position 0, built once."""
+        if k_rows not in self._masks:
+            n = len(self.tokens)
+            self._masks[k_rows] = key_mask(query_positions(self.start, n), 0, k_rows, self.start + n)
+        return self._masks[k_rows]
 
 
 @dataclass

@@ -7,7 +7,7 @@ import mlx.core as mx
 from dflash_bench.engine.cache import AttentionCache, TargetState
 from dflash_bench.engine.target_config import TargetConfig
 from dflash_bench.engine.targets.base import Segment, Target, per_segment, repack
-from dflash_bench.engine.tiles import QUERY_TILE, Weight, attention, linear, pad_rows
+from dflash_bench.engine.tiles import Weight, attention, linear, pad_queries
 
 
 class SelfAttention:
@@ -50,10 +50,7 @@ class SelfAttention:
             assert isinstance(cache, AttentionCache)
             cache.write(seg.start, ks, vs)
             keys, values = cache.view(seg.start + n)
-            pos = mx.arange(seg.start, seg.start + n, dtype=mx.int32)
-            qp = pad_rows(qs.swapaxes(0, 1), QUERY_TILE).swapaxes(0, 1)
-            pos = mx.concatenate([pos, mx.full(((-n) % QUERY_TILE,), seg.start, dtype=mx.int32)])
-            o = attention(qp, keys, values, pos, 0, seg.start + n, scale=self.scale)[:, :n]
+            o = attention(pad_queries(qs), keys, values, seg.key_mask(keys.shape[1]), scale=self.scale)[:, :n]
             o = o.transpose(1, 0, 2).reshape(n, self.heads * self.head_dim)
             if gate is not None:
                 o = o * mx.sigmoid(gate.reshape(n, -1))
