@@ -42,6 +42,7 @@ class Fake:
     active_memory: float = 1_000_000.0
     leak_per_drop: float = 0.0
     lie_sha: bool = False
+    refuse_past_window: bool = True
     ignore_seed: bool = False
     seen: list[tuple[int, ...]] = field(default_factory=list)
     dropped: int = 0
@@ -121,7 +122,7 @@ def make_app(fake: Fake) -> Starlette:
         body = await request.json()
         chat = request.url.path.endswith("chat/completions")
         ids = fake.prompt_ids(body)
-        if len(ids) + body.get("max_tokens", 16) > fake.context:
+        if fake.refuse_past_window and len(ids) + body.get("max_tokens", 16) > fake.context:
             return JSONResponse({"error": {"code": "context_length_exceeded", "type": "invalid_request_error",
                                            "message": f"{len(ids)} prompt tokens exceed the context {fake.context}"}},
                                 status_code=400)

@@ -1,0 +1,110 @@
+"""exactness against the fake server: equal replies pass, a divergence is named, a server without
+the `dflash` block is reported not run (never equal); and the prompt sets it reads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from dflash_bench.checks import prompts
+from dflash_bench.cli import app
+import fake_openai
+from fake_openai import FakeServer
+
+SMALL = ["--known-tokens", "12", "--probe-tokens", "12", "--long-tokens", "12"]
+
+
+def run_exactness(url: str, tmp_path, *extra: str):
+    out = tmp_path / "exactness.json"
+    res = CliRunner().invoke(app, ["exactness", "--url", url, "--out", str(out), *SMALL, *extra],
+                             env={"COLUMNS": "200"})
+    return res, json.loads(out.read_text())
+
+
+def test_drafted_equals_plain_passes_and_reports_tokens_per_round(tmp_path):
+    with FakeServer(context=32768) as fake:
+        res, data = run_exactness(fake.url, tmp_path)
+    assert res.exit_code == 0, res.output
+    assert data["verdict"]["passed"] and data["complete"] and not data["not_run"]
+    rows = data["aggregates"]["prompts"]
+    assert {r["kind"] for r in rows} == {"known", "code", "chat", "long"}
+    assert all(r["equal"] is True for r in rows)
+    assert all(r["drafted_tokens_per_round"] == 3.0 and r["plain_tokens_per_round"] == 1.0 for r in rows)
+    modes = [(r["prompt_id"], r["draft"]) for r in data["records"] if r["labels"].get("kind")]
+    assert modes[:2] == [("capital-france", True), ("capital-france", False)]
+    assert all(r["labels"].get("kind") is None or r["max_tokens"] == 12 for r in data["records"])
+
+
+def test_a_divergence_at_token_7_fails_naming_the_index_and_the_prompt(tmp_path):
+    with FakeServer(context=32768, diverge_at=7) as fake:
+        res, data = run_exactness(fake.url, tmp_path)
+    assert res.exit_code == 1
+    failures = data["verdict"]["failures"]
+    first = failures[0]
+    assert first["check"] == "drafted_equals_plain" and first["subject"] == "capital-france"
+    assert "capital-france" in first["message"] and "index 7" in first["message"]
+    assert all(r["first_diff"] == 7 and r["equal"] is False for r in data["aggregates"]["prompts"])
+    assert "index 7" in res.output
+
+
+def test_a_server_without_the_dflash_block_is_not_run_never_equal(tmp_path):
+    with FakeServer(context=32768, mlx_lm_like=True) as fake:
+        res, data = run_exactness(fake.url, tmp_path)
+    assert res.exit_code == 2
+    assert not data["verdict"]["passed"]
+    assert [n["check"] for n in data["not_run"]] == ["drafted_equals_plain"]
+    assert "dflash" in data["not_run"][0]["reason"]
+    assert all(r["equal"] is None for r in data["aggregates"]["prompts"])
+    assert data["aggregates"]["equal"] == 0
+    asked = [r for r in data["records"] if r["prompt_id"] != "capability-probe"]
+    assert asked and all(r["draft"] is None for r in asked)  # `draft` left out: the server does not know it
+
+
+def test_a_server_whose_draft_false_still_drafts_fails(tmp_path, monkeypatch):
+    original = fake_openai.Fake.reply_parts
+
+    def drafting_always(self, body, ids, out, cached):
+        usage, dflash = original(self, dict(body, draft=True), ids, out, cached)
+        return usage, dflash
+
+    monkeypatch.setattr(fake_openai.Fake, "reply_parts", drafting_always)
+    with FakeServer(context=32768) as fake:
+        res, data = run_exactness(fake.url, tmp_path)
+    assert res.exit_code == 1
+    assert any("not 1.0" in f["message"] for f in data["verdict"]["failures"])
+
+
+def test_a_verified_known_answer_that_is_missed_fails(tmp_path, monkeypatch):
+    folder = tmp_path / "prompts"
+    folder.mkdir()
+    for name in ("probes.json", "long.json", "prefill.json"):
+        (folder / name).write_text((prompts.PROMPTS_DIR / name).read_text())
+    (folder / "known_answers.json").write_text(json.dumps({"prompts": [
+        {"id": "capital-france", "text": "What is the capital of France?", "expect": "Paris", "verified": True}]}))
+    monkeypatch.setattr(prompts, "PROMPTS_DIR", folder)
+    with FakeServer(context=32768) as fake:
+        res, data = run_exactness(fake.url, tmp_path)
+    assert res.exit_code == 1
+    assert data["verdict"]["failures"][0]["check"] == "known_answers"
+
+
+def test_prompt_sets_load_with_answers_probes_and_long_prompts():
+    known = prompts.known_answers()
+    assert len(known) >= 8 and all(p.expect for p in known) and len({p.id for p in known}) == len(known)
+    probes = prompts.probes()
+    assert probes["code"].endpoint == "completions" and probes["chat"].endpoint == "chat"
+    assert "Fibonacci" in probes["code"].text
+    longs = prompts.long_prompts()
+    # about 4 characters a token: the two long prompts are about 1,200 and 2,500 tokens, past a 512-token window
+    assert sorted(len(p.text) // 4 > 1000 for p in longs) == [True, True]
+    assert max(len(p.text) for p in longs) // 4 > 2300
+    paragraph, sep = prompts.prefill_paragraph()
+    assert paragraph == "A lighthouse keeper writes in the log as the boats cross the bay."
+
+
+def test_a_missing_prompt_file_is_one_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(prompts, "PROMPTS_DIR", tmp_path)
+    with pytest.raises(prompts.BadPromptSet, match="known_answers.json is missing"):
+        prompts.known_answers()
