@@ -4,6 +4,10 @@ when the server keeps the contract, fails (or is not run) when it does not, and 
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+import time
 
 from typer.testing import CliRunner
 
@@ -153,3 +157,19 @@ def test_suite_writes_a_folder_and_show_reprints_it(tmp_path):
     assert shown.exit_code == 0 and "single stream code" in shown.output
     shown = CliRunner().invoke(app, ["show", str(folder), "--json"])
     assert shown.exit_code == 0 and shown.stdout.count('"schema_version"') == 7
+
+
+def test_ctrl_c_mid_run_writes_an_incomplete_receipt_and_exits_130(tmp_path):
+    out = tmp_path / "decode.json"
+    with FakeServer(chunk_delay=0.02) as fake:
+        proc = subprocess.Popen([sys.executable, "-m", "dflash_bench", "decode", "--url", fake.url, "--out", str(out),
+                                 "--tokens", "90", "--levels", "1,2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 60
+        while fake.fake.completed < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    data = json.loads(out.read_text())
+    assert data["complete"] is False and "interrupted" in data["incomplete_reason"]
+    assert data["records"] and not data["verdict"]["passed"]

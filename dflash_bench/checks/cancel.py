@@ -100,7 +100,7 @@ class _Steps:
             except Exception as err:  # re-raised in the main thread below
                 holder["err"] = err
 
-        thread = threading.Thread(target=run_probe)
+        thread = threading.Thread(target=run_probe, daemon=True)
         thread.start()
         dropped = self.ctx.client.send(self.dropping_stream(), drop_after_tokens=self.s.drop_after_tokens)
         thread.join()

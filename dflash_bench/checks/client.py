@@ -352,12 +352,18 @@ class Client:
             gate.wait()
             return self.send(req, labels=labels)
 
-        with ThreadPoolExecutor(max_workers=len(requests)) as pool:
+        pool = ThreadPoolExecutor(max_workers=len(requests))
+        try:
             futures = [pool.submit(go, req) for req in requests]
             gate.wait()
             t0 = time.perf_counter()
             records = [f.result() for f in futures]
             wall = time.perf_counter() - t0
+        finally:
+            # On Ctrl-C or an error, release threads still at the gate and do not wait here for
+            # streams still running: the runner closes the client (and stops a managed server).
+            gate.abort()
+            pool.shutdown(wait=False, cancel_futures=True)
         return records, wall
 
 

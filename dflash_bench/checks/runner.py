@@ -151,6 +151,8 @@ def run_check(spec: RunSpec, settings: dict, body: Callable[[Context], None],
     try:
         with progress, server:
             receipt.server.update(server.describe())
+            health = server.health or {}
+            receipt.server.update(target=health.get("model"), drafter=health.get("drafter"))
             client = Client(server.url, spec.request_timeout)
             try:
                 client.pick_model()
