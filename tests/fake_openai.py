@@ -45,6 +45,7 @@ class Fake:
     refuse_past_window: bool = True
     ignore_seed: bool = False
     seen: list[tuple[int, ...]] = field(default_factory=list)
+    models_asked: set = field(default_factory=set)
     dropped: int = 0
     completed: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -100,11 +101,14 @@ def _text(ids: list[int]) -> str:
 
 def make_app(fake: Fake) -> Starlette:
     async def health(request: Request):
+        if fake.mlx_lm_like:  # mlx_lm.server names no model and lists every model in its cache
+            return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "ready", "model": "fake", "drafter": "DFlash", "parallel": 4,
                              "context": fake.context})
 
     async def models(request: Request):
-        return JSONResponse({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
+        names = ["some/cached-model", "fake"] if fake.mlx_lm_like else ["fake"]
+        return JSONResponse({"object": "list", "data": [{"id": n, "object": "model"} for n in names]})
 
     async def metrics(request: Request):
         return PlainTextResponse(f"# TYPE dflash_active_memory_bytes gauge\ndflash_active_memory_bytes {fake.active_memory}\n"
@@ -120,6 +124,7 @@ def make_app(fake: Fake) -> Starlette:
 
     async def complete(request: Request):
         body = await request.json()
+        fake.models_asked.add(body.get("model"))
         chat = request.url.path.endswith("chat/completions")
         ids = fake.prompt_ids(body)
         if fake.refuse_past_window and len(ids) + body.get("max_tokens", 16) > fake.context:

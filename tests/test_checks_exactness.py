@@ -26,7 +26,9 @@ def run_exactness(url: str, tmp_path, *extra: str):
 def test_drafted_equals_plain_passes_and_reports_tokens_per_round(tmp_path):
     with FakeServer(context=32768) as fake:
         res, data = run_exactness(fake.url, tmp_path)
+        models_asked = fake.fake.models_asked
     assert res.exit_code == 0, res.output
+    assert models_asked == {"fake"} and data["server"]["model"] == "fake"
     assert data["verdict"]["passed"] and data["complete"] and not data["not_run"]
     rows = data["aggregates"]["prompts"]
     assert {r["kind"] for r in rows} == {"known", "code", "chat", "long"}
@@ -52,6 +54,8 @@ def test_a_divergence_at_token_7_fails_naming_the_index_and_the_prompt(tmp_path)
 def test_a_server_without_the_dflash_block_is_not_run_never_equal(tmp_path):
     with FakeServer(context=32768, mlx_lm_like=True) as fake:
         res, data = run_exactness(fake.url, tmp_path)
+        models_asked = fake.fake.models_asked
+    assert models_asked == {None}  # several models listed and none named: requests name none
     assert res.exit_code == 2
     assert not data["verdict"]["passed"]
     assert [n["check"] for n in data["not_run"]] == ["drafted_equals_plain"]

@@ -247,13 +247,18 @@ class Client:
         r.raise_for_status()
         return [m.get("id") for m in r.json().get("data", [])]
 
-    def pick_model(self) -> str | None:
-        """The model name requests carry: the server's first listed model, if it lists any."""
+    def pick_model(self, health: dict | None = None) -> str | None:
+        """The model name requests carry: the one /health names, else the only one /v1/models lists,
+        else none (a server such as mlx_lm.server loads whatever model a request names, so never guess)."""
+        named = (health or {}).get("model")
+        if isinstance(named, str) and named:
+            self.model = named
+            return named
         try:
             names = self.models()
         except httpx.HTTPStatusError:
             names = []
-        self.model = names[0] if names else None
+        self.model = names[0] if len(names) == 1 else None
         return self.model
 
     def metrics(self) -> dict[str, float] | None:

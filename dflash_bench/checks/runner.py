@@ -155,7 +155,7 @@ def run_check(spec: RunSpec, settings: dict, body: Callable[[Context], None],
             receipt.server.update(target=health.get("model"), drafter=health.get("drafter"))
             client = Client(server.url, spec.request_timeout)
             try:
-                client.pick_model()
+                client.pick_model(health)
                 receipt.server["model"] = client.model
                 ctx = Context(client, receipt, server, progress, spec.out)
                 body(ctx)
