@@ -273,8 +273,8 @@ class Client:
         return None if values is None else values.get(name)
 
     def tokenize(self, text: str) -> list[int] | None:
-        """Token ids from POST /tokenize, or None if the server has no such endpoint."""
-        r = self.http.post("/tokenize", json={"prompt": text})
+        """Token ids from POST /tokenize (no special tokens added), or None if the server has no such endpoint."""
+        r = self.http.post("/tokenize", json={"prompt": text, "add_special_tokens": False})
         if r.status_code in (404, 405):
             return None
         r.raise_for_status()
