@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 
 import pytest
@@ -109,3 +110,16 @@ def test_mlx_lm_like_reply_has_no_hash_ids_or_cached_tokens():
 def test_tokenize_and_detokenize_round_trip(client):
     ids = client.tokenize("A lighthouse keeper")
     assert client.detokenize(ids) == "A lighthouse keeper"
+
+
+def test_every_body_the_checks_send_parses_under_the_bundled_servers_schema():
+    schema = pytest.importorskip("dflash_bench.engine.openai_schema")
+    bodies = [
+        (schema.CompletionRequest, Request("a", prompt="text", max_tokens=4, temperature=0.7, seed=3, draft=False)),
+        (schema.CompletionRequest, Request("b", prompt=[1, 2, 3], max_tokens=1, stream=True)),
+        (schema.ChatRequest, Request("c", messages=[{"role": "user", "content": "hi"}], max_tokens=8, stream=True)),
+    ]
+    for model, req in bodies:
+        parsed = schema.parse(model, json.dumps(req.body("m")).encode())
+        assert parsed.draft == (req.draft is not False) and parsed.ignore_eos and parsed.return_token_ids
+        assert parsed.temperature == req.temperature and parsed.include_usage == req.stream
