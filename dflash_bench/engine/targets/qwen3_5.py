@@ -12,9 +12,10 @@ stream's earlier rows:
   at once are bit-equal to n single rows by construction on every backend (`mx.fast.gated_delta_update`
   is bit-equal too on MLX 0.32.4's CPU backend, but it is documented as chunked and may not be on a GPU).
 
-Rolling back part of a window re-runs the recurrence over the kept rows from the state the window
-started from (`LinearCache.redo`): the state after each row is never stored, since one is
-Hv x Dv x Dk floats per layer.
+Rolling back part of a window re-runs the conv and the recurrence over the kept rows from the state
+the window started from (`LinearCache.redo`): the state after each row is never stored, since one
+is Hv x Dv x Dk floats per layer. Until `keep` a multi-row segment's conv inputs stay referenced
+(rows x conv_dim floats per linear layer), so prefill should keep each chunk as soon as it is done.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ class GatedDeltaNet:
             y, state = gated_delta_ops(q[None], k[None], v[None], g[None], beta[None], cache.state[None])
             prev_conv, prev_state = cache.conv, cache.state
             cache.conv, cache.state = mx.contiguous(inputs[n:]), state[0]  # a copy: a view would pin the chunk
-            cache.redo = self.redo_fn(prev_conv, prev_state, inputs, q, k, v, g, beta) if n > 1 else None
+            cache.redo = self.redo_fn(prev_conv, prev_state, inputs, a[lo:hi], b[lo:hi]) if n > 1 else None
             cache.window_start = seg.start
             cache.length = seg.start + n
             outs.append(self.gated_norm(y[0], z[lo:hi].reshape(n, self.hv, self.dv)).reshape(n, -1))
@@ -92,14 +93,19 @@ class GatedDeltaNet:
         q, k = normalize_qk(q, k, inv_scale=self.dk**-0.5, eps=1e-6)
         return q, k, v, compute_g(self.A_log, a, self.dt_bias), mx.sigmoid(b)
 
-    def redo_fn(self, prev_conv, prev_state, inputs, q, k, v, g, beta):
-        """The (conv, state) after the first m rows of this window, from the state before it."""
+    def redo_fn(self, prev_conv: mx.array, prev_state: mx.array, inputs: mx.array, a: mx.array, b: mx.array):
+        """The (conv, state) after the first m rows of this window, from the state before it.
+
+        It keeps the conv inputs and the gates, not q/k/v: rows 0..m-1 of the conv are recomputed
+        with the same elementwise ops, so they are the same bits at half the memory held.
+        """
         span = self.kernel - 1
 
         def redo(m: int) -> tuple[mx.array, mx.array]:
             if m == 0:
                 return prev_conv, prev_state
-            _, state = gated_delta_ops(q[None, :m], k[None, :m], v[None, :m], g[None, :m], beta[None, :m], prev_state[None])
+            q, k, v, g, beta = self.mix(inputs[: m + span], m, a[:m], b[:m])
+            _, state = gated_delta_ops(q[None], k[None], v[None], g[None], beta[None], prev_state[None])
             return mx.contiguous(inputs[m : m + span]), state[0]
 
         return redo
