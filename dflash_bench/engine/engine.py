@@ -78,7 +78,8 @@ class Engine:
         self._lock = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stop = False
-        mx.eval(self.target.embed)
+        if self.loaded is not None:
+            mx.eval(list(self.loaded.weights.values()))
         self.baseline_bytes = mx.get_active_memory()
 
     # -- identity ------------------------------------------------------------------------------

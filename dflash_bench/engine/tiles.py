@@ -59,9 +59,12 @@ class Weight:
             )
         return x @ self.w.T
 
+    def arrays(self) -> list[mx.array]:
+        return [a for a in (self.w, self.scales, self.biases) if a is not None]
+
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes for a in (self.w, self.scales, self.biases) if a is not None)
+        return sum(a.nbytes for a in self.arrays())
 
 
 def row_tile(in_features: int, out_features: int) -> int:

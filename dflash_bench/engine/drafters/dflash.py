@@ -92,7 +92,21 @@ class DFlashDrafter:
                     causal=c.causal[i],
                 )
             )
-        self.nbytes = sum(v.nbytes for v in weights.values())
+        mx.eval(self.parameters())  # materialize now: later memory readings must not see lazy weights land
+        self.nbytes = sum(a.nbytes for a in self.parameters())
+
+    def parameters(self) -> list[mx.array]:
+        """Every array the drafter holds (quantized copies included)."""
+        out = [self.hidden_norm, self.norm, *self.fc.arrays()]
+        for layer in self.layers:
+            for value in layer.values():
+                if isinstance(value, Weight):
+                    out += value.arrays()
+                elif isinstance(value, tuple):
+                    out += [a for w in value for a in w.arrays()]
+                elif isinstance(value, mx.array):
+                    out.append(value)
+        return out
 
     def new_state(self) -> DrafterState:
         return DrafterState([AttentionCache(self.kv_heads, self.head_dim) for _ in self.layers])
