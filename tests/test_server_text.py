@@ -81,3 +81,10 @@ def test_text_that_may_start_a_stop_string_is_held_back(tok: Tokenizer) -> None:
 def test_stop_at_the_very_start_returns_nothing(tok: Tokenizer) -> None:
     text, sent, stream = run(tok, tok.encode(TEXT), ["Hé"], 2)
     assert (text, sent, stream.stopped) == ("", [], True)
+
+
+def test_a_reply_ending_inside_a_character_ends_as_decoding_all_ids_does(tok: Tokenizer) -> None:
+    ids = tok.encode("ok 🦊")[:-1]  # the fox's last byte is missing
+    text, sent, _ = run(tok, ids, None, 1)
+    assert text == tok.decode(ids) and text.endswith("\ufffd")
+    assert sent == ids

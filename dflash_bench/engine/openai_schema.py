@@ -150,13 +150,13 @@ def parse(model: type[Body], raw: bytes) -> Body:
 
 def _bad_request(err: ValidationError) -> BadRequest:
     first = err.errors(include_url=False)[0]
-    param = _path(first["loc"])
+    param = _path(first["loc"]) or None
     message = first["msg"].removeprefix("Value error, ")
     kind = first["type"]
     code = "missing_field" if kind == "missing" else "invalid_type" if kind.endswith("_type") else "invalid_value"
     if kind != "missing" and "input" in first and not isinstance(first["input"], (dict, list)):
         message += f" (got {json.dumps(first['input'])[:80]})"
-    return BadRequest(f"{param or 'body'}: {message}" if param else message, param, code)
+    return BadRequest(f"{param}: {message}" if param else message, param, code)
 
 
 def _path(loc: tuple[str | int, ...]) -> str:

@@ -6,7 +6,8 @@ what decoding the whole id list gives, never a stray replacement character. The 
 out text together with the tokens that produced it: while `stop` strings are set it holds back the
 tail that could still be the start of one. When a stop string appears, the text ends right before
 it and the tokens end with the one that carries the text's last character; the reply's token ids
-(and its token hash) are those tokens.
+(and its token hash) are those tokens. Without a stop string the final text is what decoding all the
+reply's ids gives.
 """
 
 from __future__ import annotations
@@ -33,12 +34,14 @@ class TextStream:
         self.backend = backend
         self.stop = list(stop or ())
         self.hold = max((len(s) for s in self.stop), default=1) - 1  # chars a stop string may still need
+        self.skip_special_tokens = skip_special_tokens
         self.decoder = DecodeStream(skip_special_tokens=skip_special_tokens)
         self.ids: list[int] = []
         self.ends: list[int] = [0]  # ends[k]: text length once ids[:k] are decoded
         self.complete: list[bool] = [True]  # complete[k]: ids[k-1] finished its characters
         self.text = ""
-        self.sent = 0  # tokens handed out (their text is text[:ends[sent]])
+        self.sent = 0  # tokens handed out
+        self.sent_chars = 0  # text handed out
         self.stopped = False
 
     @property
@@ -64,7 +67,13 @@ class TextStream:
         return self._take(self._safe())
 
     def finish(self) -> Delta:
-        """Everything still held back (the reply has ended)."""
+        """Everything still held back (the reply has ended). Without a stop string the text becomes
+        exactly what decoding all ids gives: bytes of an unfinished character decode as U+FFFD."""
+        if not self.stopped and self.ids:
+            whole = self.backend.decode(self.ids, skip_special_tokens=self.skip_special_tokens)
+            if whole.startswith(self.text):
+                self.text = whole
+                self.ends[-1] = len(whole)
         return self._take(len(self.ids))
 
     def _find_stop(self, start: int) -> int | None:
@@ -91,6 +100,7 @@ class TextStream:
         return k
 
     def _take(self, k: int) -> Delta:
-        delta = Delta(self.text[self.ends[self.sent] : self.ends[k]], self.ids[self.sent : k])
-        self.sent = max(self.sent, k)
+        end = max(self.sent_chars, self.ends[k])
+        delta = Delta(self.text[self.sent_chars : end], self.ids[self.sent : k])
+        self.sent, self.sent_chars = max(self.sent, k), end
         return delta

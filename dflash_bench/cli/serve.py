@@ -1,0 +1,90 @@
+"""`dflash-bench serve TARGET`: the bundled engine behind an OpenAI-compatible server (loopback by default).
+
+Startup order matters: the pre-load refusals run first, from the two config.json files alone, so a
+drafter for another target costs a one-line error and no weight is read. Then the server listens
+(GET /health answers "warming") while the weights load in a thread; once they are in, /health
+answers "ready" and one startup line names the target, the drafter kind, the streams and context,
+and the URL. Each reply then logs one line: id, prompt, cached, tokens, token_sha, finish, rounds,
+accepted/drafted.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+from typing import Annotated, Optional
+
+import typer
+import uvicorn
+
+from dflash_bench.cli import app
+from dflash_bench.engine.engine import Engine, Settings, preload
+from dflash_bench.engine.errors import DFlashBenchError
+from dflash_bench.engine.server import create_app, warm_up
+
+SHUTDOWN_GRACE_SECONDS = 5
+
+
+@app.command(rich_help_panel="Server")
+def serve(
+    target: Annotated[str, typer.Argument(help="'default' (SmolLM2-135M-Instruct), a .gguf file, or a checkpoint folder.")] = "default",
+    drafter: Annotated[Optional[str], typer.Option(help="DFlash or DFlash2 drafter folder (none: plain decode).")] = None,
+    parallel: Annotated[int, typer.Option(min=1, help="Streams that share rounds.")] = 4,
+    context: Annotated[int, typer.Option(min=2, help="Tokens a stream holds: prompt plus max_tokens.")] = 4096,
+    prompt_cache_gib: Annotated[float, typer.Option("--prompt-cache-gib", min=0.0, help="Prompt cache budget (0: off).")] = 0.0,
+    drafter_bits: Annotated[int, typer.Option(help="Quantize the drafter's matrices to this many bits (0: keep them).")] = Settings.drafter_bits,
+    host: Annotated[str, typer.Option(help="Address to listen on (loopback unless you mean otherwise).")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535, help="Port to listen on.")] = 8000,
+) -> None:
+    """Serve TARGET (and its drafter) with an OpenAI-compatible API: /v1/completions, /v1/chat/completions,
+    /health, /metrics, /tokenize, /detokenize."""
+    try:
+        preload(target, drafter)
+    except DFlashBenchError as err:
+        typer.echo(err.line(), err=True)
+        raise typer.Exit(1) from None
+    _request_log()
+    settings = Settings(parallel=parallel, context=context, prompt_cache_gib=prompt_cache_gib, drafter_bits=drafter_bits)
+    web = create_app()
+    server = uvicorn.Server(uvicorn.Config(web, host=host, port=port, log_level="warning", lifespan="off",
+                                           timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS))
+    url = f"http://{host}:{port}"
+    loaded: list[Engine] = []
+    failed: list[str] = []
+
+    def load() -> None:
+        try:
+            engine = Engine(target, drafter, settings)
+            warm_up(engine)
+        except Exception as err:  # a load error ends the server with its one line
+            failed.append(err.line() if isinstance(err, DFlashBenchError) else f"{type(err).__name__}: {err}")
+            server.should_exit = True
+            return
+        engine.start()
+        loaded.append(engine)
+        while not server.started and not server.should_exit:
+            time.sleep(0.01)
+        web.state.served.attach(engine)
+        typer.echo(f"{engine.startup_line()}, at {url}")
+
+    threading.Thread(target=load, name="dflash-load", daemon=True).start()
+    server.run()
+    for engine in loaded:
+        engine.stop()
+    if failed:
+        typer.echo(failed[0], err=True)
+        raise typer.Exit(1)
+    if not server.started:
+        raise typer.Exit(1)
+
+
+def _request_log() -> None:
+    """The per-reply lines go to stdout as plain text."""
+    logger = logging.getLogger("dflash_bench.server")
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
