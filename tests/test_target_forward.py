@@ -57,3 +57,13 @@ def test_taps_are_the_layer_outputs(family: str) -> None:
     hidden = target.config.hidden_size
     for j, i in enumerate(taps):
         assert_close(out.taps[:, j * hidden : (j + 1) * hidden], planes[i], f"{family} tap {i}")
+
+
+def test_a_rope_scaling_the_engine_does_not_run_is_refused_by_name():
+    from dflash_bench.engine.errors import BadTargetConfig
+    from dflash_bench.engine.target_config import parse_target_config
+
+    cfg = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=128, rope_scaling={"rope_type": "llama3", "factor": 32.0})
+    with pytest.raises(BadTargetConfig, match="llama3"):
+        parse_target_config(cfg)

@@ -103,6 +103,9 @@ def parse_target_config(cfg: dict[str, Any], name: str = "") -> TargetConfig:
     head_dim = text.get("head_dim") or hidden // heads
     rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
     rope_theta = float(text.get("rope_theta", rope.get("rope_theta", 10000.0)))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", None):
+        raise BadTargetConfig(f"config.json rope scaling {rope_type!r} is not supported, the engine runs plain RoPE ('default')")
     layer_types: tuple[str, ...]
     linear = None
     if family == "qwen3_5":
