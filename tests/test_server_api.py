@@ -361,6 +361,7 @@ def test_dropped_stream_frees_its_lane_and_changes_nothing_after(checkpoints) ->
         assert after['dflash_requests_total{outcome="length"}'] == 0
         assert after["dflash_completion_tokens_total"] < LONG
         assert after["dflash_active_memory_bytes"] == before["dflash_active_memory_bytes"]
+        assert after["dflash_active_memory_bytes"] == after["dflash_baseline_memory_bytes"]
         again = s.complete(**probe)
     assert again["choices"][0]["token_ids"] == reference["choices"][0]["token_ids"]
     assert again["dflash"]["token_sha"] == reference["dflash"]["token_sha"]

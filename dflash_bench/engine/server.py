@@ -313,12 +313,9 @@ class Served:
 
 
 def warm_up(engine: Engine) -> None:
-    """One short drafted request in the caller's thread, before `engine.start()`.
-
-    It evaluates every weight a round touches in the thread that loaded them: MLX ties a lazy array
-    to the loading thread's stream, and the drafter's weights are still lazy after load, so the
-    round thread's first drafted round would fail ("There is no Stream(cpu, 0) in current thread").
-    It also pays the first-call costs before /health says ready."""
+    """One short drafted request in the caller's thread, before `engine.start()`: the first round
+    pays one-off costs (kernel set-up, allocator growth) before /health says ready, and an engine
+    that cannot run a round stops startup here instead of failing the first client."""
     prompt = engine.tokenizer.encode("Hello") if engine.tokenizer else []
     result = engine.generate(Request(prompt or [0], max_tokens=4, temperature=0.0, ignore_eos=True))
     if result.finish == "error":
