@@ -43,6 +43,7 @@ class Fake:
     leak_per_drop: float = 0.0
     lie_sha: bool = False
     refuse_past_window: bool = True
+    drafter: str | None = "DFlash"
     ignore_seed: bool = False
     seen: list[tuple[int, ...]] = field(default_factory=list)
     models_asked: set = field(default_factory=set)
@@ -88,7 +89,7 @@ class Fake:
         usage = {"prompt_tokens": len(ids), "completion_tokens": len(out), "total_tokens": len(ids) + len(out)}
         dflash = {"token_sha": sha12(out[::-1] if self.lie_sha else out), "rounds": -(-len(out) // int(tpr)), "drafted": len(out) * 2 if drafted else 0,
                   "accepted": len(out) - 1 if drafted else 0, "tokens_per_round": tpr,
-                  "drafter": "DFlash" if drafted else None, "prefill_seconds": 0.001 + len(ids) * 1e-6,
+                  "drafter": self.drafter if drafted else None, "prefill_seconds": 0.001 + len(ids) * 1e-6,
                   "decode_seconds": 0.01}
         if not self.mlx_lm_like:
             usage["prompt_tokens_details"] = {"cached_tokens": cached}

@@ -112,3 +112,11 @@ def test_a_missing_prompt_file_is_one_clear_error(tmp_path, monkeypatch):
     monkeypatch.setattr(prompts, "PROMPTS_DIR", tmp_path)
     with pytest.raises(prompts.BadPromptSet, match="known_answers.json is missing"):
         prompts.known_answers()
+
+
+def test_a_server_without_a_drafter_passes_with_a_warning_that_the_comparison_is_trivial(tmp_path):
+    with FakeServer(context=32768, drafter=None) as fake:
+        res, data = run_exactness(fake.url, tmp_path)
+    assert res.exit_code == 0
+    assert [w["check"] for w in data["verdict"]["warnings"] if w["check"] == "drafter"] == ["drafter"]
+    assert "no drafter" in res.output

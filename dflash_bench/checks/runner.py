@@ -91,6 +91,9 @@ class Context:
                                      cached_tokens=rec.cached_tokens is not None, drafter=rec.drafter,
                                      probe_error=None if rec.ok else rec.error)
             self.receipt.server["capabilities"] = vars(self.caps)
+            if self.caps.dflash and self.caps.drafter is None and rec.ok:
+                self.receipt.warn("drafter", "server", "the server reports no drafter (dflash.drafter is null): "
+                                  "drafted requests decode plainly, so drafted-vs-plain comparisons are trivial")
         return self.caps
 
     def keep(self, rec: Record, **labels) -> Record:
@@ -153,6 +156,8 @@ def run_check(spec: RunSpec, settings: dict, body: Callable[[Context], None],
             receipt.server.update(server.describe())
             health = server.health or {}
             receipt.server.update(target=health.get("model"), drafter=health.get("drafter"))
+            if health.get("startup_line"):
+                receipt.server["startup_line"] = health["startup_line"]
             client = Client(server.url, spec.request_timeout)
             try:
                 client.pick_model(health)
@@ -176,7 +181,7 @@ def run_check(spec: RunSpec, settings: dict, body: Callable[[Context], None],
     finally:
         if not receipt.server:
             receipt.server.update(server.describe())
-        if server.managed:
+        if server.managed and server.startup_line():
             receipt.server["startup_line"] = server.startup_line()
         if not receipt.finished_at:
             receipt.finish(False, "stopped before the run finished")
