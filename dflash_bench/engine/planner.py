@@ -216,10 +216,11 @@ def tap_row_bytes(draft: DraftConfig, act_bytes: int = 2) -> int:
     return (2 * len(draft.taps) + 2) * h * act_bytes
 
 
-def ring_row_bytes(draft: DraftConfig, act_bytes: int = 2) -> int:
-    """One token of a drafter's ring: a v1 drafter's fused row (hidden), DFlash2's raw tap planes."""
-    planes = len(draft.taps) if draft.is_dflash2 else 1
-    return planes * draft.hidden_size * act_bytes
+def ring_row_bytes(draft: DraftConfig, act_bytes: int = 2, fused: bool | None = None) -> int:
+    """One token of a drafter's ring: a v1 drafter's fused row (hidden wide), DFlash2's raw tap planes
+    (taps x hidden); `fused=False` prices a v1 drafter's rows raw, as they were before fusing."""
+    fused = not draft.is_dflash2 if fused is None else fused
+    return (1 if fused else len(draft.taps)) * draft.hidden_size * act_bytes
 
 
 def drafter_weight_bytes(draft: DraftConfig, bits: int, backend: Backend) -> tuple[int, int]:
