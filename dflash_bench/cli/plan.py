@@ -1,0 +1,167 @@
+"""`dflash-bench plan TARGET [--drafter DIR] [--parallel N] [--context C] [--prompt-cache-gib G] [--memory-gib M]`.
+
+Prices every term of serving from the two config.json files alone (no weight is read) and says how
+many streams of `--context` tokens fit; `--json` prints the plan as JSON. `--check` then loads the
+engine in this process, fills the planned streams and compares the plan with the measured peak,
+writing a receipt (exit 0 within the tolerance, 1 beyond it).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from dflash_bench.checks import memory
+from dflash_bench.checks.receipt import Receipt, canonical_json, exit_code, utc_stamp
+from dflash_bench.checks.runner import make_progress
+from dflash_bench.cli import app
+from dflash_bench.engine.checkpoint import read_target_config
+from dflash_bench.engine.draft_config import DraftConfig
+from dflash_bench.engine.errors import DFlashBenchError
+from dflash_bench.engine.planner import BACKENDS, GIB, Plan, PlanInputs, admit, backend_memory_bytes, plan
+from dflash_bench.engine.preload import check_dirs, read_target_json
+from dflash_bench.engine.target_config import TargetConfig
+
+
+def read_configs(target: str, drafter: str | None) -> tuple[TargetConfig, DraftConfig | None]:
+    """The target's config (a checkpoint, `default`, or a bare config.json) and the drafter's, checked as a pair."""
+    cfg = read_target_json(target) if target.endswith(".json") else read_target_config(target)
+    if drafter is None:
+        return cfg, None
+    return check_dirs(cfg, drafter)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f}" if n else "-"
+
+
+def plan_table(p: Plan) -> Group:
+    """Every term in MiB, each stream term in both phases, then the totals and the verdict."""
+    i = p.inputs
+    t = Table(title=f"plan: {i.target.name or i.target.family}"
+                    f"{f' + {i.drafter.kind}' if i.drafter else ''}, {i.parallel} x {i.context} tokens, "
+                    f"{i.backend.name}")
+    for col, just in (("term", "left"), ("counts", "left"), ("prompt pass MiB", "right"), ("decoding MiB", "right"),
+                      ("detail", "left")):
+        t.add_column(col, justify=just)
+    counts = {"weights": "once", "shared": "once", "stream": f"x {i.parallel}", "load": "at load"}
+    for term in p.terms:
+        t.add_row(term.name, counts[term.scope], _mib(term.prompt), _mib(term.decode), term.detail,
+                  style="cyan" if term.drafter else None)
+    t.add_section()
+    t.add_row("a stream", "", _mib(p.stream_prompt_bytes), _mib(p.stream_decode_bytes), "priced at the larger phase")
+    t.add_row("total", "", _mib(p.total_bytes), "", f"{p.total_bytes / GIB:.2f} GiB", style="bold")
+    lines = [t]
+    if i.memory_bytes is not None:
+        verdict = "fits" if p.fits else "does not fit"
+        lines.append(Text(f"{verdict} in {i.memory_bytes / GIB:.2f} GiB; {p.streams_fit} streams of {i.context} "
+                          f"tokens fit", style="green" if p.fits else "red"))
+    return Group(*lines)
+
+
+def check_table(r: Receipt) -> Table:
+    """Predicted against measured, from a plan --check receipt."""
+    c = r.aggregates.get("comparison", {})
+    t = Table(title=f"plan --check: predicted vs measured peak (tolerance ±{c.get('tolerance', 0):.0%})")
+    for col in ("peak", "predicted MiB", "measured MiB", "error"):
+        t.add_column(col, justify="left" if col == "peak" else "right")
+    for what, label in (("mlx", "MLX peak (the plan)"), ("process", "process RSS (plan + interpreter)")):
+        if what in c:
+            t.add_row(label, _mib(c[what]["predicted_bytes"]), _mib(c[what]["measured_bytes"]), f"{c[what]['error']:+.1%}")
+    return t
+
+
+@app.command("plan", rich_help_panel="Checks")
+def plan_command(
+    target: Annotated[str, typer.Argument(help="A checkpoint folder, a .gguf, a config.json, or 'default'.")] = "default",
+    drafter: Annotated[Optional[str], typer.Option(help="Drafter folder (or its config.json).")] = None,
+    parallel: Annotated[int, typer.Option(min=1, help="Streams served at once.")] = 1,
+    context: Annotated[int, typer.Option(min=2, help="Tokens a stream holds (prompt plus reply).")] = 4096,
+    prompt_cache_gib: Annotated[float, typer.Option("--prompt-cache-gib", min=0, help="Prompt cache budget.")] = 0.0,
+    memory_gib: Annotated[Optional[float], typer.Option("--memory-gib", min=0,
+                                                        help="Memory the backend may use (default: MLX's limit).")] = None,
+    drafter_bits: Annotated[int, typer.Option(help="Drafter matrices' bits (0 keeps them float).")] = 0,
+    backend: Annotated[str, typer.Option(help="cpu (float32, this engine) or gpu (bf16 activations, weights as "
+                                              "stored).")] = "cpu",
+    json_out: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+    check: Annotated[bool, typer.Option(help="Load the engine, fill the streams, compare with the measured peak.")] = False,
+    max_tokens: Annotated[Optional[int], typer.Option(help="--check: each reply's tokens (default: a drafter block "
+                                                           "plus one, or 8).")] = None,
+    tolerance: Annotated[float, typer.Option(help="--check: the largest |predicted / measured - 1| that passes.")] = 0.10,
+    out: Annotated[Optional[Path], typer.Option(help="--check receipt path (default receipts/plan-<UTC stamp>.json).")] = None,
+):
+    """Price serving N streams of C tokens from config.json files alone; --check measures it."""
+    try:
+        if backend not in BACKENDS:
+            raise DFlashBenchError(f"--backend is {backend!r}, expected one of {', '.join(BACKENDS)}")
+        if check and backend != "cpu":
+            raise DFlashBenchError(f"--check runs this engine, whose backend is cpu; --backend is {backend!r}")
+        tcfg, dcfg = read_configs(target, drafter)
+        memory_bytes = int(memory_gib * GIB) if memory_gib is not None else backend_memory_bytes()
+        inputs = PlanInputs(tcfg, dcfg, parallel, context, prompt_cache_gib, drafter_bits if dcfg else 0,
+                            memory_bytes, BACKENDS[backend])
+        p = plan(inputs)
+    except (DFlashBenchError, ValueError) as err:
+        typer.echo(err.line() if isinstance(err, DFlashBenchError) else f"plan: {err}", err=True)
+        raise typer.Exit(1) from None
+    if not check:
+        if json_out:
+            typer.echo(canonical_json(p.to_dict()), nl=False)
+        else:
+            Console().print(plan_table(p))
+        raise typer.Exit(0 if p.fits is not False else 1)
+    _check(p, target, drafter, max_tokens, tolerance, out, json_out)
+
+
+def _check(p: Plan, target: str, drafter: str | None, max_tokens: int | None, tolerance: float, out: Path | None,
+           json_out: bool) -> None:
+    i = p.inputs
+    tokens = max_tokens or ((i.drafter.block_size + 1) if i.drafter else 8)
+    if tokens >= i.context:
+        typer.echo(f"plan: --max-tokens {tokens} leaves no prompt in a context of {i.context}", err=True)
+        raise typer.Exit(1)
+    decision = admit(i)
+    if decision.refused_reason:
+        typer.echo(f"plan --check: {decision.line()}", err=True)
+        raise typer.Exit(1)
+    settings = {"target": target, "drafter": drafter, "parallel": i.parallel, "context": i.context,
+                "prompt_cache_gib": i.prompt_cache_gib, "drafter_bits": i.drafter_bits, "memory_bytes": i.memory_bytes,
+                "backend": i.backend.name, "max_tokens": tokens, "prompt_tokens": i.context - tokens,
+                "tolerance": tolerance, "chunk": i.chunk}
+    receipt = Receipt.new("plan", list(sys.argv), settings)
+    path = out or Path("receipts") / f"plan-{utc_stamp()}.json"
+    interrupted = False
+    progress = make_progress()
+    try:
+        with progress:
+            task = progress.add_task("plan --check rounds", total=None)
+            memory.run(p, target, drafter, memory.CheckSettings(tokens, tolerance), receipt,
+                       lambda n: progress.advance(task, n))
+        receipt.finish(True)
+    except KeyboardInterrupt:
+        interrupted = True
+        receipt.finish(False, "interrupted (Ctrl-C)")
+    except DFlashBenchError as err:
+        receipt.finish(False, err.line())
+    finally:
+        if not receipt.finished_at:
+            receipt.finish(False, "stopped before the run finished")
+        receipt.write(path)
+    if json_out:
+        typer.echo(canonical_json(receipt.to_dict()), nl=False)
+    else:
+        console = Console()
+        console.print(plan_table(p))
+        console.print(check_table(receipt))
+        for f in receipt.failures:
+            console.print(f"failed: {f['message']}", style="red")
+        for w in receipt.warnings:
+            console.print(f"warning: {w['message']}", style="yellow")
+        console.print(f"receipt: {path}", style="dim")
+    raise typer.Exit(exit_code(receipt, interrupted))
