@@ -123,10 +123,11 @@ class DFlashDrafter:
             spans.append((rows, rows + taps.shape[0]))
             rows += taps.shape[0]
         fused = mx.fast.rms_norm(linear(pad_rows(mx.concatenate([t for _, t in items])), self.fc), self.hidden_norm, self.eps)
+        starts = [state.length for state, _ in items]  # read once: writing layer 0 advances state.length
         for li, layer in enumerate(self.layers):
             k, v = linear(fused, layer["k"]), linear(fused, layer["v"])
-            for (state, _), (a, b) in zip(items, spans):
-                n, start = b - a, state.length
+            for (state, _), (a, b), start in zip(items, spans, starts):
+                n = b - a
                 ks = mx.fast.rms_norm(k[a:b].reshape(n, self.kv_heads, self.head_dim), layer["k_norm"], self.eps)
                 ks = self.rope(ks.transpose(1, 0, 2), start)
                 vs = v[a:b].reshape(n, self.kv_heads, self.head_dim).transpose(1, 0, 2)
