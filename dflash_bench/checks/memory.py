@@ -3,8 +3,9 @@
 The load is the plan's worst moment: every stream's prompt fills the context but for `max_tokens`
 (enough to reach a decode window), and all streams start in the same round, so their last prompt
 chunks, the largest working sets, run together while the caches hold the most a prompt pass grows
-them to. Measured: MLX's peak (what the planner prices) and the process's peak RSS (which adds the
-interpreter and libraries, measured here before the engine loads, and MLX's buffer cache).
+them to. Measured: MLX's peak (what the planner prices) and the process's peak RSS, predicted as the
+plan plus what the process holds beside MLX's arrays once loaded (interpreter, libraries, tokenizer,
+BLAS buffers: measured, not priced), so the RSS comparison also catches MLX's buffer cache growing.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ def run(plan: Plan, target: str, drafter: str | None, s: CheckSettings, receipt:
     engine = Engine(target, drafter, Settings(i.parallel, i.context, i.prompt_cache_gib, i.drafter_bits, i.chunk))
     load_seconds = time.perf_counter() - started
     load_peak = mx.get_peak_memory()
+    beside_mlx = rss_bytes() - mx.get_active_memory() - mx.get_cache_memory()  # interpreter, libraries, tokenizer
     prompt_len = i.context - s.max_tokens
     requests = [Request(prompt_ids(prompt_len, j, i.target.vocab_size), max_tokens=s.max_tokens, ignore_eos=True,
                         seed=j, id=f"stream-{j}") for j in range(i.parallel)]
@@ -70,7 +72,7 @@ def run(plan: Plan, target: str, drafter: str | None, s: CheckSettings, receipt:
         engine.step()
         advance(1)
     results = [h.result() for h in handles]
-    mlx_peak, rss_peak = mx.get_peak_memory(), peak_rss_bytes()
+    mlx_peak, rss_peak, mlx_cache = mx.get_peak_memory(), peak_rss_bytes(), mx.get_cache_memory()
     loaded = engine.loaded
     receipt.server.update(
         engine="bundled (in-process)", target=loaded.config.name if loaded else target, drafter=engine.drafter_kind,
@@ -87,11 +89,13 @@ def run(plan: Plan, target: str, drafter: str | None, s: CheckSettings, receipt:
         })
         if res.finish != "length":
             receipt.fail("plan", r.id, f"{r.id} finished with {res.finish!r} ({res.error}), not after max_tokens")
-    predicted, process = plan.total_bytes, plan.total_bytes + rss_base
+    predicted, process = plan.total_bytes, plan.total_bytes + beside_mlx
     receipt.aggregates.update(
         plan=plan.to_dict(),
-        measured={"mlx_peak_bytes": mlx_peak, "mlx_load_peak_bytes": load_peak, "rss_peak_bytes": rss_peak,
-                  "rss_before_load_bytes": rss_base, "load_seconds": load_seconds, "rounds": engine.lanes.rounds},
+        measured={"mlx_peak_bytes": mlx_peak, "mlx_load_peak_bytes": load_peak, "mlx_cache_bytes_after": mlx_cache,
+                  "rss_peak_bytes": rss_peak, "rss_before_load_bytes": rss_base,
+                  "rss_beside_mlx_after_load_bytes": beside_mlx, "load_seconds": load_seconds,
+                  "rounds": engine.lanes.rounds},
         comparison={
             "mlx": {"predicted_bytes": predicted, "measured_bytes": mlx_peak, "error": predicted / mlx_peak - 1},
             "process": {"predicted_bytes": process, "measured_bytes": rss_peak, "error": process / rss_peak - 1},

@@ -71,7 +71,7 @@ def check_table(r: Receipt) -> Table:
     t = Table(title=f"plan --check: predicted vs measured peak (tolerance ±{c.get('tolerance', 0):.0%})")
     for col in ("peak", "predicted MiB", "measured MiB", "error"):
         t.add_column(col, justify="left" if col == "peak" else "right")
-    for what, label in (("mlx", "MLX peak (the plan)"), ("process", "process RSS (plan + interpreter)")):
+    for what, label in (("mlx", "MLX peak (the plan)"), ("process", "process RSS (plan + what loading left beside MLX)")):
         if what in c:
             t.add_row(label, _mib(c[what]["predicted_bytes"]), _mib(c[what]["measured_bytes"]), f"{c[what]['error']:+.1%}")
     return t
