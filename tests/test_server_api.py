@@ -83,11 +83,13 @@ class LiveServer:
         text = self.http.get("/metrics").text
         return {m[1]: float(m[2]) for m in re.finditer(r"^([a-z_]+(?:\{[^}]*\})?) (\S+)$", text, re.M)}
 
-    def wait_idle(self, timeout: float = 20.0) -> dict[str, float]:
+    def wait_idle(self, timeout: float = 20.0, replies: int | None = None) -> dict[str, float]:
+        """Metrics once no stream is active or waiting (and, if given, once `replies` replies are counted)."""
         deadline = time.monotonic() + timeout
         while True:
             m = self.metrics()
-            if m["dflash_active_streams"] == 0 and m["dflash_waiting_requests"] == 0:
+            counted = sum(v for k, v in m.items() if k.startswith("dflash_requests_total"))
+            if m["dflash_active_streams"] == 0 and m["dflash_waiting_requests"] == 0 and counted >= (replies or 0):
                 return m
             assert time.monotonic() < deadline, f"the server did not go idle: {m}"
             time.sleep(0.02)
@@ -355,7 +357,7 @@ def test_dropped_stream_frees_its_lane_and_changes_nothing_after(checkpoints) ->
                 if '"text"' in line:
                     break  # drop the connection after the first tokens
             assert s.http.get("/health").json()["active_streams"] == 1
-        after = s.wait_idle(timeout=10)  # far sooner than the LONG tokens would take
+        after = s.wait_idle(timeout=10, replies=1)  # far sooner than the LONG tokens would take
         assert s.http.get("/health").json()["active_streams"] == 0
         assert after['dflash_requests_total{outcome="cancelled"}'] == 1
         assert after['dflash_requests_total{outcome="length"}'] == 0
@@ -372,8 +374,8 @@ def test_dropped_non_streaming_client_is_cancelled(checkpoints) -> None:
         with pytest.raises(httpx.ReadTimeout):
             s.http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True},
                         timeout=httpx.Timeout(60.0, read=0.5))
-        after = s.wait_idle(timeout=10)
-        assert after['dflash_requests_total{outcome="cancelled"}'] == 1
+        after = s.wait_idle(timeout=10, replies=1)
+        assert after['dflash_requests_total{outcome="cancelled"}'] == 1, after
         assert after["dflash_completion_tokens_total"] < LONG
         assert_still_serving(s)
 

@@ -146,7 +146,7 @@ def test_openai_chat_streamed_and_not(client: openai.OpenAI) -> None:
 def test_raw_httpx_token_id_prompt_and_sse(served) -> None:
     text = "def fibonacci(n):"
     ids = httpx.post(f"{served.url}/tokenize", json={"prompt": text}).json()["tokens"]
-    body = {"max_tokens": 4, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    body = {"max_tokens": 3, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
     by_text = httpx.post(f"{served.url}/v1/completions", json=body | {"prompt": text}, timeout=60).json()
     by_ids = httpx.post(f"{served.url}/v1/completions", json=body | {"prompt": ids}, timeout=60).json()
     assert by_ids["choices"][0]["token_ids"] == by_text["choices"][0]["token_ids"]
@@ -157,18 +157,6 @@ def test_raw_httpx_token_id_prompt_and_sse(served) -> None:
     assert lines[-1] == "data: [DONE]"
     payloads = [json.loads(line[6:]) for line in lines[:-1]]
     assert [i for p in payloads for i in p["choices"][0]["token_ids"]] == by_ids["choices"][0]["token_ids"]
-
-
-def test_resumed_prompt_reports_cached_tokens_and_equals_fresh(served) -> None:
-    paragraph = "A lighthouse keeper writes in the log as the boats cross the bay. "
-    ids = httpx.post(f"{served.url}/tokenize", json={"prompt": paragraph * 30}).json()["tokens"][:270]
-    body = {"prompt": ids, "max_tokens": 3, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
-    fresh = httpx.post(f"{served.url}/v1/completions", json=body, timeout=120).json()
-    resumed = httpx.post(f"{served.url}/v1/completions", json=body, timeout=120).json()
-    assert fresh["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    assert resumed["usage"]["prompt_tokens_details"]["cached_tokens"] == 256  # the engine's chunk boundary
-    assert resumed["choices"][0]["token_ids"] == fresh["choices"][0]["token_ids"]
-    assert resumed["dflash"]["token_sha"] == fresh["dflash"]["token_sha"]
 
 
 def test_startup_line_names_a_dflash_drafter(tmp_path: Path) -> None:
@@ -191,15 +179,23 @@ def gguf_float32_bytes(path: Path) -> int:
     return sum(math.prod(t.shape) * 4 for t in gguf.read_header(path).tensors.values())
 
 
+# Runs argv[2:] with its output in the file argv[1] and prints its exit code and peak RSS (ru_maxrss).
+# Linux counts a child's memory from before its exec as its own (the parent's pages, when it is forked
+# from pytest), so the measured process is started by this small interpreter instead.
+MEASURE = ("import os, subprocess, sys\n"
+           "with open(sys.argv[1], 'wb') as out:\n"
+           "    pid = subprocess.Popen(sys.argv[2:], stdout=out, stderr=subprocess.STDOUT).pid\n"
+           "    _, status, usage = os.wait4(pid, 0)\n"
+           "print(os.waitstatus_to_exitcode(status), usage.ru_maxrss)\n")
+
+
 def run_refused(args: list[str], tmp_path: Path) -> tuple[int, str, int]:
     """Run serve to its exit; return (exit code, output, the process's own peak RSS in bytes)."""
     log = tmp_path / "refused.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([*SERVE, *args, "--port", str(free_port())], stdout=out, stderr=subprocess.STDOUT,
-                                cwd=ROOT)
-        _, status, usage = os.wait4(proc.pid, 0)
-    peak = usage.ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-    return os.waitstatus_to_exitcode(status), log.read_text(), peak
+    measured = subprocess.run([sys.executable, "-c", MEASURE, str(log), *SERVE, *args, "--port", str(free_port())],
+                              cwd=ROOT, capture_output=True, text=True, check=True)
+    code, maxrss = map(int, measured.stdout.split())
+    return code, log.read_text(), maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
 def test_drafter_for_another_target_stops_startup_before_the_weights_load(tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 import jinja2
-from fastapi import FastAPI, Request as HTTPRequest
+from fastapi import BackgroundTasks, FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from dflash_bench.engine.engine import Engine
@@ -42,7 +42,7 @@ from dflash_bench.engine.textstream import Delta, TextStream
 log = logging.getLogger("dflash_bench.server")
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the window
-DISCONNECT_POLL = 0.05  # seconds between disconnect checks while a request waits for its next round
+DISCONNECT_POLL = 0.05  # seconds between disconnect checks while a request runs
 OUTCOMES = ("stop", "length", "cancelled", "error", "context_length_exceeded", "invalid_request")
 TOTALS = ("stream_rounds", "drafted_tokens", "accepted_tokens", "prompt_tokens", "cached_tokens", "completion_tokens")
 
@@ -213,8 +213,8 @@ class Served:
         engine = self.ready()
         request = Request(prompt, max_tokens, body.temperature, body.top_p, max(body.top_k, 0), body.seed,
                           body.draft, body.ignore_eos)
-        try:
-            handle = engine.submit(request)
+        try:  # in a worker thread: submit waits for the round in progress to end
+            handle = await asyncio.to_thread(engine.submit, request)
         except ContextExceeded as err:
             raise BadRequest(str(err), prompt_param, "context_length_exceeded", prompt_tokens=err.prompt_tokens,
                              max_tokens=err.max_tokens, context=err.context) from None
@@ -224,8 +224,10 @@ class Served:
                   TextStream(engine.tokenizer.backend, body.stop))
         events = self.forward(job)
         if body.stream:
+            after = BackgroundTasks()  # runs once the response ends, even if the stream never started
+            after.add_task(self.abandon, job)
             return StreamingResponse(self.sse(http, job, events), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+                                     headers={"Cache-Control": "no-cache"}, background=after)
         async for _ in self.follow(http, job, events):
             pass
         self.record(job)
@@ -256,12 +258,15 @@ class Served:
     async def follow(self, http: HTTPRequest, job: Job, events: asyncio.Queue[Event]) -> AsyncIterator[Delta]:
         """Text and token deltas as rounds produce them, until the finish event; cancels the request
         when the client disconnects or a stop string appears."""
+        next_check = 0.0
         while True:
-            try:
-                event = await asyncio.wait_for(events.get(), DISCONNECT_POLL) if events.empty() else events.get_nowait()
-            except asyncio.TimeoutError:
-                if not job.handle.cancelled.is_set() and await http.is_disconnected():
+            if not job.handle.cancelled.is_set() and time.monotonic() >= next_check:
+                next_check = time.monotonic() + DISCONNECT_POLL
+                if await http.is_disconnected():
                     job.handle.cancel()
+            try:
+                event = await asyncio.wait_for(events.get(), DISCONNECT_POLL)
+            except asyncio.TimeoutError:
                 continue
             if event.tokens:
                 delta = job.text.feed(event.tokens)
@@ -277,8 +282,9 @@ class Served:
 
     async def sse(self, http: HTTPRequest, job: Job, events: asyncio.Queue[Event]) -> AsyncIterator[str]:
         try:
-            if job.chat:
-                yield _data(job.head() | {"choices": [job.choice(Delta("", []), None) | {"delta": {"role": "assistant", "content": ""}}]})
+            if job.chat:  # the first chunk names the role
+                role = job.choice(Delta("", []), None) | {"delta": {"role": "assistant", "content": ""}}
+                yield _data(job.head() | {"choices": [role]})
             async for delta in self.follow(http, job, events):
                 yield _data(job.head() | {"choices": [job.choice(delta, None)]})
             self.record(job)
@@ -291,13 +297,19 @@ class Served:
                     yield _data(job.head() | {"choices": [], "usage": job.usage()})
             yield "data: [DONE]\n\n"
         finally:
-            with job.lock:
-                done = job.final is not None
-                job.abandoned = not job.recorded
-            if not job.recorded:  # the client left mid-reply: cancel; the forwarding thread records it
-                job.handle.cancel()
-                if done:
-                    self.record(job)
+            self.abandon(job)
+
+    def abandon(self, job: Job) -> None:
+        """The client went away before its reply was recorded: cancel the request (the engine drops it
+        at its next round) and record it once its finish event is in, here or in the forwarding thread."""
+        with job.lock:
+            if job.recorded:
+                return
+            job.abandoned = True
+            done = job.final is not None
+        job.handle.cancel()
+        if done:
+            self.record(job)
 
     def record(self, job: Job) -> None:
         """Count the reply and log its line, once."""
