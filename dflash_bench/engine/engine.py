@@ -75,7 +75,8 @@ class Engine:
             tuple(eos_ids or ()),
             settings.chunk,
         )
-        self._lock = threading.Condition()
+        self._lock = threading.Lock()  # one round at a time
+        self._wake = threading.Condition()  # submit() wakes the background loop
         self._thread: threading.Thread | None = None
         self._stop = False
         if self.loaded is not None:
@@ -103,9 +104,9 @@ class Engine:
     def submit(self, request: Request) -> Handle:
         """Queue a request (raises ContextExceeded or ValueError before it takes a lane)."""
         handle = Handle(request)
-        with self._lock:
-            self.lanes.submit(handle)
-            self._lock.notify()
+        self.lanes.submit(handle)  # a deque append: safe beside a running round, which admits at its start
+        with self._wake:
+            self._wake.notify()
         return handle
 
     def generate(self, request: Request) -> Result:
@@ -144,23 +145,22 @@ class Engine:
         self._thread.start()
 
     def stop(self) -> None:
-        with self._lock:
+        with self._wake:
             self._stop = True
-            self._lock.notify()
+            self._wake.notify()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
 
     def _loop(self) -> None:
         while True:
-            with self._lock:
+            with self._wake:
                 while not self._stop and not self.lanes.busy:
-                    self._lock.wait(timeout=0.5)
-                    if any(h.cancelled.is_set() for h in self.lanes.waiting):
-                        break
-                if self._stop:
+                    self._wake.wait(timeout=0.5)
+            if self._stop:
+                with self._lock:
                     self.lanes.fail_all("server shutting down")
-                    return
+                return
             self.step()
             if not self.lanes.streams:
                 mx.clear_cache()

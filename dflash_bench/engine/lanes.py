@@ -86,6 +86,8 @@ class Lanes:
     def check(self, prompt_tokens: int, max_tokens: int) -> None:
         if prompt_tokens < 1:
             raise ValueError("prompt is empty")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens is {max_tokens}, expected at least 1")
         if prompt_tokens + max_tokens > self.context:
             raise ContextExceeded(prompt_tokens, max_tokens, self.context)
 
