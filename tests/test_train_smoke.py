@@ -1,0 +1,125 @@
+"""The drafter training tool (tools/train_drafter): its model is the engine's drafter, its target
+gives the engine's taps, and a whole run (data, training, export, receipt) works on a fixture
+target in seconds on a CPU.
+
+Tolerances, not bit equality, are right here: training lays blocks out differently from the
+engine's fixed tiles (tests/test_rows.py proves the engine's own exactness); what must hold is that
+both compute the same function, so the logits agree to float32 rounding and the drafts are equal.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+import mlx.core as mx
+
+from dflash_bench.engine.checkpoint import load_target
+from dflash_bench.engine.draft_config import parse_draft_config
+from dflash_bench.engine.drafters.dflash import Proposal, load_drafter
+from dflash_bench.engine.engine import Engine
+from dflash_bench.engine.fixtures import write_fixture
+from dflash_bench.engine.request import Request
+from dflash_bench.engine.sampling import SamplingParams
+from dflash_bench.engine.targets import Segment, build_target
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+
+from train_drafter.__main__ import main as train_main  # noqa: E402
+from train_drafter.model import Drafter, Shape, drafter_config, export  # noqa: E402
+from train_drafter.target import TrainTarget  # noqa: E402
+
+SHAPE = Shape(taps=(1, 3, 5), block=8, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=64, window=12,
+              mask_token_id=3)
+
+
+@pytest.fixture(scope="module")
+def fixture_target(tmp_path_factory):
+    return load_target(write_fixture("llama", tmp_path_factory.mktemp("target")))
+
+
+def engine_logits(drafter, target, tokens: list[int], anchor: int) -> mx.array:
+    """The engine's draft logits for a stream whose context is tokens[:anchor] and last token tokens[anchor]."""
+    state = target.new_state()
+    taps = target.forward([Segment(tokens[:anchor], 0, state, want_taps=True)], drafter.taps)[0].taps
+    dstate = drafter.new_state()
+    drafter.absorb([(dstate, taps)])
+    seen = []
+    original = drafter.logits
+    drafter.logits = lambda h, rows: seen.append(original(h, rows)) or seen[-1]
+    drafts = drafter.propose([Proposal(dstate, tokens[anchor], drafter.block - 1, SamplingParams())])[0]
+    assert drafts == mx.argmax(seen[0], axis=-1).tolist()
+    return seen[0]
+
+
+@pytest.mark.parametrize("is_causal", [None, False], ids=["sliding-causal-full-bidirectional", "all-bidirectional"])
+def test_training_drafter_computes_the_engine_drafter(fixture_target, tmp_path, is_causal) -> None:
+    """Blocks at several anchors in one training pass, exported, give the engine's logits and drafts
+    for a stream at each anchor; anchors past the sliding window exercise it."""
+    config = drafter_config(SHAPE, fixture_target.config)
+    if is_causal is not None:
+        config["is_causal"] = is_causal
+    model = Drafter(parse_draft_config(config))
+    model.init(seed=3, std=0.5)
+    export(model, config, tmp_path / "drafter")
+    target = build_target(fixture_target.config, fixture_target.weights)
+    drafter = load_drafter(tmp_path / "drafter", target)
+    model.load_weights([(k, v.astype(mx.float32)) for k, v in mx.load(str(tmp_path / "drafter/model.safetensors")).items()])
+
+    mx.random.seed(4)
+    tokens = mx.random.randint(8, 512, (48,)).tolist()
+    anchors = [3, 11, 30, 40]
+    trainer = TrainTarget(fixture_target)
+    taps = trainer.taps(mx.array([tokens]), SHAPE.taps)
+    hidden = model(taps, mx.array([tokens]), mx.array([anchors]), trainer.embed)
+    ours = model.logits(hidden, trainer.head)[0]
+    varied = set()
+    for n, anchor in enumerate(anchors):
+        ref = engine_logits(drafter, target, tokens, anchor)
+        err = mx.abs(ours[n] - ref).max().item()
+        assert err <= 1e-3 * max(1.0, mx.abs(ref).max().item()), f"anchor {anchor}: max |training - engine| = {err:.3g}"
+        assert mx.argmax(ours[n], axis=-1).tolist() == mx.argmax(ref, axis=-1).tolist(), f"anchor {anchor}: drafts differ"
+        varied.update(mx.argmax(ref, axis=-1).tolist())
+    assert len(varied) > 3, "the random drafter proposes one token everywhere: the comparison would prove little"
+
+
+def test_training_target_taps_are_the_engine_taps(fixture_target) -> None:
+    trainer = TrainTarget(fixture_target)
+    target = build_target(fixture_target.config, fixture_target.weights)
+    mx.random.seed(5)
+    tokens = mx.random.randint(8, 512, (70,)).tolist()
+    ours = trainer.taps(mx.array([tokens]), (1, 3, 5))[0]
+    ref = target.forward([Segment(tokens, 0, target.new_state(), want_taps=True)], (1, 3, 5))[0].taps[:70]
+    assert mx.abs(ours - ref).max().item() <= 1e-4 * mx.abs(ref).max().item()
+
+
+def test_generation_is_the_targets_greedy_reply(fixture_target) -> None:
+    """Batched, left-padded greedy generation gives each prompt the engine's own greedy reply."""
+    trainer = TrainTarget(fixture_target)
+    prompts = [[5, 40, 41, 42, 43, 44, 45, 46, 47], [9, 100, 200], [300, 301, 302, 303, 304]]
+    replies = trainer.generate(prompts, 12, [0.0, 0.0, 0.0], seed=0)
+    engine = Engine(model=build_target(fixture_target.config, fixture_target.weights), eos_ids=())
+    for prompt, reply in zip(prompts, replies):
+        assert engine.generate(Request(prompt, max_tokens=12)).tokens == reply.tolist()
+
+
+def test_smoke_run_trains_exports_and_serves(tmp_path) -> None:
+    """`python -m train_drafter all --recipe smoke` on the fixture target: a receipt with data, loss
+    curve and held-out figures, and a drafter the engine loads and drafts with, drafted == plain."""
+    target_dir = write_fixture("llama", tmp_path / "target")
+    out = tmp_path / "out"
+    train_main(["all", "--recipe", "smoke", "--target", str(target_dir), "--out", str(out),
+                "--data", str(tmp_path / "data.npz")])
+    receipt = json.loads((out / "receipt.json").read_text())
+    assert receipt["data"]["reply_tokens"] == 12 * 24 and receipt["data"]["held_out_sequences"] == 2
+    assert receipt["training"]["steps"] == 8 and receipt["training"]["loss_curve"][-1]["step"] == 8
+    assert receipt["held_out"]["tokens_per_round"] >= 1.0
+    assert set(receipt["files"]) == {"config.json", "model.safetensors"}
+    engine = Engine(target_dir, out / "drafter")
+    prompt = engine.tokenizer.encode("def fibonacci(n):")
+    drafted = engine.generate(Request(prompt, max_tokens=20, ignore_eos=True))
+    plain = engine.generate(Request(prompt, max_tokens=20, ignore_eos=True, draft=False))
+    assert drafted.tokens == plain.tokens and drafted.stats.rounds > 0

@@ -1,0 +1,215 @@
+"""python -m train_drafter {data,train,all,probe}: see README.md beside this file for the exact runs."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import platform
+import subprocess
+import sys
+import sysconfig
+import time
+from collections import Counter
+from pathlib import Path
+
+import dflash_bench  # noqa: F401  (loads OpenBLAS before mlx)
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+from dflash_bench.engine.checkpoint import load_target
+from dflash_bench.engine.draft_config import parse_draft_config
+from train_drafter import corpus
+from train_drafter.data import Sequences, TapStore, generate_all
+from train_drafter.model import Drafter, drafter_config, export
+from train_drafter.recipe import RECIPES, Recipe, with_overrides
+from train_drafter.target import TrainTarget
+from train_drafter.train import Schedule, evaluate, train
+
+
+STARTED = time.perf_counter()
+EVAL_RESERVE_S = 100.0
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def recipe_from(args: argparse.Namespace) -> Recipe:
+    return with_overrides(RECIPES[args.recipe], prompts=args.prompts, steps=args.steps, batch=args.batch,
+                          gen_batch=args.gen_batch, seed=args.seed, held_out=args.held_out,
+                          new_tokens=args.new_tokens)
+
+
+def cmd_data(args: argparse.Namespace, recipe: Recipe, target: TrainTarget, loaded) -> tuple[Sequences, dict]:
+    stdlib = Path(args.stdlib or sysconfig.get_paths()["stdlib"])
+    prompts = corpus.build_prompts(stdlib, recipe.prompts, recipe.seed, recipe.mix)
+    start = time.perf_counter()
+    seqs = generate_all(target, loaded.tokenizer, prompts, new_tokens=recipe.new_tokens,
+                        max_prompt_tokens=recipe.max_prompt_tokens, batch=recipe.gen_batch,
+                        sampled_fraction=recipe.sampled_fraction, temperatures=recipe.temperatures,
+                        seed=recipe.seed, log=log,
+                        deadline=STARTED + args.deadline - 30 if args.deadline else None)
+    kept = Counter(seqs.kind)
+    summary = {
+        "prompts": len(seqs.kind),
+        "prompts_built": len(prompts),
+        "prompts_sha256": corpus.prompts_sha256(prompts),
+        "prompts_by_kind": dict(sorted(kept.items())),
+        "examples": {k: [p.text[:160] for p in prompts if p.kind == k][:2] for k in sorted(kept)},
+        "held_out_words": list(corpus.HELD_OUT),
+        "stdlib": f"{stdlib} (Python {platform.python_version()})",
+        "prompt_tokens": int(seqs.prompt_len.sum()),
+        "reply_tokens": int((seqs.length - seqs.prompt_len).sum()),
+        "greedy_replies": int((seqs.temperature == 0).sum()),
+        "sampled_replies": int((seqs.temperature > 0).sum()),
+        "sample_temperatures": list(recipe.temperatures),
+        "generation_seconds": round(time.perf_counter() - start, 1),
+        "tokens_sha256": hashlib.sha256(seqs.tokens.tobytes()).hexdigest(),
+    }
+    if args.data:
+        Path(args.data).parent.mkdir(parents=True, exist_ok=True)
+        seqs.save(args.data)
+        Path(args.data).with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
+    log(f"data: {summary['prompts']} prompts, {summary['prompt_tokens']} prompt + {summary['reply_tokens']} reply tokens")
+    return seqs, summary
+
+
+def split(seqs: Sequences, held_out: int, seed: int) -> tuple[Sequences, Sequences]:
+    """Held-out rows: greedy replies (the probes are greedy), drawn at random; the rest train."""
+    rng = np.random.default_rng(seed + 7)
+    greedy = np.flatnonzero(seqs.temperature == 0)
+    held = np.sort(rng.choice(greedy, size=min(held_out, len(greedy)), replace=False))
+    rest = np.setdiff1d(np.arange(len(seqs.length)), held)
+    return seqs.take(rest), seqs.take(held)
+
+
+def cmd_train(args, recipe: Recipe, target: TrainTarget, loaded, seqs: Sequences, data_summary: dict) -> dict:
+    out = Path(args.out)
+    config = drafter_config(recipe.shape, loaded.config)
+    draft_cfg = parse_draft_config(config)
+    if recipe.shape.block > recipe.shape.window:
+        raise ValueError("the block must fit inside the sliding window")
+    train_set, held = split(seqs, recipe.held_out, recipe.seed)
+    store = TapStore(target, train_set, draft_cfg.taps, recipe.tap_chunk, recipe.tap_batch, recipe.seed, log=log)
+    mx.random.seed(recipe.seed)
+    model = Drafter(draft_cfg)
+    model.init(recipe.seed)
+    params = sum(v.size for _, v in tree_flatten(model.parameters()))
+    log(f"drafter: {params} params, {draft_cfg.num_layers} layers, taps {list(draft_cfg.taps)}")
+    budget = args.time_budget
+    if args.deadline:  # the whole command ends by then: training gets what is left after evaluation's share
+        budget = max(30.0, args.deadline - (time.perf_counter() - STARTED) - EVAL_RESERVE_S)
+    sched = Schedule(steps=recipe.steps, batch=recipe.batch, anchors=recipe.anchors, lr=recipe.lr,
+                     warmup=recipe.warmup, gamma=recipe.gamma, seed=recipe.seed, time_budget_s=budget)
+    trained = train(model, target, store, sched, log=log, checkpoint=lambda step: export(model, config, out / "drafter"))
+    del store
+    log("evaluating on held-out replies")
+    held_eval = evaluate(model, target, held, draft_cfg.taps, recipe.gamma)
+    log(f"held-out: {json.dumps(held_eval)}")
+    drafter_dir = export(model, config, out / "drafter")
+    files = {f.name: {"bytes": f.stat().st_size, "sha256": hashlib.sha256(f.read_bytes()).hexdigest()}
+             for f in sorted(drafter_dir.iterdir())}
+    return {
+        "schema": 1,
+        "what": "training receipt of a DFlash v1 drafter (tools/train_drafter)",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["python -m train_drafter", *sys.argv[1:]]),
+        "git_revision": _git_revision(),
+        "environment": {"python": platform.python_version(), "mlx": mx.__version__,
+                        "device": str(mx.default_device()), "machine": platform.machine()},
+        "target": {"path": loaded.path.name, "weights_sha256": loaded.weights_sha256, "taps_dtype": "float32",
+                   "stored_taps": "bfloat16"},
+        "recipe": recipe.as_dict(),
+        "data": data_summary | {"train_sequences": len(train_set.length), "held_out_sequences": len(held.length)},
+        "architecture": {"layers": draft_cfg.num_layers, "layer_types": list(draft_cfg.layer_types),
+                         "taps": list(draft_cfg.taps), "block": draft_cfg.block_size, "window": draft_cfg.sliding_window,
+                         "hidden": draft_cfg.hidden_size, "intermediate": draft_cfg.intermediate_size,
+                         "heads": draft_cfg.num_heads, "kv_heads": draft_cfg.num_kv_heads,
+                         "mask_token_id": draft_cfg.mask_token_id, "params": int(params),
+                         "frozen": "the target's embedding and (tied) lm_head"},
+        "training": {"steps": trained.steps_done, "steps_planned": trained.steps_planned,
+                     "seconds": round(trained.seconds, 1), "time_budget_s": budget,
+                     "blocks_per_step": recipe.batch * recipe.anchors, "loss_curve": trained.curve},
+        "held_out": held_eval,
+        "files": files,
+    }
+
+
+def _git_revision() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def cmd_probe(args) -> None:
+    """Tokens per round (and CPU speed) of the decode probes with the engine, drafted and plain."""
+    from dflash_bench.engine.engine import Engine
+    from dflash_bench.engine.request import Request
+
+    probes = json.loads(Path(args.probes).read_text())["probes"]
+    engine = Engine(args.target, args.drafter)
+    tok = engine.tokenizer
+    for p in probes:
+        text = p["text"]
+        if p["endpoint"] == "chat":
+            text = tok.apply_chat_template([{"role": "user", "content": text}])
+        ids = tok.encode(text)
+        row = {"probe": p["id"]}
+        for mode, draft in (("drafted", True), ("plain", False)):
+            t0 = time.perf_counter()
+            res = engine.generate(Request(ids, max_tokens=args.tokens, draft=draft, ignore_eos=True))
+            row[mode] = {"tokens_per_round": round(res.stats.tokens_per_round, 3),
+                         "decode_tok_s": round(res.stats.decode_tokens / max(res.stats.decode_seconds, 1e-9), 1),
+                         "seconds": round(time.perf_counter() - t0, 1), "token_sha": res.token_sha}
+        row["speedup"] = round(row["drafted"]["decode_tok_s"] / row["plain"]["decode_tok_s"], 2)
+        row["equal"] = row["drafted"]["token_sha"] == row["plain"]["token_sha"]
+        print(json.dumps(row), flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m train_drafter", description=__doc__)
+    ap.add_argument("command", choices=("data", "train", "all", "probe"))
+    ap.add_argument("--recipe", choices=sorted(RECIPES), default="smollm2")
+    ap.add_argument("--target", default="default", help="'default' or a checkpoint path (llama)")
+    ap.add_argument("--out", default="out/train-drafter", help="folder for drafter/ and receipt.json")
+    ap.add_argument("--data", help="sequences .npz: written by data/all, read by train")
+    ap.add_argument("--stdlib", help="Python standard library folder for prompts (default: this Python's)")
+    ap.add_argument("--prompts", type=int)
+    ap.add_argument("--steps", type=int)
+    ap.add_argument("--batch", type=int)
+    ap.add_argument("--gen-batch", type=int)
+    ap.add_argument("--seed", type=int)
+    ap.add_argument("--held-out", type=int, help="greedy sequences kept out of training")
+    ap.add_argument("--new-tokens", type=int, help="reply tokens a prompt")
+    ap.add_argument("--time-budget", type=float, help="seconds of training; steps shrink to fit")
+    ap.add_argument("--deadline", type=float, help="seconds the whole command may take (sets the training budget)")
+    ap.add_argument("--drafter", help="probe: drafter folder")
+    ap.add_argument("--probes", default="prompts/probes.json", help="probe: prompt set")
+    ap.add_argument("--tokens", type=int, default=256, help="probe: tokens a reply")
+    args = ap.parse_args(argv)
+    if args.command == "probe":
+        cmd_probe(args)
+        return
+    recipe = recipe_from(args)
+    loaded = load_target(args.target)
+    target = TrainTarget(loaded)
+    log(f"target {loaded.path.name} on {mx.default_device()}")
+    if args.command in ("data", "all"):
+        seqs, summary = cmd_data(args, recipe, target, loaded)
+        if args.command == "data":
+            return
+    else:
+        seqs = Sequences.load(args.data)
+        summary = json.loads(Path(args.data).with_suffix(".json").read_text())
+    receipt = cmd_train(args, recipe, target, loaded, seqs, summary)
+    path = Path(args.out) / "receipt.json"
+    path.write_text(json.dumps(receipt, indent=2, sort_keys=True) + "\n")
+    log(f"wrote {path} and {Path(args.out) / 'drafter'}")
+
+
+if __name__ == "__main__":
+    main()

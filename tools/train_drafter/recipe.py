@@ -1,0 +1,65 @@
+"""The two recipes: the shipped drafter for SmolLM2-135M-Instruct, and the CPU smoke run.
+
+Everything that decides the result is here, so the receipt can record it whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+
+from train_drafter.model import Shape
+
+MIX = {  # prompt kinds and their shares (corpus.py builds each kind)
+    "code-raw": 0.22, "code-chat": 0.20, "code-continue": 0.08, "code-explain": 0.05,
+    "chat-question": 0.22, "chat-write": 0.10, "prose-raw": 0.07, "self-question": 0.06,
+}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    shape: Shape
+    prompts: int
+    new_tokens: int
+    max_prompt_tokens: int
+    held_out: int  # greedy sequences kept out of training, for the held-out figures
+    steps: int
+    batch: int
+    anchors: int
+    gen_batch: int
+    tap_batch: int
+    tap_chunk: int
+    lr: float = 6e-4
+    warmup: int = 100
+    gamma: float = 7.0
+    sampled_fraction: float = 0.2
+    temperatures: tuple[float, ...] = (0.7, 1.0)
+    seed: int = 0
+    mix: dict[str, float] = field(default_factory=lambda: dict(MIX))
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+# SmolLM2-135M: 30 layers of hidden 576, 9 query / 3 KV heads of 64, vocab 49152 (tied).
+# 2 layers, intermediate 1280, 5 taps: fc 576 x 2880 + 2 x 3.1M = 7.9M params, 15.7 MB in bf16.
+# Mask: <empty_output> (16), a special the chat template never uses.
+SMOLLM2 = Recipe(
+    shape=Shape(taps=(1, 8, 15, 22, 29), block=16, layers=2, heads=9, kv_heads=3, head_dim=64,
+                intermediate=1280, window=512, mask_token_id=16),
+    prompts=10000, new_tokens=256, max_prompt_tokens=200, held_out=200,
+    steps=4000, batch=32, anchors=32, gen_batch=1000, tap_batch=64, tap_chunk=256, warmup=100,
+)
+
+# The fixture target (tiny llama, 6 layers of hidden 64, vocab 512, <|mask|> = 3): seconds on a CPU.
+SMOKE = Recipe(
+    shape=Shape(taps=(1, 3, 5), block=8, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=64,
+                window=16, mask_token_id=3),
+    prompts=12, new_tokens=24, max_prompt_tokens=40, held_out=2,
+    steps=8, batch=4, anchors=4, gen_batch=6, tap_batch=4, tap_chunk=6, warmup=2, lr=3e-3,
+)
+
+RECIPES = {"smollm2": SMOLLM2, "smoke": SMOKE}
+
+
+def with_overrides(recipe: Recipe, **changes) -> Recipe:
+    return replace(recipe, **{k: v for k, v in changes.items() if v is not None})

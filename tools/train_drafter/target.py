@@ -1,0 +1,91 @@
+"""The target as training sees it: mlx-lm's llama over the engine's canonical weights, batched.
+
+The engine's own target runs one stream's rows in fixed tiles for bit-exact serving; training needs
+the opposite, wide batches: hundreds of replies generated at once, and the tap planes of whole
+batches of finished sequences. mlx-lm's llama computes the same function (tests/test_target_forward.py checks its logits against
+the engine, tests/test_train_smoke.py these taps), so the taps are the engine's up to rounding.
+"""
+
+from __future__ import annotations
+
+import dflash_bench  # noqa: F401  (loads OpenBLAS before mlx)
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models import llama
+from mlx_lm.models.cache import KVCache
+
+from dflash_bench.engine.checkpoint import LoadedTarget
+
+
+class TrainTarget:
+    """A llama target that generates replies in batches and returns tap planes of sequences."""
+
+    def __init__(self, loaded: LoadedTarget, dtype: mx.Dtype = mx.float32):
+        c = loaded.config
+        if c.family != "llama":
+            raise ValueError(f"the training tool builds drafters for llama targets; this target is {c.family!r}")
+        args = llama.ModelArgs(
+            model_type="llama", hidden_size=c.hidden_size, num_hidden_layers=c.num_layers,
+            intermediate_size=c.intermediate_size, num_attention_heads=c.num_heads, rms_norm_eps=c.rms_norm_eps,
+            vocab_size=c.vocab_size, head_dim=c.head_dim, num_key_value_heads=c.num_kv_heads,
+            rope_theta=c.rope_theta, tie_word_embeddings=c.tie_word_embeddings,
+            max_position_embeddings=c.max_position_embeddings,
+        )
+        self.config = c
+        self.model = llama.Model(args)
+        weights = [(f"model.{k}" if k != "lm_head.weight" else k, v.astype(dtype)) for k, v in loaded.weights.items()]
+        self.model.load_weights(weights)
+        self.model.freeze()
+        self.embed = self.model.model.embed_tokens.weight  # the drafter's frozen embedding and (tied) head
+        self.head = self.embed if c.tie_word_embeddings else self.model.lm_head.weight
+        mx.eval(self.model.parameters())
+
+    def hidden(self, ids: mx.array, mask, caches=None, taps: tuple[int, ...] = ()) -> tuple[mx.array, list[mx.array]]:
+        """Run the layers; the final hidden state and the outputs of the tap layers."""
+        h = self.model.model.embed_tokens(ids)
+        planes = []
+        for i, layer in enumerate(self.model.model.layers):
+            h = layer(h, mask, caches[i] if caches else None)
+            if i in taps:
+                planes.append(h)
+        return h, [planes[sorted(taps).index(t)] for t in taps]
+
+    def logits(self, h: mx.array) -> mx.array:
+        return self.model.model.norm(h) @ self.head.T
+
+    def taps(self, tokens: mx.array, taps: tuple[int, ...]) -> mx.array:
+        """(S, T) token ids (right-padded) -> (S, T, taps * hidden): each row's tap planes side by side."""
+        _, planes = self.hidden(tokens, "causal", taps=taps)
+        return mx.concatenate(planes, axis=-1)
+
+    def generate(self, prompts: list[list[int]], new_tokens: int, temperatures: list[float], seed: int) -> np.ndarray:
+        """`new_tokens` tokens after each prompt (eos ignored, as the decode probes ask), one batch.
+
+        Prompts are left-padded; a padded row sees only itself, so no row is empty and nothing
+        undefined reaches the real rows. Temperature 0 is greedy; above 0 a Gumbel-max sample.
+        """
+        s, width = len(prompts), max(len(p) for p in prompts)
+        pad = mx.array([width - len(p) for p in prompts], dtype=mx.int32)
+        ids = mx.array([[0] * (width - len(p)) + list(p) for p in prompts], dtype=mx.int32)
+        temp = mx.array(temperatures, dtype=mx.float32)[:, None]
+        caches = [KVCache() for _ in self.model.model.layers]
+        q = mx.arange(width)[:, None]
+        k = mx.arange(width)[None]
+        mask = ((k <= q) & (k >= pad[:, None, None, None])) | (k == q)
+        h, _ = self.hidden(ids, mask, caches)
+        key = mx.random.key(seed)
+        out = []
+        for step in range(new_tokens):
+            logits = self.logits(h[:, -1, :]).astype(mx.float32)
+            key, sub = mx.random.split(key)
+            gumbel = -mx.log(-mx.log(mx.random.uniform(low=1e-20, high=1.0, shape=logits.shape, key=sub)))
+            sampled = mx.argmax(logits / mx.maximum(temp, 1e-6) + gumbel, axis=-1)
+            token = mx.where(temp[:, 0] > 0, sampled, mx.argmax(logits, axis=-1))
+            out.append(token)
+            if step + 1 == new_tokens:
+                break
+            keys = width + step + 1
+            mask = mx.arange(keys)[None, None, None, :] >= pad[:, None, None, None]
+            h, _ = self.hidden(token[:, None], mask, caches)
+            mx.eval(h, token)
+        return np.array(mx.stack(out, axis=1))

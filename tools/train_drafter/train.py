@@ -1,0 +1,182 @@
+"""The DFlash v1 recipe: random anchors in the target's replies, weighted block loss, AdamW.
+
+Each step draws sequences, and in each sequence random anchor positions inside the reply. Block
+row j (1..B-1) of the block at anchor a is trained to predict the target's token at a + j, with
+weight exp(-(j - 1) / gamma): an early row matters more, since a draft is only kept when every row
+before it was. The embedding and lm_head are the target's and stay frozen.
+
+Held-out evaluation replays decoding: for every reply position a of a held-out greedy sequence,
+`accepted[a]` is how many of the block's drafts match the reply from a + 1 on; walking rounds
+a -> a + accepted[a] + 1 from the first reply token gives the tokens per round the engine would
+report on that reply (decode_tokens / rounds).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from functools import partial
+
+import dflash_bench  # noqa: F401  (loads OpenBLAS before mlx)
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+
+from train_drafter.data import Sequences, TapStore
+from train_drafter.model import Drafter
+from train_drafter.target import TrainTarget
+
+
+@dataclass
+class Schedule:
+    steps: int
+    batch: int  # sequences a step
+    anchors: int  # blocks a sequence
+    lr: float = 6e-4
+    warmup: int = 100
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.01
+    gamma: float = 7.0
+    clip: float = 1.0
+    seed: int = 0
+    time_budget_s: float | None = None  # when set, steps shrink to what fits (measured after 10 steps)
+    log_every: int = 25
+
+
+@dataclass
+class TrainLog:
+    curve: list[dict] = field(default_factory=list)
+    steps_done: int = 0
+    seconds: float = 0.0
+    steps_planned: int = 0
+
+
+def labels_and_weights(tokens: mx.array, anchors: mx.array, length: mx.array, block: int, gamma: float):
+    """Targets of rows 1..B-1 of each block and their loss weights (0 past the sequence's end)."""
+    j = mx.arange(1, block)
+    pos = anchors[:, :, None] + j[None, None, :]
+    valid = pos < length[:, None, None]
+    labels = mx.take_along_axis(tokens[:, None, :], mx.minimum(pos, tokens.shape[1] - 1), axis=2)
+    decay = mx.exp(-(j.astype(mx.float32) - 1) / gamma)
+    return labels, decay[None, None, :] * valid.astype(mx.float32)
+
+
+def block_loss(model: Drafter, taps, tokens, anchors, length, embed, head, gamma: float) -> mx.array:
+    hidden = model(taps, tokens, anchors, embed)
+    logits = model.logits(hidden, head)
+    labels, weights = labels_and_weights(tokens, anchors, length, model.config.block_size, gamma)
+    ce = nn.losses.cross_entropy(logits, labels, reduction="none")
+    return (ce * weights).sum() / mx.maximum(weights.sum(), 1e-6)
+
+
+def train(model: Drafter, target: TrainTarget, store: TapStore, s: Schedule, log=print, checkpoint=None) -> TrainLog:
+    """Train in place; `checkpoint(step)` is called every 200 steps and at the end."""
+    rng = np.random.default_rng(s.seed)
+    result = TrainLog(steps_planned=s.steps)
+    total = s.steps
+
+    def lr_at(step: int) -> float:
+        """Linear warmup, then cosine down to min_lr_ratio at the last step."""
+        warm = min(1.0, (step + 1) / max(s.warmup, 1))
+        progress = min(1.0, max(step - s.warmup, 0) / max(total - s.warmup, 1))
+        return s.lr * warm * (s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    opt = optim.AdamW(learning_rate=s.lr, weight_decay=s.weight_decay)
+    loss_and_grad = nn.value_and_grad(model, partial(block_loss, embed=target.embed, head=target.head, gamma=s.gamma))
+    state = [model.state, opt.state]
+
+    @partial(mx.compile, inputs=state, outputs=state)
+    def step(taps, tokens, anchors, length):
+        loss, grads = loss_and_grad(model, taps, tokens, anchors, length)
+        grads, norm = optim.clip_grad_norm(grads, s.clip)
+        opt.update(model, grads)
+        return loss, norm
+
+    start = time.perf_counter()
+    window: list[float] = []
+    i, t10 = 0, 0.0
+    while i < total:
+        opt.learning_rate = lr_at(i)  # set from here: the compiled step reads it from the optimizer's state
+        loss, norm = step(*store.batch(rng, s.batch, s.anchors))
+        mx.eval(state, loss)
+        window.append(loss.item())
+        i += 1
+        if s.time_budget_s and i == 10:
+            t10 = time.perf_counter()
+        if s.time_budget_s and i == 30:  # steps 10..30 time a compiled step; warmup is still running
+            per_step = (time.perf_counter() - t10) / 20
+            left = s.time_budget_s - (time.perf_counter() - start)
+            total = max(i, min(s.steps, i + int(left / per_step)))
+            result.steps_planned = total
+            log(f"{per_step * 1000:.0f} ms a step: {total} steps fit {s.time_budget_s:.0f} s")
+        if i % s.log_every == 0 or i == total:
+            entry = {"step": i, "loss": round(float(np.mean(window)), 4), "lr": lr_at(i - 1),
+                     "grad_norm": round(norm.item(), 3), "seconds": round(time.perf_counter() - start, 1)}
+            result.curve.append(entry)
+            window = []
+            log(f"step {i}/{total} loss {entry['loss']:.4f} lr {entry['lr']:.2e} ({entry['seconds']:.0f} s)")
+        if checkpoint is not None and (i % 200 == 0 or i == total):
+            checkpoint(i)
+    result.steps_done = i
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def accepted_lengths(model: Drafter, target: TrainTarget, taps: mx.array, tokens: mx.array, length: int,
+                     first: int, chunk: int = 64) -> np.ndarray:
+    """For one sequence: drafts of the block at every anchor in [first, length - 2] that match the
+    sequence from anchor + 1 on (greedy acceptance against these tokens)."""
+    block = model.config.block_size
+    anchors = np.arange(first, length - 1)
+    out = []
+    for i in range(0, len(anchors), chunk):
+        part = anchors[i : i + chunk]
+        a = mx.array(np.pad(part, (0, chunk - len(part)), mode="edge")[None].astype(np.int32))
+        drafts = mx.argmax(model.logits(model(taps, tokens, a, target.embed), target.head), axis=-1)
+        labels, weights = labels_and_weights(tokens, a, mx.array([length]), block, 1.0)
+        match = (drafts == labels) & (weights > 0)
+        run = mx.cumprod(match.astype(mx.int32), axis=-1).sum(axis=-1)
+        out.append(np.array(run[0, : len(part)]))
+    return np.concatenate(out)
+
+
+def tokens_per_round(accepted: np.ndarray, first: int, length: int, budget: int) -> tuple[int, int]:
+    """(tokens, rounds) of decoding `budget` tokens from the first reply token, drafts as accepted."""
+    pos, emitted, rounds = first, 1, 0  # the first reply token comes from the prompt pass
+    while emitted < budget and pos < length - 1:
+        k = min(int(accepted[pos - first]), budget - emitted - 1)
+        rounds += 1
+        emitted += k + 1
+        pos += k + 1
+    return emitted - 1, rounds
+
+
+def evaluate(model: Drafter, target: TrainTarget, seqs: Sequences, taps: tuple[int, ...], gamma: float) -> dict:
+    """Held-out loss, acceptance by block row, and tokens per round by prompt kind."""
+    by_kind: dict[str, list[tuple[int, int]]] = {}
+    row_hits = np.zeros(model.config.block_size - 1)
+    row_seen = np.zeros(model.config.block_size - 1)
+    losses = []
+    for i in range(len(seqs.length)):
+        tokens = mx.array(seqs.tokens[i : i + 1])
+        planes = target.taps(tokens, taps)
+        first, length = int(seqs.prompt_len[i]), int(seqs.length[i])
+        acc = accepted_lengths(model, target, planes, tokens, length, first)
+        got, rounds = tokens_per_round(acc, first, length, length - first)
+        by_kind.setdefault(seqs.kind[i], []).append((got, rounds))
+        for k in range(len(row_hits)):
+            row_seen[k] += np.sum(acc >= k)
+            row_hits[k] += np.sum(acc >= k + 1)
+        a = mx.array(np.arange(first, length - 1, 8, dtype=np.int32)[None])
+        losses.append(block_loss(model, planes, tokens, a, mx.array([length]), target.embed, target.head, gamma).item())
+    kinds = {k: round(sum(g for g, _ in v) / max(sum(r for _, r in v), 1), 3) for k, v in sorted(by_kind.items())}
+    every = [x for v in by_kind.values() for x in v]
+    return {
+        "sequences": len(seqs.length),
+        "loss": round(float(np.mean(losses)), 4),
+        "tokens_per_round": round(sum(g for g, _ in every) / max(sum(r for _, r in every), 1), 3),
+        "tokens_per_round_by_kind": kinds,
+        "acceptance_by_row": [round(h / max(n, 1), 4) for h, n in zip(row_hits, row_seen)],
+    }
