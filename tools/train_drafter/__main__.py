@@ -103,7 +103,8 @@ def cmd_train(args, recipe: Recipe, target: TrainTarget, loaded, seqs: Sequences
     if args.deadline:  # the whole command ends by then: training gets what is left after evaluation's share
         budget = max(30.0, args.deadline - (time.perf_counter() - STARTED) - EVAL_RESERVE_S)
     sched = Schedule(steps=recipe.steps, batch=recipe.batch, anchors=recipe.anchors, lr=recipe.lr,
-                     warmup=recipe.warmup, gamma=recipe.gamma, seed=recipe.seed, time_budget_s=budget)
+                     warmup=recipe.warmup, gamma=recipe.gamma, seed=recipe.seed, time_budget_s=budget,
+                     compile=not args.no_compile)
     trained = train(model, target, store, sched, log=log, checkpoint=lambda step: export(model, config, out / "drafter"))
     del store
     log("evaluating on held-out replies")
@@ -187,6 +188,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--new-tokens", type=int, help="reply tokens a prompt")
     ap.add_argument("--time-budget", type=float, help="seconds of training; steps shrink to fit")
     ap.add_argument("--deadline", type=float, help="seconds the whole command may take (sets the training budget)")
+    ap.add_argument("--no-compile", action="store_true", help="train without mx.compile")
     ap.add_argument("--drafter", help="probe: drafter folder")
     ap.add_argument("--probes", default="prompts/probes.json", help="probe: prompt set")
     ap.add_argument("--tokens", type=int, default=256, help="probe: tokens a reply")
