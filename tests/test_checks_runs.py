@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from typer.testing import CliRunner
 
 from dflash_bench.checks.prefill import side_file
@@ -159,7 +160,8 @@ def test_suite_writes_a_folder_and_show_reprints_it(tmp_path):
     assert shown.exit_code == 0 and shown.stdout.count('"schema_version"') == 7
 
 
-def test_ctrl_c_mid_run_writes_an_incomplete_receipt_and_exits_130(tmp_path):
+@pytest.mark.parametrize("sig, reason", [(signal.SIGINT, "Ctrl-C"), (signal.SIGTERM, "SIGTERM")])
+def test_ctrl_c_or_sigterm_mid_run_writes_an_incomplete_receipt_and_exits_130(tmp_path, sig, reason):
     out = tmp_path / "decode.json"
     with FakeServer(chunk_delay=0.02) as fake:
         proc = subprocess.Popen([sys.executable, "-m", "dflash_bench", "decode", "--url", fake.url, "--out", str(out),
@@ -167,9 +169,9 @@ def test_ctrl_c_mid_run_writes_an_incomplete_receipt_and_exits_130(tmp_path):
         deadline = time.monotonic() + 60
         while fake.fake.completed < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         proc.communicate(timeout=60)
     assert proc.returncode == 130
     data = json.loads(out.read_text())
-    assert data["complete"] is False and "interrupted" in data["incomplete_reason"]
+    assert data["complete"] is False and data["incomplete_reason"] == f"interrupted ({reason})"
     assert data["records"] and not data["verdict"]["passed"]

@@ -3,7 +3,9 @@ startup line and log, stop it; a server that dies before ready is one clear erro
 
 from __future__ import annotations
 
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -61,3 +63,29 @@ def test_a_managed_server_dying_mid_run_leaves_an_incomplete_receipt_naming_it(t
     assert [r["prompt_id"] for r in saved.records] == ["before"]
     assert saved.server["managed"] and saved.server["startup_line"].startswith("fake serve default")
     assert (tmp_path / "r.server.log").exists()
+
+
+def test_a_managed_server_dies_with_a_harness_killed_outright(tmp_path):
+    script = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+              "from pathlib import Path\n"
+              "from dflash_bench.checks.server import ManagedServer, ServeSettings\n"
+              f"s = ManagedServer(ServeSettings(), Path({str(tmp_path / 'serve.log')!r}), 30, command={FAKE!r})\n"
+              "s.start(); print(s.proc.pid, flush=True)\n"
+              "import time; time.sleep(60)\n")
+    harness = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    child = int(harness.stdout.readline())
+    harness.kill()
+    harness.wait()
+    deadline = time.monotonic() + 10
+    while _running(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(child)
+
+
+def _running(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie (an orphan is reaped by init, not by us)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state != "Z"

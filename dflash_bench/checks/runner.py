@@ -6,7 +6,9 @@ Whatever stops a run (Ctrl-C, the server dying, a timeout, a bug) the receipt is
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -150,6 +152,7 @@ def run_check(spec: RunSpec, settings: dict, body: Callable[[Context], None],
     log_path = spec.out.with_suffix(".server.log")
     interrupted = False
     progress = progress or make_progress()
+    previous = _term_as_interrupt()
     server = open_server(spec.url, spec.serve, log_path, spec.startup_timeout)
     try:
         with progress, server:
@@ -168,9 +171,9 @@ def run_check(spec: RunSpec, settings: dict, body: Callable[[Context], None],
                 receipt.finish(True)
             finally:
                 client.close()
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:
         interrupted = True
-        receipt.finish(False, "interrupted (Ctrl-C)")
+        receipt.finish(False, f"interrupted ({str(err) or 'Ctrl-C'})")
     except (httpx.HTTPError, DFlashBenchError) as err:
         death = server.death()
         reason = f"{type(err).__name__}: {err}" + (f"; {death}" if death else "")
@@ -186,7 +189,20 @@ def run_check(spec: RunSpec, settings: dict, body: Callable[[Context], None],
         if not receipt.finished_at:
             receipt.finish(False, "stopped before the run finished")
         receipt.write(spec.out)
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     return receipt, exit_code(receipt, interrupted)
+
+
+def _term_as_interrupt():
+    """SIGTERM (a timeout, a job runner stopping us) ends the run as Ctrl-C does: receipt written,
+    marked incomplete. Returns the previous handler (None off the main thread, where it cannot be set)."""
+    def handler(signum, frame):
+        raise KeyboardInterrupt("SIGTERM")
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, handler)
 
 
 def _read_peak(client: Client, receipt: Receipt) -> None:

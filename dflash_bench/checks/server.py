@@ -7,6 +7,7 @@ only: the harness writes its receipt, then stops the server itself.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import signal
@@ -48,6 +49,13 @@ class ServeSettings:
             if value is not None:
                 args += [flag, str(value)]
         return args + ["--host", host, "--port", str(port)]
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec (Linux): SIGTERM when the harness dies, even by SIGKILL, so a
+    server in its own session is never left running."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -126,7 +134,7 @@ class ManagedServer:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         t0 = time.monotonic()
         self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=env, start_new_session=True)
+                                     env=env, start_new_session=True, preexec_fn=_die_with_parent)
         log.close()
         try:
             self._wait_ready(t0)
