@@ -296,3 +296,10 @@ def test_backends_price_bytes_per_element():
     assert cpu.term("attention K/V").prompt == 2 * gpu.term("attention K/V").prompt
     shapes = expected_shapes(t)
     assert gpu.term("target weights").prompt == 2 * sum(math.prod(s) for s in shapes.values())
+
+
+def test_plan_command_refuses_a_drafter_for_another_target_in_one_line():
+    result = CliRunner().invoke(app, ["plan", "default", "--drafter", str(PUBLISHED / "qwen3.5-4b-dflash.config.json")])
+    assert result.exit_code == 1
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("DraftForAnotherTarget: ")

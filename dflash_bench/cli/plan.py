@@ -21,20 +21,17 @@ from dflash_bench.checks import memory
 from dflash_bench.checks.receipt import Receipt, canonical_json, exit_code, utc_stamp
 from dflash_bench.checks.runner import make_progress
 from dflash_bench.cli import app
-from dflash_bench.engine.checkpoint import read_target_config
-from dflash_bench.engine.draft_config import DraftConfig
 from dflash_bench.engine.errors import DFlashBenchError
-from dflash_bench.engine.planner import BACKENDS, GIB, Plan, PlanInputs, admit, backend_memory_bytes, plan
-from dflash_bench.engine.preload import check_dirs, read_target_json
-from dflash_bench.engine.target_config import TargetConfig
-
-
-def read_configs(target: str, drafter: str | None) -> tuple[TargetConfig, DraftConfig | None]:
-    """The target's config (a checkpoint, `default`, or a bare config.json) and the drafter's, checked as a pair."""
-    cfg = read_target_json(target) if target.endswith(".json") else read_target_config(target)
-    if drafter is None:
-        return cfg, None
-    return check_dirs(cfg, drafter)
+from dflash_bench.engine.planner import (
+    BACKENDS,
+    GIB,
+    Plan,
+    PlanInputs,
+    admit,
+    backend_memory_bytes,
+    plan,
+    read_configs,
+)
 
 
 def _mib(n: int) -> str:

@@ -31,9 +31,10 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from dflash_bench.engine.cache import GROW
-from dflash_bench.engine.checkpoint import expected_shapes
+from dflash_bench.engine.checkpoint import expected_shapes, read_target_config
 from dflash_bench.engine.draft_config import DraftConfig
 from dflash_bench.engine.inventory import expected_inventory
+from dflash_bench.engine.preload import check_dirs, read_target_json
 from dflash_bench.engine.target_config import TargetConfig
 from dflash_bench.engine.tiles import KEY_TILE, QUERY_TILE, ROW_TILE
 
@@ -379,7 +380,19 @@ def streams_fit(i: PlanInputs) -> int | None:
     return int(n)
 
 
-# --- admission -------------------------------------------------------------------------------------
+# --- reading the configs ------------------------------------------------------------------------------
+
+
+def read_configs(target: str, drafter: str | None) -> tuple[TargetConfig, DraftConfig | None]:
+    """The two configs a plan reads (a checkpoint, `default` or a bare config.json; a drafter folder
+    or its config.json), checked as a pair the way the engine's pre-load check does."""
+    cfg = read_target_json(target) if str(target).endswith(".json") else read_target_config(target)
+    if drafter is None:
+        return cfg, None
+    return check_dirs(cfg, drafter)
+
+
+# --- admission ---------------------------------------------------------------------------------------
 
 
 def backend_memory_bytes() -> int:
