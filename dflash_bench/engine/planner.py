@@ -295,6 +295,7 @@ def plan(i: PlanInputs) -> Plan:
             add(Term("drafter float staging", "load", staging, 0, "until the first round quantizes them",
                      drafter=True))
     window = _window(i)
+    chunk = min(i.chunk, i.context - 1)  # the largest prompt chunk a request of this context can have
     logit_rows = _pad(i.parallel * window, ROW_TILE)
     logits = logit_rows * t.vocab_size * act * LOGIT_COPIES
     add(Term("round logits", "shared", logits, logits, f"{logit_rows} rows x {t.vocab_size} vocab"))
@@ -318,15 +319,15 @@ def plan(i: PlanInputs) -> Plan:
         add(Term("GatedDeltaNet state", "stream", layers * (state + conv), layers * (state + conv),
                  f"{layers} layers x ({mib(state)} fp32 state + {mib(conv)} conv)"))
         record = lambda rows: layers * (state + conv + rows * (lin.conv_dim + 2 * lin.num_value_heads) * act)  # noqa: E731
-        add(Term("GatedDeltaNet rollback record", "stream", record(i.chunk), record(window),
+        add(Term("GatedDeltaNet rollback record", "stream", record(chunk), record(window),
                  "the round's starting state and its rows, kept until keep"))
     if budget:
-        copy = kv_row * tiles(i.context - 1) + sum(t.prompt for t in p.terms if t.name == "GatedDeltaNet state")
+        copy = kv_row * tiles(i.context - 1) + sum(x.prompt for x in p.terms if x.name == "GatedDeltaNet state")
         add(Term("prompt-cache boundary copy", "stream", copy, copy, "a stream's state at its last chunk boundary"))
 
     keys = i.context - 1
-    add(Term("prompt pass work", "stream", _forward_work(t, i.chunk, keys, act), 0,
-             f"a {i.chunk}-row chunk over {tiles(keys)} keys"))
+    add(Term("prompt pass work", "stream", _forward_work(t, chunk, keys, act), 0,
+             f"a {chunk}-row chunk over {tiles(keys)} keys"))
     add(Term("decode window work", "stream", 0, _forward_work(t, window, keys, act), f"{window}-row window"))
     if d is not None:
         _drafter_terms(p, i, d, prompt_rows, resumes)
@@ -359,7 +360,7 @@ def _drafter_terms(p: Plan, i: PlanInputs, d: DraftConfig, prompt_rows: int, res
         add(Term("drafter boundary copy", "stream", copy, copy, "the drafter part of a prompt-cache entry",
                  drafter=True))
     taps = tap_row_bytes(d, act)
-    add(Term("prompt tap rows", "stream", taps * i.chunk, taps * d.block_size,
+    add(Term("prompt tap rows", "stream", taps * min(i.chunk, i.context - 1), taps * d.block_size,
              f"{taps:,} B a row ({'5 raw planes' if d.is_dflash2 else f'2 x {len(d.taps)} + 2 planes'})",
              drafter=True))
     work = _drafter_pass_work(d, i.context, act)
