@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import mlx.core as mx
+from rich.table import Table
 
 from dflash_bench.checks.receipt import Receipt
 from dflash_bench.engine.engine import Engine, Settings
@@ -110,3 +111,16 @@ def run(plan: Plan, target: str, drafter: str | None, s: CheckSettings, receipt:
                                        f"{c['measured_bytes']:,} B ({c['error']:+.1%}, beyond ±{s.tolerance:.0%})")
         elif c["error"] < 0:
             receipt.warn("plan", what, f"{what}: the plan is {-c['error']:.1%} under the measured peak")
+
+
+def table(r: Receipt) -> Table:
+    """Predicted against measured, from a plan --check receipt (what `show` prints for kind "plan")."""
+    c = r.aggregates.get("comparison", {})
+    t = Table(title=f"plan --check: predicted vs measured peak (tolerance ±{c.get('tolerance', 0):.0%})")
+    for col in ("peak", "predicted MiB", "measured MiB", "error"):
+        t.add_column(col, justify="left" if col == "peak" else "right")
+    for what, label in (("mlx", "MLX peak (the plan)"), ("process", "process RSS (plan + what loading left beside MLX)")):
+        if what in c:
+            t.add_row(label, f"{c[what]['predicted_bytes'] / 2**20:,.1f}", f"{c[what]['measured_bytes'] / 2**20:,.1f}",
+                      f"{c[what]['error']:+.1%}")
+    return t

@@ -62,18 +62,6 @@ def plan_table(p: Plan) -> Group:
     return Group(*lines)
 
 
-def check_table(r: Receipt) -> Table:
-    """Predicted against measured, from a plan --check receipt."""
-    c = r.aggregates.get("comparison", {})
-    t = Table(title=f"plan --check: predicted vs measured peak (tolerance ±{c.get('tolerance', 0):.0%})")
-    for col in ("peak", "predicted MiB", "measured MiB", "error"):
-        t.add_column(col, justify="left" if col == "peak" else "right")
-    for what, label in (("mlx", "MLX peak (the plan)"), ("process", "process RSS (plan + what loading left beside MLX)")):
-        if what in c:
-            t.add_row(label, _mib(c[what]["predicted_bytes"]), _mib(c[what]["measured_bytes"]), f"{c[what]['error']:+.1%}")
-    return t
-
-
 @app.command("plan", rich_help_panel="Checks")
 def plan_command(
     target: Annotated[str, typer.Argument(help="A checkpoint folder, a .gguf, a config.json, or 'default'.")] = "default",
@@ -155,7 +143,7 @@ def _check(p: Plan, target: str, drafter: str | None, max_tokens: int | None, to
     else:
         console = Console()
         console.print(plan_table(p))
-        console.print(check_table(receipt))
+        console.print(memory.table(receipt))
         for f in receipt.failures:
             console.print(f"failed: {f['message']}", style="red")
         for w in receipt.warnings:
