@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import uvicorn
 from starlette.applications import Starlette
@@ -85,9 +86,9 @@ class Fake:
 
     def reply_parts(self, body: dict, ids: list[int], out: list[int], cached: int) -> tuple[dict, dict]:
         drafted = body.get("draft", True)
-        tpr = 3.0 if drafted else 1.0
+        tpr = 0.0 if len(out) < 2 else 3.0 if drafted else 1.0  # the first token comes from the prompt pass
         usage = {"prompt_tokens": len(ids), "completion_tokens": len(out), "total_tokens": len(ids) + len(out)}
-        dflash = {"token_sha": sha12(out[::-1] if self.lie_sha else out), "rounds": -(-len(out) // int(tpr)), "drafted": len(out) * 2 if drafted else 0,
+        dflash = {"token_sha": sha12(out[::-1] if self.lie_sha else out), "rounds": -(-len(out) // int(tpr)) if tpr else 0, "drafted": len(out) * 2 if drafted else 0,
                   "accepted": len(out) - 1 if drafted else 0, "tokens_per_round": tpr,
                   "drafter": self.drafter if drafted else None, "prefill_seconds": 0.001 + len(ids) * 1e-6,
                   "decode_seconds": 0.01}
@@ -98,6 +99,17 @@ class Fake:
 
 def _text(ids: list[int]) -> str:
     return "".join(f" t{i}" for i in ids)
+
+
+# The fake "knows" the known-answer prompts of prompts/known_answers.json: it starts those replies' text
+# with the expected answer (their token ids stay the generated ones).
+ANSWERS = {p["text"]: p["expect"] for p in json.loads(
+    (Path(__file__).resolve().parents[1] / "prompts" / "known_answers.json").read_text())["prompts"]}
+
+
+def answer_for(body: dict) -> str:
+    messages = body.get("messages") or []
+    return ANSWERS.get(messages[-1].get("content"), "") if messages else ""
 
 
 def make_app(fake: Fake) -> Starlette:
@@ -136,12 +148,15 @@ def make_app(fake: Fake) -> Starlette:
         usage, dflash = fake.reply_parts(body, ids, out, fake.cached(ids))
         want_ids = body.get("return_token_ids") and not fake.mlx_lm_like
 
-        def choice(piece: list[int], final: bool) -> dict:
+        answer = answer_for(body)
+
+        def choice(piece: list[int], final: bool, first: bool = True) -> dict:
             c = {"index": 0, "finish_reason": "length" if final else None}
+            text = (answer if first else "") + _text(piece)
             if chat:
-                c["delta" if body.get("stream") else "message"] = {"role": "assistant", "content": _text(piece)}
+                c["delta" if body.get("stream") else "message"] = {"role": "assistant", "content": text}
             else:
-                c["text"] = _text(piece)
+                c["text"] = text
             if want_ids:
                 c["token_ids"] = piece
             return c
@@ -165,7 +180,7 @@ def make_app(fake: Fake) -> Starlette:
                 await asyncio.sleep(len(ids) * fake.prefill_seconds_per_token)
                 for start in range(0, len(out), step):
                     piece = out[start:start + step]
-                    yield f"data: {json.dumps({'choices': [choice(piece, False)]})}\n\n"
+                    yield f"data: {json.dumps({'choices': [choice(piece, False, start == 0)]})}\n\n"
                     await asyncio.sleep(fake.chunk_delay)
                 last = {"choices": [], "usage": usage}
                 if not fake.mlx_lm_like:

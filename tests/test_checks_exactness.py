@@ -34,6 +34,8 @@ def test_drafted_equals_plain_passes_and_reports_tokens_per_round(tmp_path):
     assert {r["kind"] for r in rows} == {"known", "code", "chat", "long"}
     assert all(r["equal"] is True for r in rows)
     assert all(r["drafted_tokens_per_round"] == 3.0 and r["plain_tokens_per_round"] == 1.0 for r in rows)
+    asked = len(prompts.known_answers())
+    assert data["aggregates"]["known_answers"] == {"right": asked, "asked": asked}
     modes = [(r["prompt_id"], r["draft"]) for r in data["records"] if r["labels"].get("kind")]
     assert modes[:2] == [("capital-france", True), ("capital-france", False)]
     assert all(r["labels"].get("kind") is None or r["max_tokens"] == 12 for r in data["records"])
@@ -77,7 +79,7 @@ def test_a_server_whose_draft_false_still_drafts_fails(tmp_path, monkeypatch):
     with FakeServer(context=32768) as fake:
         res, data = run_exactness(fake.url, tmp_path)
     assert res.exit_code == 1
-    assert any("not 1.0" in f["message"] for f in data["verdict"]["failures"])
+    assert any("drafted anyway" in f["message"] for f in data["verdict"]["failures"])
 
 
 def test_a_verified_known_answer_that_is_missed_fails(tmp_path, monkeypatch):
@@ -120,3 +122,11 @@ def test_a_server_without_a_drafter_passes_with_a_warning_that_the_comparison_is
     assert res.exit_code == 0
     assert [w["check"] for w in data["verdict"]["warnings"] if w["check"] == "drafter"] == ["drafter"]
     assert "no drafter" in res.output
+
+
+def test_one_token_replies_have_no_rounds_and_still_pass(tmp_path):
+    with FakeServer(context=32768) as fake:
+        res, data = run_exactness(fake.url, tmp_path, "--known-tokens", "1", "--probe-tokens", "1",
+                                  "--long-tokens", "1")
+    assert res.exit_code == 0, res.output
+    assert {r["plain_tokens_per_round"] for r in data["aggregates"]["prompts"]} == {0.0}
