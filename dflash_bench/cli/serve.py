@@ -20,8 +20,10 @@ import typer
 import uvicorn
 
 from dflash_bench.cli import app
-from dflash_bench.engine.engine import Engine, Settings, preload
+from dflash_bench.engine.defaults import default_drafter_for
+from dflash_bench.engine.engine import Engine, Settings
 from dflash_bench.engine.errors import DFlashBenchError
+from dflash_bench.engine.planner import PlanInputs, admit, read_configs
 from dflash_bench.engine.server import create_app, warm_up
 
 SHUTDOWN_GRACE_SECONDS = 5
@@ -30,7 +32,8 @@ SHUTDOWN_GRACE_SECONDS = 5
 @app.command(rich_help_panel="Server")
 def serve(
     target: Annotated[str, typer.Argument(help="'default' (SmolLM2-135M-Instruct), a .gguf file, or a checkpoint folder.")] = "default",
-    drafter: Annotated[Optional[str], typer.Option(help="DFlash or DFlash2 drafter folder (none: plain decode).")] = None,
+    drafter: Annotated[Optional[str], typer.Option(help="DFlash drafter folder (default: the target's shipped drafter, if any).")] = None,
+    no_drafter: Annotated[bool, typer.Option("--no-drafter", help="Serve without a drafter (plain decode only).")] = False,
     parallel: Annotated[int, typer.Option(min=1, help="Streams that share rounds.")] = 4,
     context: Annotated[int, typer.Option(min=2, help="Tokens a stream holds: prompt plus max_tokens.")] = 4096,
     prompt_cache_gib: Annotated[float, typer.Option("--prompt-cache-gib", min=0.0, help="Prompt cache budget (0: off).")] = 0.0,
@@ -40,13 +43,22 @@ def serve(
 ) -> None:
     """Serve TARGET (and its drafter) with an OpenAI-compatible API: /v1/completions, /v1/chat/completions,
     /health, /metrics, /tokenize, /detokenize."""
-    try:
-        preload(target, drafter)
+    if drafter is None and not no_drafter:
+        drafter = str(p) if (p := default_drafter_for(target)) else None
+    elif no_drafter:
+        drafter = None
+    try:  # the pre-load refusals and the memory plan, from the config files alone
+        tcfg, dcfg = read_configs(target, drafter)
+        decision = admit(PlanInputs(tcfg, dcfg, parallel, context, prompt_cache_gib, drafter_bits if dcfg else 0))
     except DFlashBenchError as err:
         typer.echo(err.line(), err=True)
         raise typer.Exit(1) from None
+    if decision.refused_reason:
+        typer.echo(decision.line(), err=True)
+        raise typer.Exit(1)
     _request_log()
-    settings = Settings(parallel=parallel, context=context, prompt_cache_gib=prompt_cache_gib, drafter_bits=drafter_bits)
+    settings = Settings(parallel=decision.streams, context=context, prompt_cache_gib=prompt_cache_gib,
+                        drafter_bits=drafter_bits)
     web = create_app()
     server = uvicorn.Server(uvicorn.Config(web, host=host, port=port, log_level="warning", lifespan="off",
                                            timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS))
@@ -67,7 +79,7 @@ def serve(
         while not server.started and not server.should_exit:
             time.sleep(0.01)
         web.state.served.attach(engine)
-        typer.echo(f"{engine.startup_line()}, at {url}")
+        typer.echo(f"{engine.startup_line()}, at {url}; {decision.line()}")
 
     threading.Thread(target=load, name="dflash-load", daemon=True).start()
     server.run()
