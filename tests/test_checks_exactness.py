@@ -16,6 +16,18 @@ from fake_openai import FakeServer
 SMALL = ["--known-tokens", "12", "--probe-tokens", "12", "--long-tokens", "12"]
 
 
+def one_known_answer(tmp_path, verified_with: str):
+    """A prompts folder whose only known-answer prompt the fake does not know the answer to."""
+    folder = tmp_path / "prompts"
+    folder.mkdir()
+    for name in ("probes.json", "long.json", "prefill.json"):
+        (folder / name).write_text((prompts.PROMPTS_DIR / name).read_text())
+    (folder / "known_answers.json").write_text(json.dumps({"prompts": [
+        {"id": "capital-france", "text": "What is the capital of France?", "expect": "Paris",
+         "verified_with": [verified_with]}]}))
+    return folder
+
+
 def run_exactness(url: str, tmp_path, *extra: str):
     out = tmp_path / "exactness.json"
     res = CliRunner().invoke(app, ["exactness", "--url", url, "--out", str(out), *SMALL, *extra],
@@ -83,13 +95,7 @@ def test_a_server_whose_draft_false_still_drafts_fails(tmp_path, monkeypatch):
 
 
 def test_a_verified_known_answer_that_is_missed_fails(tmp_path, monkeypatch):
-    folder = tmp_path / "prompts"
-    folder.mkdir()
-    for name in ("probes.json", "long.json", "prefill.json"):
-        (folder / name).write_text((prompts.PROMPTS_DIR / name).read_text())
-    (folder / "known_answers.json").write_text(json.dumps({"prompts": [
-        {"id": "capital-france", "text": "What is the capital of France?", "expect": "Paris", "verified": True}]}))
-    monkeypatch.setattr(prompts, "PROMPTS_DIR", folder)
+    monkeypatch.setattr(prompts, "PROMPTS_DIR", one_known_answer(tmp_path, verified_with="fake"))
     with FakeServer(context=32768) as fake:
         res, data = run_exactness(fake.url, tmp_path)
     assert res.exit_code == 1
@@ -98,7 +104,8 @@ def test_a_verified_known_answer_that_is_missed_fails(tmp_path, monkeypatch):
 
 def test_prompt_sets_load_with_answers_probes_and_long_prompts():
     known = prompts.known_answers()
-    assert len(known) >= 8 and all(p.expect for p in known) and len({p.id for p in known}) == len(known)
+    assert len(known) >= 8 and all(p.expect and p.verified_with for p in known)
+    assert len({p.id for p in known}) == len(known)
     probes = prompts.probes()
     assert probes["code"].endpoint == "completions" and probes["chat"].endpoint == "chat"
     assert "Fibonacci" in probes["code"].text
@@ -130,3 +137,11 @@ def test_one_token_replies_have_no_rounds_and_still_pass(tmp_path):
                                   "--long-tokens", "1")
     assert res.exit_code == 0, res.output
     assert {r["plain_tokens_per_round"] for r in data["aggregates"]["prompts"]} == {0.0}
+
+
+def test_a_missed_known_answer_is_a_warning_for_a_model_it_was_not_verified_with(tmp_path, monkeypatch):
+    monkeypatch.setattr(prompts, "PROMPTS_DIR", one_known_answer(tmp_path, verified_with="SmolLM2-135M-Instruct"))
+    with FakeServer(context=32768) as fake:
+        res, data = run_exactness(fake.url, tmp_path)
+    assert res.exit_code == 0
+    assert "not verified with model 'fake'" in data["verdict"]["warnings"][0]["message"]

@@ -28,7 +28,7 @@ class Prompt:
     max_tokens: int
     kind: str
     expect: str | None = None
-    verified: bool = False
+    verified_with: tuple[str, ...] = ()
 
     def request(self, *, draft: bool | None = True, max_tokens: int | None = None, temperature: float = 0.0,
                 seed: int | None = None, stream: bool = False) -> Request:
@@ -65,7 +65,7 @@ def known_answers() -> list[Prompt]:
     return [
         Prompt(id=_field(p, "id", "known_answers.json"), endpoint=endpoint, text=_field(p, "text", p["id"]),
                max_tokens=max_tokens, kind="known", expect=_field(p, "expect", p["id"]),
-               verified=bool(p.get("verified", False)))
+               verified_with=tuple(p.get("verified_with", ())))
         for p in data["prompts"]
     ]
 
