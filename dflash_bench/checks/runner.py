@@ -158,7 +158,8 @@ def run_check(spec: RunSpec, settings: dict, body: Callable[[Context], None],
         with progress, server:
             receipt.server.update(server.describe())
             health = server.health or {}
-            receipt.server.update(target=health.get("model"), drafter=health.get("drafter"))
+            receipt.server.update(target=health.get("model"), drafter=health.get("drafter"),
+                                  **{k: v for k, v in health.items() if k.endswith("sha256")})  # weight hashes
             if health.get("startup_line"):
                 receipt.server["startup_line"] = health["startup_line"]
             client = Client(server.url, spec.request_timeout)

@@ -41,7 +41,7 @@ def gb(value) -> str:
 def header(r: Receipt) -> Text:
     server = r.server or {}
     state = Text("complete", style="green") if r.complete else Text(f"INCOMPLETE: {r.incomplete_reason}", style="bold red")
-    text = Text.assemble((f"{r.kind}", "bold"), "  ", (server.get("url") or "no server", "cyan"),
+    text = Text.assemble((f"{r.kind}", "bold"), "  ", (server.get("url") or server.get("engine") or "no server", "cyan"),
                          "  managed" if server.get("managed") else "", "  ", state)
     if server.get("startup_line"):
         text.append(f"\n{server['startup_line']}", style="dim")
@@ -162,6 +162,16 @@ def suite(r: Receipt) -> Table:
 
 BY_KIND = {"exactness": exactness, "concurrent": concurrent, "resume": resume, "cancel": cancel,
            "decode": decode, "prefill": prefill, "suite": suite}
+
+
+def plan(r: Receipt) -> Table:
+    """plan --check receipts: their table lives with the check (imported only when shown: it loads MLX)."""
+    from dflash_bench.checks import memory
+
+    return memory.table(r)
+
+
+BY_KIND["plan"] = plan
 
 
 def render(r: Receipt) -> Group:
