@@ -41,8 +41,9 @@ def gb(value) -> str:
 def header(r: Receipt) -> Text:
     server = r.server or {}
     state = Text("complete", style="green") if r.complete else Text(f"INCOMPLETE: {r.incomplete_reason}", style="bold red")
-    text = Text.assemble((f"{r.kind}", "bold"), "  ", (server.get("url") or server.get("engine") or "no server", "cyan"),
-                         "  managed" if server.get("managed") else "", "  ", state)
+    where = server.get("url") or server.get("engine") or "no server"
+    text = Text.assemble((r.kind, "bold"), "  ", (where, "cyan"), "  managed" if server.get("managed") else "",
+                         "  ", state)
     if server.get("startup_line"):
         text.append(f"\n{server['startup_line']}", style="dim")
     return text
