@@ -249,14 +249,16 @@ class Client:
 
     def pick_model(self, health: dict | None = None) -> str | None:
         """The model name requests carry: the one /health names, else the only one /v1/models lists,
-        else none (a server such as mlx_lm.server loads whatever model a request names, so never guess)."""
+        else none (a server such as mlx_lm.server loads whatever model a request names, so never guess).
+        A /v1/models that fails in any way lists nothing: mlx_lm.server answers 200 with an empty body
+        when it finds no Hugging Face cache folder to scan."""
         named = (health or {}).get("model")
         if isinstance(named, str) and named:
             self.model = named
             return named
         try:
             names = self.models()
-        except httpx.HTTPStatusError:
+        except (httpx.HTTPError, ValueError, AttributeError):
             names = []
         self.model = names[0] if len(names) == 1 else None
         return self.model
