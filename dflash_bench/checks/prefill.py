@@ -4,6 +4,10 @@ The arrays: the public lighthouse paragraph repeated, tokenized once by the serv
 N ids; each must decode and re-encode to itself (else trailing ids are dropped until it does, and
 the receipt says so). Their hashes go in the receipt and the arrays in a side file beside it.
 Every measured request must report cached_tokens 0 and prompt_tokens equal to its array's length.
+
+A server without /tokenize (mlx_lm.server) can still be measured with `--tokenizer` (the model's
+folder or GGUF): the arrays are made here and sent as their text, which re-encodes to exactly those
+ids, and the server's prompt_tokens confirms it tokenized them the same way.
 """
 
 from __future__ import annotations
@@ -31,9 +35,30 @@ class PrefillSettings:
     sizes: tuple[int, ...] = (512, 2048, 8192)
     rounds: int = 3
     warmup: int = 1
+    tokenizer: str | None = None  # used only when the server has no /tokenize
 
 
-def lighthouse_ids(client: Client, count: int) -> list[int]:
+class LocalTokenizer:
+    """The model's tokenizer read here, with the client's tokenize/detokenize shape (no special tokens)."""
+
+    def __init__(self, path: str) -> None:
+        from dflash_bench.engine import gguf
+        from dflash_bench.engine.tokenizer import Tokenizer
+
+        self.path = Path(path)
+        if self.path.is_file():
+            self.tokenizer = Tokenizer.from_gguf_metadata(gguf.read_header(self.path).metadata)
+        else:
+            self.tokenizer = Tokenizer.from_dir(self.path)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+
+def lighthouse_ids(client: Client | LocalTokenizer, count: int) -> list[int]:
     """At least `count` ids of the repeated paragraph, tokenized in one call."""
     paragraph, sep = prompt_sets.prefill_paragraph()
     per = client.tokenize(paragraph)
@@ -46,7 +71,7 @@ def lighthouse_ids(client: Client, count: int) -> list[int]:
     return ids
 
 
-def exact_arrays(client: Client, sizes: tuple[int, ...]) -> dict[int, dict]:
+def exact_arrays(client: Client | LocalTokenizer, sizes: tuple[int, ...]) -> dict[int, dict]:
     """{size: {"ids", "dropped"}}: the first N ids, cut back until detokenize/tokenize round-trips."""
     ids = lighthouse_ids(client, max(sizes))
     out = {}
@@ -71,11 +96,21 @@ def side_file(out: Path) -> Path:
 
 def run(ctx: Context, s: PrefillSettings) -> None:
     caps = ctx.capabilities()
+    local = None
     try:
-        arrays = exact_arrays(ctx.client, s.sizes)
+        try:
+            arrays = exact_arrays(ctx.client, s.sizes)
+        except NoTokenizer:
+            if s.tokenizer is None:
+                raise
+            local = LocalTokenizer(s.tokenizer)
+            arrays = exact_arrays(local, s.sizes)
     except NoTokenizer as err:
-        ctx.receipt.skip(CHECK, str(err))
+        hint = "" if s.tokenizer else " (pass --tokenizer with the model's folder to make the arrays here)"
+        ctx.receipt.skip(CHECK, f"{err}{hint}")
         return
+    ctx.receipt.aggregates["tokenizer"] = "server" if local is None else f"local {local.path}"
+    texts = {n: local.detokenize(a["ids"]) for n, a in arrays.items()} if local is not None else {}
     path = side_file(ctx.out_path)
     write_atomic(path, canonical_json({str(n): a["ids"] for n, a in arrays.items()}))
     ctx.receipt.side_files["prefill_arrays"] = path.name
@@ -95,15 +130,15 @@ def run(ctx: Context, s: PrefillSettings) -> None:
     advance = ctx.task("prefill", s.warmup + s.rounds * len(s.sizes) * len(modes))
     first = arrays[s.sizes[0]]["ids"]
     for i in range(s.warmup):
-        ctx.send(_request(first, next(iter(modes.values()))), phase="warmup", size=len(first))
+        ctx.send(_request(first, next(iter(modes.values())), texts.get(s.sizes[0])), phase="warmup", size=len(first))
         advance()
     seconds: dict[str, dict[int, list]] = {m: {n: [] for n in s.sizes} for m in modes}
-    sources = set()
+    sources, unconfirmed = set(), False
     for rnd in range(s.rounds):
         for n in s.sizes:
             ids = arrays[n]["ids"]
             for mode, draft in modes.items():
-                rec = ctx.send(_request(ids, draft), phase="measure", size=n, round=rnd, mode=mode)
+                rec = ctx.send(_request(ids, draft, texts.get(n)), phase="measure", size=n, round=rnd, mode=mode)
                 advance()
                 subject = f"size {n} round {rnd} {mode}"
                 if rec.status != "ok":
@@ -111,10 +146,15 @@ def run(ctx: Context, s: PrefillSettings) -> None:
                     continue
                 if rec.cached_tokens:
                     ctx.receipt.fail(CHECK, subject, f"{subject}: cached_tokens {rec.cached_tokens}, must be 0 "
-                                     "(turn the prompt cache off: --prompt-cache-gib 0)")
+                                     "(turn the server's prompt cache off: the bundled server's --prompt-cache-gib 0, "
+                                     "mlx_lm.server's --prompt-cache-size 0)")
                 if rec.prompt_tokens is not None and rec.prompt_tokens != len(ids):
                     ctx.receipt.fail(CHECK, subject, f"{subject}: prompt_tokens {rec.prompt_tokens}, "
                                      f"the array holds {len(ids)}")
+                if rec.prompt_tokens is None and local is not None and not unconfirmed:
+                    unconfirmed = True
+                    ctx.receipt.unverify(CHECK, "prompt_tokens", "the server reports no prompt_tokens, so whether it "
+                                         "tokenized the arrays' text to the arrays cannot be confirmed")
                 sources.add("server prefill_seconds" if rec.prefill_seconds is not None else "client wall time")
                 seconds[mode][n].append(rec.prefill_seconds if rec.prefill_seconds is not None else rec.elapsed)
     ctx.receipt.aggregates["sizes"] = {
@@ -125,5 +165,7 @@ def run(ctx: Context, s: PrefillSettings) -> None:
     ctx.receipt.aggregates["seconds_source"] = sorted(sources)
 
 
-def _request(ids: list[int], draft: bool | None) -> Request:
-    return Request(prompt_id=f"lighthouse-{len(ids)}", prompt=ids, max_tokens=1, temperature=0.0, draft=draft)
+def _request(ids: list[int], draft: bool | None, text: str | None = None) -> Request:
+    """The array as ids, or as its text when the ids were made here (the text re-encodes to them)."""
+    return Request(prompt_id=f"lighthouse-{len(ids)}", prompt=ids if text is None else text, max_tokens=1,
+                   temperature=0.0, draft=draft)

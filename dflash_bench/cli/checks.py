@@ -185,10 +185,13 @@ def prefill(url: Url = None, target: Target = "default", drafter: Drafter = None
             context: ContextSize = None, prompt_cache_gib: Cache = None, drafter_bits: Bits = None,
             startup_timeout: Startup = 600.0, timeout: Timeout = 600.0, out: Out = None, json_out: Json = False,
             sizes: Annotated[str, typer.Option(help="Exact prompt sizes in tokens, comma-separated.")] = "512,2048,8192",
-            rounds: Annotated[int, typer.Option(help="Rounds over the sizes (after one warm-up).")] = 3):
+            rounds: Annotated[int, typer.Option(help="Rounds over the sizes (after one warm-up).")] = 3,
+            tokenizer: Annotated[Optional[str], typer.Option(
+                help="The model's folder or GGUF, to make the arrays here when the server has no /tokenize "
+                     "(e.g. mlx_lm.server); they are sent as text.")] = None):
     """Cold prefill speed at exact token counts (cached_tokens must be 0), drafted and plain serve."""
     sz = ints(sizes, "--sizes")
-    s = prefill_check.PrefillSettings(sz, rounds)
+    s = prefill_check.PrefillSettings(sz, rounds, tokenizer=tokenizer)
     execute("prefill", out, url,
             serve_settings((target, drafter, parallel, context, prompt_cache_gib, drafter_bits), parallel=1,
                            prompt_cache_gib=0, context=max(sz) + 64),
