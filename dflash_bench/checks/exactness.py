@@ -80,5 +80,6 @@ def _known_answer(ctx: Context, prompt: prompt_sets.Prompt, text: str) -> bool:
         if model in prompt.verified_with:
             ctx.receipt.fail("known_answers", prompt.id, message)
         else:
-            ctx.receipt.warn("known_answers", prompt.id, f"{message} (not verified with model {model!r})")
+            named = f"model {model!r}" if model else "the server's model, which it does not name"
+            ctx.receipt.warn("known_answers", prompt.id, f"{message} (not verified with {named})")
     return right
