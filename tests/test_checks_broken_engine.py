@@ -1,0 +1,123 @@
+"""The exactness check catches a broken engine: an off-by-one in keep, served over HTTP.
+
+The bundled server runs in-process (the real app under uvicorn, a real Engine on the llama fixture
+and a DFlash drafter made for it). Breaking `Lanes.after_window` so that a window whose drafts are
+not all accepted keeps one row too many (the first rejected draft's K/V stays in the cache and every
+later position shifts by one) corrupts only the drafted path: the fixture drafter's guesses are
+never right, but it proposes in every round, so every drafted reply goes wrong within a few tokens
+while `"draft": false` replies (one-row windows, nothing rejected) stay right. `dflash-bench
+exactness --url` must then fail, naming each prompt and its first differing token; unbroken, it passes.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from dflash_bench.checks import prompts
+from dflash_bench.cli import app
+from dflash_bench.engine import lanes
+from dflash_bench.engine.engine import Engine, Settings
+from dflash_bench.engine.fixtures import write_fixture
+from dflash_bench.engine.server import warm_up
+from test_server_api import LiveServer
+
+pytestmark = pytest.mark.slow
+
+CHECK = "drafted_equals_plain"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("broken-engine")
+    target, drafter = write_fixture("llama", root / "target"), write_fixture("dflash", root / "drafter")
+    engine = Engine(target, drafter, Settings(parallel=1, context=2048, prompt_cache_gib=0.0))
+    warm_up(engine)
+    engine.start()
+    with LiveServer(engine) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def few_prompts(tmp_path_factory):
+    """Two known-answer prompts, the code and chat probes, and a two-paragraph long prompt (past the
+    drafter's 32-token window and 512 fixture tokens)."""
+    folder = tmp_path_factory.mktemp("prompts")
+    for name in ("probes.json", "prefill.json"):
+        (folder / name).write_text((prompts.PROMPTS_DIR / name).read_text())
+    known = json.loads((prompts.PROMPTS_DIR / "known_answers.json").read_text())
+    known["prompts"] = known["prompts"][:2]
+    (folder / "known_answers.json").write_text(json.dumps(known))
+    long = json.loads((prompts.PROMPTS_DIR / "long.json").read_text())
+    long["prompts"] = [long["prompts"][0] | {"id": "wrenmouth-short", "paragraphs": 2}]
+    (folder / "long.json").write_text(json.dumps(long))
+    return folder
+
+
+def exactness(url: str, out, folder, monkeypatch) -> tuple[int, dict]:
+    monkeypatch.setattr(prompts, "PROMPTS_DIR", folder)
+    res = CliRunner().invoke(app, ["exactness", "--url", url, "--out", str(out), "--known-tokens", "12",
+                                   "--probe-tokens", "24", "--long-tokens", "12"], env={"COLUMNS": "200"})
+    data = json.loads(out.read_text())
+    assert data["complete"], data["incomplete_reason"]
+    return res.exit_code, data
+
+
+@pytest.fixture(scope="module")
+def unbroken(server, few_prompts, tmp_path_factory):
+    with pytest.MonkeyPatch.context() as mp:
+        return exactness(server.url, tmp_path_factory.mktemp("unbroken") / "exactness.json", few_prompts, mp)
+
+
+def keep_one_row_too_many(monkeypatch) -> None:
+    """after_window, broken: when a window's drafts are not all accepted (kept length short of the
+    window's end), keep one more row than the accepted ones plus the pending token."""
+    original = lanes.Lanes.after_window
+
+    def broken(self, s, seg, out):
+        state, keep = s.segment_state, s.segment_state.keep
+
+        def off_by_one(length: int) -> None:
+            keep(length + 1 if length < seg.start + len(seg.tokens) else length)
+
+        state.keep = off_by_one
+        try:
+            return original(self, s, seg, out)
+        finally:
+            del state.keep
+
+    monkeypatch.setattr(lanes.Lanes, "after_window", broken)
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+
+
+def test_exactness_passes_on_the_unbroken_engine(unbroken):
+    code, data = unbroken
+    assert code == 0, data["verdict"]
+    rows = data["aggregates"]["prompts"]
+    assert len(rows) == 5 and all(r["equal"] is True for r in rows)
+    assert all(r["drafted"] > 0 for r in data["records"] if r["draft"] is True and r["labels"].get("kind"))
+
+
+def test_exactness_fails_on_an_off_by_one_keep_naming_prompt_and_first_differing_token(
+        server, few_prompts, unbroken, tmp_path, monkeypatch):
+    keep_one_row_too_many(monkeypatch)
+    code, data = exactness(server.url, tmp_path / "exactness.json", few_prompts, monkeypatch)
+    assert code == 1 and data["verdict"]["passed"] is False
+
+    failures = {f["subject"]: f["message"] for f in data["verdict"]["failures"] if f["check"] == CHECK}
+    rows = {r["prompt_id"]: r for r in data["aggregates"]["prompts"]}
+    replies = {(r["prompt_id"], r["labels"]["mode"]): r["token_ids"] for r in data["records"] if r["labels"].get("kind")}
+    assert set(failures) == set(rows)  # every prompt drafted, so every prompt went wrong
+    for prompt_id, message in failures.items():
+        index = first_difference(replies[prompt_id, "drafted"], replies[prompt_id, "plain"])
+        assert index is not None and rows[prompt_id]["first_diff"] == index and rows[prompt_id]["equal"] is False
+        assert message.startswith(f"{prompt_id}: ") and f"first differing token at index {index} " in message
+
+    # the breakage is in the draft path only: the plain replies are what the unbroken engine gave
+    reference = {r["prompt_id"]: r["plain_sha"] for r in unbroken[1]["aggregates"]["prompts"]}
+    assert {p: r["plain_sha"] for p, r in rows.items()} == reference
