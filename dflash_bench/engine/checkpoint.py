@@ -117,7 +117,7 @@ def load_target(target: str | Path, dtype: mx.Dtype = mx.float32) -> LoadedTarge
         weights=weights,
         tokenizer=tokenizer,
         path=path,
-        weights_sha256=_sha256(files),
+        weights_sha256=files_sha256(files),
         bytes_on_disk=sum(f.stat().st_size for f in files),
     )
 
@@ -356,7 +356,8 @@ def _check_and_cast(
     return weights
 
 
-def _sha256(files: list[Path]) -> str:
+def files_sha256(files: list[Path]) -> str:
+    """sha256 over the files' bytes in the given order: names the exact weights a receipt was made with."""
     digest = hashlib.sha256()
     for f in files:
         with open(f, "rb") as fh:

@@ -365,7 +365,10 @@ def create_app(engine: Engine | None = None) -> FastAPI:
         return JSONResponse({"status": "ready", "model": e.model_name, "drafter": e.drafter_kind,
                              "parallel": s.parallel, "streams": s.parallel, "active_streams": e.active_streams,
                              "waiting_requests": len(e.lanes.waiting), "context": s.context,
-                             "prompt_cache_gib": s.prompt_cache_gib, "startup_line": e.startup_line()})
+                             "prompt_cache_gib": s.prompt_cache_gib, "startup_line": e.startup_line(),
+                             # the weights served, for receipts (checks copy every *sha256 key)
+                             "target_sha256": e.loaded.weights_sha256 if e.loaded else None,
+                             "drafter_sha256": getattr(e.drafter, "weights_sha256", None)})
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

@@ -16,6 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from dflash_bench.engine.cache import AttentionCache
+from dflash_bench.engine.checkpoint import files_sha256
 from dflash_bench.engine.draft_config import DraftConfig, read_draft_config
 from dflash_bench.engine.errors import CheckpointError
 from dflash_bench.engine.sampling import SamplingParams, choose
@@ -56,6 +57,7 @@ class Proposal:
 
 class DFlashDrafter:
     kind = "DFlash"
+    weights_sha256: str | None = None  # set by load_drafter: sha256 over the safetensors files read
 
     def __init__(self, config: DraftConfig, weights: dict[str, mx.array], target: Target, bits: int = 0):
         self.config = config
@@ -202,4 +204,6 @@ def load_drafter(path: str | Path, target: Target, bits: int = 0) -> DFlashDraft
     for f in files:
         weights.update(mx.load(str(f)))
     weights = {k: v.astype(mx.float32) for k, v in weights.items()}
-    return DFlashDrafter(config, weights, target, bits=bits)
+    drafter = DFlashDrafter(config, weights, target, bits=bits)
+    drafter.weights_sha256 = files_sha256(files)
+    return drafter
