@@ -11,6 +11,7 @@ exactness --url` must then fail, naming each prompt and its first differing toke
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import pytest
@@ -37,6 +38,7 @@ def server(tmp_path_factory):
     warm_up(engine)
     engine.start()
     with LiveServer(engine) as s:
+        s.checkpoints = (target, drafter)
         yield s
 
 
@@ -101,6 +103,17 @@ def test_exactness_passes_on_the_unbroken_engine(unbroken):
     rows = data["aggregates"]["prompts"]
     assert len(rows) == 5 and all(r["equal"] is True for r in rows)
     assert all(r["drafted"] > 0 for r in data["records"] if r["draft"] is True and r["labels"].get("kind"))
+
+
+def test_the_receipt_names_the_served_weights_by_their_sha256(server, unbroken):
+    """/health gives both hashes (over the safetensors files' bytes) and the receipt's server block copies them."""
+    target, drafter = server.checkpoints
+    expected = {"target_sha256": hashlib.sha256((target / "model.safetensors").read_bytes()).hexdigest(),
+                "drafter_sha256": hashlib.sha256((drafter / "model.safetensors").read_bytes()).hexdigest()}
+    assert expected["target_sha256"] != expected["drafter_sha256"]
+    block = unbroken[1]["server"]
+    assert {k: block[k] for k in expected} == expected
+    assert {k: block["health"][k] for k in expected} == expected
 
 
 def test_exactness_fails_on_an_off_by_one_keep_naming_prompt_and_first_differing_token(
