@@ -123,3 +123,18 @@ def test_smoke_run_trains_exports_and_serves(tmp_path) -> None:
     drafted = engine.generate(Request(prompt, max_tokens=20, ignore_eos=True))
     plain = engine.generate(Request(prompt, max_tokens=20, ignore_eos=True, draft=False))
     assert drafted.tokens == plain.tokens and drafted.stats.rounds > 0
+
+
+def test_default_model_ships_its_drafter() -> None:
+    """The default target's default drafter is the shipped one: it passes the pre-load checks against
+    the default model, fits the 16 MB budget, and other targets get none."""
+    from dflash_bench.engine.checkpoint import read_target_config
+    from dflash_bench.engine.defaults import default_drafter_for
+    from dflash_bench.engine.draft_config import read_draft_config
+    from dflash_bench.engine.preload import check_pair
+
+    path = default_drafter_for("default")
+    assert path is not None and path.name == "smollm2-135m-dflash"
+    check_pair(read_target_config("default"), read_draft_config(path))
+    assert sum(f.stat().st_size for f in path.iterdir()) <= 16_000_000
+    assert default_drafter_for("/some/other/model") is None
