@@ -118,6 +118,10 @@ def test_smoke_run_trains_exports_and_serves(tmp_path) -> None:
     assert receipt["training"]["steps"] == 8 and receipt["training"]["loss_curve"][-1]["step"] == 8
     assert receipt["held_out"]["tokens_per_round"] >= 1.0
     assert set(receipt["files"]) == {"config.json", "model.safetensors"}
+    again = tmp_path / "again"
+    train_main(["train", "--recipe", "smoke", "--target", str(target_dir), "--out", str(again),
+                "--data", str(tmp_path / "data.npz"), "--init", str(out / "drafter"), "--steps", "2"])
+    assert json.loads((again / "receipt.json").read_text())["init"] == str(out / "drafter")
     engine = Engine(target_dir, out / "drafter")
     prompt = engine.tokenizer.encode("def fibonacci(n):")
     drafted = engine.generate(Request(prompt, max_tokens=20, ignore_eos=True))

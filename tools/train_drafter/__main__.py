@@ -45,7 +45,7 @@ def recipe_from(args: argparse.Namespace) -> Recipe:
 
 def cmd_data(args: argparse.Namespace, recipe: Recipe, target: TrainTarget, loaded) -> tuple[Sequences, dict]:
     stdlib = Path(args.stdlib or sysconfig.get_paths()["stdlib"])
-    prompts = corpus.build_prompts(stdlib, recipe.prompts, recipe.seed, recipe.mix)
+    prompts = corpus.build_prompts(stdlib, recipe.prompts, recipe.seed, recipe.mix, recipe.held_out_words)
     start = time.perf_counter()
     seqs = generate_all(target, loaded.tokenizer, prompts, new_tokens=recipe.new_tokens,
                         max_prompt_tokens=recipe.max_prompt_tokens, batch=recipe.gen_batch,
@@ -59,7 +59,7 @@ def cmd_data(args: argparse.Namespace, recipe: Recipe, target: TrainTarget, load
         "prompts_sha256": corpus.prompts_sha256(prompts),
         "prompts_by_kind": dict(sorted(kept.items())),
         "examples": {k: [p.text[:160] for p in prompts if p.kind == k][:2] for k in sorted(kept)},
-        "held_out_words": list(corpus.HELD_OUT),
+        "held_out_words": list(recipe.held_out_words),
         "stdlib": f"{stdlib} (Python {platform.python_version()})",
         "prompt_tokens": int(seqs.prompt_len.sum()),
         "reply_tokens": int((seqs.length - seqs.prompt_len).sum()),
@@ -97,6 +97,10 @@ def cmd_train(args, recipe: Recipe, target: TrainTarget, loaded, seqs: Sequences
     mx.random.seed(recipe.seed)
     model = Drafter(draft_cfg)
     model.init(recipe.seed)
+    if args.init:  # continue from an exported drafter of the same architecture
+        if json.loads((Path(args.init) / "config.json").read_text()) != config:
+            raise ValueError(f"--init {args.init}: its config.json is not this recipe's drafter")
+        model.load_weights([(k, v.astype(mx.float32)) for k, v in mx.load(str(Path(args.init) / "model.safetensors")).items()])
     params = sum(v.size for _, v in tree_flatten(model.parameters()))
     log(f"drafter: {params} params, {draft_cfg.num_layers} layers, taps {list(draft_cfg.taps)}")
     budget = args.time_budget
@@ -124,6 +128,7 @@ def cmd_train(args, recipe: Recipe, target: TrainTarget, loaded, seqs: Sequences
         "target": {"path": loaded.path.name, "weights_sha256": loaded.weights_sha256, "taps_dtype": "float32",
                    "stored_taps": "bfloat16"},
         "recipe": recipe.as_dict(),
+        "init": args.init,
         "data": data_summary | {"train_sequences": len(train_set.length), "held_out_sequences": len(held.length)},
         "architecture": {"layers": draft_cfg.num_layers, "layer_types": list(draft_cfg.layer_types),
                          "taps": list(draft_cfg.taps), "block": draft_cfg.block_size, "window": draft_cfg.sliding_window,
@@ -189,6 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--time-budget", type=float, help="seconds of training; steps shrink to fit")
     ap.add_argument("--deadline", type=float, help="seconds the whole command may take (sets the training budget)")
     ap.add_argument("--no-compile", action="store_true", help="train without mx.compile")
+    ap.add_argument("--init", help="train: start from this exported drafter (same recipe) instead of random weights")
     ap.add_argument("--drafter", help="probe: drafter folder")
     ap.add_argument("--probes", default="prompts/probes.json", help="probe: prompt set")
     ap.add_argument("--tokens", type=int, default=256, help="probe: tokens a reply")

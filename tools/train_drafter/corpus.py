@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-# Words of the decode probes (prompts/probes.json): a prompt containing one is not trained on.
+# Words of the decode probes (prompts/probes.json): by default a prompt containing one is not trained on.
 HELD_OUT = ("fibonacci", "graphics card")
 
 TOPICS = (
@@ -186,12 +186,9 @@ def module_paragraphs(stdlib: Path) -> list[str]:
     return out
 
 
-def _held_out(text: str) -> bool:
-    low = text.lower()
-    return any(word in low for word in HELD_OUT)
-
-
-def build_prompts(stdlib: Path, count: int, seed: int, mix: dict[str, float]) -> list[Prompt]:
+def build_prompts(
+    stdlib: Path, count: int, seed: int, mix: dict[str, float], held_out: tuple[str, ...] = HELD_OUT
+) -> list[Prompt]:
     """`count` prompts drawn by kind in the proportions of `mix`, deterministic for (stdlib, seed)."""
     rng = random.Random(seed)
     funcs = [f for f in stdlib_functions(stdlib) if clause(f.summary)]
@@ -240,7 +237,7 @@ def build_prompts(stdlib: Path, count: int, seed: int, mix: dict[str, float]) ->
     seen: set[str] = set()
     while len(prompts) < count:
         p = one(rng.choices(kinds, weights)[0])
-        if p.text in seen or _held_out(p.text):
+        if p.text in seen or any(word in p.text.lower() for word in held_out):
             continue
         seen.add(p.text)
         prompts.append(p)

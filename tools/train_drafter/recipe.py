@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
+from train_drafter.corpus import HELD_OUT
 from train_drafter.model import Shape
 
 MIX = {  # prompt kinds and their shares (corpus.py builds each kind)
@@ -34,6 +35,7 @@ class Recipe:
     sampled_fraction: float = 0.2
     temperatures: tuple[float, ...] = (0.7, 1.0)
     seed: int = 0
+    held_out_words: tuple[str, ...] = HELD_OUT
     mix: dict[str, float] = field(default_factory=lambda: dict(MIX))
 
     def as_dict(self) -> dict:
