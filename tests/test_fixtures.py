@@ -275,3 +275,19 @@ def test_cli_writes_a_fixture_and_prints_its_path(tmp_path: Path) -> None:
     assert read_draft_config(tmp_path / "d2").taps == (1, 2, 4, 5, 7)
     result = runner.invoke(app, ["fixture", "gemma", str(tmp_path / "x")])
     assert result.exit_code == 2 and "gemma" in result.output
+
+
+
+def test_a_random_drafter_like_the_shipped_one_keeps_its_layout_not_its_weights(tmp_path):
+    from dflash_bench.engine.defaults import default_drafter_for
+    from dflash_bench.engine.draft_config import read_draft_config
+    from dflash_bench.engine.fixtures import write_random_like
+    from dflash_bench.engine.inventory import check_inventory, read_folder_header
+
+    shipped_dir = default_drafter_for("default")
+    out = write_random_like(shipped_dir, tmp_path / "random")
+    assert (out / "config.json").read_bytes() == (shipped_dir / "config.json").read_bytes()
+    check_inventory(read_draft_config(out), read_folder_header(out))
+    ours, shipped = (mx.load(str(d / "model.safetensors")) for d in (out, shipped_dir))
+    assert ours.keys() == shipped.keys()
+    assert not mx.array_equal(ours["fc.weight"], shipped["fc.weight"])

@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from dflash_bench.cli import app
-from dflash_bench.engine.fixtures import FIXTURE_KINDS, TARGET_KINDS, write_fixture
+from dflash_bench.engine.fixtures import FIXTURE_KINDS, TARGET_KINDS, write_fixture, write_random_like
 
 # Typer turns an Enum into a choice: an unknown kind is a usage error (exit 2) naming the choices.
 FixtureKind = Enum("FixtureKind", {k: k for k in FIXTURE_KINDS}, type=str)
@@ -21,7 +21,14 @@ def fixture(
     out_dir: Path = typer.Argument(..., metavar="DIR", help="Folder to write into (created if missing)."),
     seed: int = typer.Option(0, help="Random seed: the same seed writes byte-identical files."),
     target: TargetKind = typer.Option("llama", help="The target fixture a drafter is made for (drafters only)."),
+    like: Path = typer.Option(None, help="dflash only: copy this drafter's config.json (a real layout, e.g. the "
+                                          "shipped one) and write random weights of its shapes."),
 ) -> None:
     """Write a tiny random checkpoint (targets: HF, GGUF, MLX 4-bit; drafters: DFlash, DFlash2) and print
     the path to load: the folder, or the .gguf file."""
+    if like is not None:
+        if kind.value not in ("dflash", "dflash2"):
+            raise typer.BadParameter(f"--like goes with a drafter kind, not {kind.value!r}")
+        typer.echo(str(write_random_like(like, out_dir, seed=seed)))
+        return
     typer.echo(str(write_fixture(kind.value, out_dir, seed=seed, target=target.value)))

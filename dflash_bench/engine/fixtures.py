@@ -481,6 +481,29 @@ def draft_weights(kind: str, target: str = "llama", seed: int = 0) -> dict[str, 
     return w.sorted()
 
 
+def write_random_like(drafter_dir: Path, out_dir: Path, seed: int = 0) -> Path:
+    """A drafter with `drafter_dir`'s config.json (a real layout) and random weights of its shapes.
+
+    What a fresh, untrained drafter for a real target looks like: the engine's speed and exactness
+    can be measured with it, and its rounds keep about one token.
+    """
+    from dflash_bench.engine.draft_config import read_draft_config
+    from dflash_bench.engine.inventory import expected_inventory
+
+    draft = read_draft_config(drafter_dir)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    w = _Weights(seed, f"random-like-{draft.kind}")
+    for name, shape in expected_inventory(draft).items():
+        if len(shape) == 1:
+            w.normal(name, shape, 0.1, mean=1.0)
+        else:
+            w.normal(name, shape, shape[-1] ** -0.5)
+    (out_dir / "config.json").write_bytes((Path(drafter_dir) / "config.json").read_bytes())
+    mx.save_safetensors(str(out_dir / "model.safetensors"), w.sorted(), metadata={"format": "pt"})
+    return out_dir
+
+
 def write_fixture(kind: str, out_dir: Path, seed: int = 0, target: str = "llama") -> Path:
     """Write the `kind` fixture under `out_dir`; return what a loader takes (the folder, or the .gguf file).
 
