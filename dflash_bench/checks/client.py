@@ -8,7 +8,6 @@ the run stops and its receipt is marked incomplete.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import threading
 import time
@@ -18,14 +17,11 @@ from typing import Iterable, Iterator
 
 import httpx
 
+from dflash_bench.engine.request import token_sha  # noqa: F401  (the one formula; checks re-export it)
+
 # The /metrics gauges the checks read, named in one place.
 PEAK_MEMORY_METRIC = "dflash_peak_memory_bytes"
 ACTIVE_MEMORY_METRIC = "dflash_active_memory_bytes"
-
-
-def token_sha(ids: Iterable[int]) -> str:
-    """First 12 hex digits of sha256 over the comma-joined decimal token ids (the server's `token_sha`)."""
-    return hashlib.sha256(",".join(str(int(i)) for i in ids).encode()).hexdigest()[:12]
 
 
 @dataclass

@@ -7,13 +7,14 @@ import itertools
 import queue
 import threading
 from dataclasses import dataclass, field
+from typing import Iterable
 
 _ids = itertools.count(1)
 
 
-def token_sha(tokens: list[int]) -> str:
-    """First 12 hex digits of sha256 over the comma-joined token ids (the receipts' token hash)."""
-    return hashlib.sha256(",".join(map(str, tokens)).encode()).hexdigest()[:12]
+def token_sha(tokens: Iterable[int]) -> str:
+    """First 12 hex digits of sha256 over the comma-joined decimal token ids (the receipts' token hash)."""
+    return hashlib.sha256(",".join(str(int(t)) for t in tokens).encode()).hexdigest()[:12]
 
 
 @dataclass
