@@ -216,3 +216,13 @@ def test_published_target_refuses_a_drafter_for_another_target_from_configs_alon
     assert code == 1
     assert re.fullmatch(r"DraftForAnotherTarget: \S+ is \d+ in the drafter, \d+ in the target", output.strip())
     assert peak < 2560 * 248320 * 2  # the target's bf16 embedding alone
+
+
+def test_drafter_none_serves_the_default_model_without_its_shipped_drafter(tmp_path: Path) -> None:
+    proc = ServeProcess(["default", "--drafter", "none", "--parallel", "1", "--context", "256"], tmp_path / "serve.log")
+    try:
+        assert proc.wait_ready()["drafter"] is None
+    finally:
+        proc.stop()
+    [line] = [line for line in proc.lines() if line.startswith("serving ")]
+    assert "no drafter" in line

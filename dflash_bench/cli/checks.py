@@ -36,7 +36,9 @@ OUTPUT = "Output"
 Url = Annotated[Optional[str], typer.Option(help="Check a running OpenAI-compatible server instead of starting "
                                                  "the bundled one.", rich_help_panel=SERVER)]
 Target = Annotated[str, typer.Option(help="Target for the bundled server.", rich_help_panel=SERVER)]
-Drafter = Annotated[Optional[str], typer.Option(help="Drafter folder for the bundled server.", rich_help_panel=SERVER)]
+Drafter = Annotated[Optional[str], typer.Option(help="Drafter folder for the bundled server (default: the target's "
+                                                     "shipped drafter; 'none': serve without one).",
+                                                rich_help_panel=SERVER)]
 Parallel = Annotated[Optional[int], typer.Option(help="Streams (--parallel) for the bundled server.",
                                                  rich_help_panel=SERVER)]
 ContextSize = Annotated[Optional[int], typer.Option(help="Context (--context) for the bundled server.",

@@ -32,7 +32,7 @@ SHUTDOWN_GRACE_SECONDS = 5
 @app.command(rich_help_panel="Server")
 def serve(
     target: Annotated[str, typer.Argument(help="'default' (SmolLM2-135M-Instruct), a .gguf file, or a checkpoint folder.")] = "default",
-    drafter: Annotated[Optional[str], typer.Option(help="DFlash drafter folder (default: the target's shipped drafter, if any).")] = None,
+    drafter: Annotated[Optional[str], typer.Option(help="DFlash drafter folder (default: the target's shipped drafter, if any; 'none': no drafter).")] = None,
     no_drafter: Annotated[bool, typer.Option("--no-drafter", help="Serve without a drafter (plain decode only).")] = False,
     parallel: Annotated[int, typer.Option(min=1, help="Streams that share rounds.")] = 4,
     context: Annotated[int, typer.Option(min=2, help="Tokens a stream holds: prompt plus max_tokens.")] = 4096,
@@ -43,6 +43,8 @@ def serve(
 ) -> None:
     """Serve TARGET (and its drafter) with an OpenAI-compatible API: /v1/completions, /v1/chat/completions,
     /health, /metrics, /tokenize, /detokenize."""
+    if drafter == "none":
+        drafter, no_drafter = None, True
     if drafter is None and not no_drafter:
         drafter = str(p) if (p := default_drafter_for(target)) else None
     elif no_drafter:
