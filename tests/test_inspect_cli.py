@@ -138,10 +138,9 @@ def test_missing_target_is_one_line(tmp_path: Path) -> None:
 
 
 def test_default_target_reads_gguf_metadata() -> None:
-    checkpoint = pytest.importorskip("dflash_bench.engine.checkpoint")  # the GGUF reader lives there
-    if not hasattr(checkpoint, "read_target_config"):
-        pytest.skip("checkpoint.read_target_config not written yet")
     result = invoke("default", "--json")
     assert result.exit_code == 0, result.output
     target = json.loads(result.stdout)["target"]
-    assert target["family"] == "llama" and target["weight_bytes"] > 0
+    assert (target["name"], target["family"], target["layers"], target["hidden_size"], target["heads"],
+            target["vocab_size"]) == ("SmolLM2-135M-Instruct", "llama", 30, 576, "9 / 3", 49152)
+    assert target["weight_bytes"] > 0

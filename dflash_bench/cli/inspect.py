@@ -83,6 +83,7 @@ def _weights_label(target: TargetConfig) -> str:
 def target_summary(target: TargetConfig, source: Path, nbytes: int | None) -> dict[str, Any]:
     return {
         "source": str(source),
+        "name": target.name or source.name,
         "family": target.family,
         "layers": target.num_layers,
         "layer_kinds": count_kinds(target.layer_types),
