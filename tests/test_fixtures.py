@@ -291,3 +291,16 @@ def test_a_random_drafter_like_the_shipped_one_keeps_its_layout_not_its_weights(
     ours, shipped = (mx.load(str(d / "model.safetensors")) for d in (out, shipped_dir))
     assert ours.keys() == shipped.keys()
     assert not mx.array_equal(ours["fc.weight"], shipped["fc.weight"])
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama-gguf", "qwen3", "qwen3_5", "qwen3_5-4bit"])
+def test_every_target_fixture_is_inspected_with_both_drafters(tmp_path, kind):
+    family = "qwen3_5" if kind.startswith("qwen3_5") else ("llama" if kind.startswith("llama") else kind)
+    target = F.write_fixture(kind, tmp_path / "target")
+    for drafter_kind in ("dflash", "dflash2"):
+        drafter = F.write_fixture(drafter_kind, tmp_path / drafter_kind, target=family)
+        result = CliRunner().invoke(app, ["inspect", str(target), "--drafter", str(drafter), "--json"])
+        assert result.exit_code == 0, result.output
+        shown = json.loads(result.stdout)
+        assert shown["target"]["family"] == family
+        assert shown["drafter"]["kind"] == ("DFlash" if drafter_kind == "dflash" else "DFlash2")
