@@ -17,6 +17,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
+from conftest import write_short_prompts
 from dflash_bench.checks import prompts
 from dflash_bench.cli import app
 from dflash_bench.engine import lanes
@@ -46,16 +47,7 @@ def server(tmp_path_factory):
 def few_prompts(tmp_path_factory):
     """Two known-answer prompts, the code and chat probes, and a two-paragraph long prompt (past the
     drafter's 32-token window and 512 fixture tokens)."""
-    folder = tmp_path_factory.mktemp("prompts")
-    for name in ("probes.json", "prefill.json"):
-        (folder / name).write_text((prompts.PROMPTS_DIR / name).read_text())
-    known = json.loads((prompts.PROMPTS_DIR / "known_answers.json").read_text())
-    known["prompts"] = known["prompts"][:2]
-    (folder / "known_answers.json").write_text(json.dumps(known))
-    long = json.loads((prompts.PROMPTS_DIR / "long.json").read_text())
-    long["prompts"] = [long["prompts"][0] | {"id": "wrenmouth-short", "paragraphs": 2}]
-    (folder / "long.json").write_text(json.dumps(long))
-    return folder
+    return write_short_prompts(tmp_path_factory.mktemp("prompts"))
 
 
 def exactness(url: str, out, folder, monkeypatch) -> tuple[int, dict]:

@@ -18,6 +18,7 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
+from conftest import write_short_prompts
 from dflash_bench.checks import prompts
 from dflash_bench.checks.server import free_port
 from dflash_bench.cli import app
@@ -72,16 +73,7 @@ def mlx_lm_server(model, tmp_path_factory):
 def short_prompts(tmp_path, monkeypatch):
     """Two known-answer prompts and one long prompt of two paragraphs (still past 512 fixture tokens):
     mlx_lm prefills the full 2,900-token long prompt in about 8 s on CPU."""
-    folder = tmp_path / "prompts"
-    folder.mkdir()
-    for name in ("probes.json", "prefill.json"):
-        (folder / name).write_text((prompts.PROMPTS_DIR / name).read_text())
-    known = json.loads((prompts.PROMPTS_DIR / "known_answers.json").read_text())
-    known["prompts"] = known["prompts"][:2]
-    (folder / "known_answers.json").write_text(json.dumps(known))
-    long = json.loads((prompts.PROMPTS_DIR / "long.json").read_text())
-    long["prompts"] = [long["prompts"][0] | {"id": "wrenmouth-short", "paragraphs": 2}]
-    (folder / "long.json").write_text(json.dumps(long))
+    folder = write_short_prompts(tmp_path / "prompts")
     monkeypatch.setattr(prompts, "PROMPTS_DIR", folder)
 
 
