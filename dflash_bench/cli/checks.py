@@ -58,24 +58,25 @@ Tokens = Annotated[int, typer.Option(help="Tokens each reply decodes (max_tokens
 Reps = Annotated[int, typer.Option(help="Repetitions of each cell.")]
 
 
-def ints(value: str, option: str) -> tuple[int, ...]:
+def numbers(value: str, option: str, kind: type = int, low: float = 1) -> tuple:
+    """A comma-separated option (`--levels 1,4`, `--temperatures 0,0.7`) as a tuple, each at least `low`."""
+    name = "integers" if kind is int else "numbers"
     try:
-        out = tuple(int(v) for v in value.split(",") if v.strip())
+        out = tuple(kind(v) for v in value.split(",") if v.strip())
     except ValueError:
-        raise typer.BadParameter(f"{option} {value!r}: expected comma-separated integers such as 1,4") from None
-    if not out or min(out) < 1:
-        raise typer.BadParameter(f"{option} {value!r}: expected positive integers")
+        raise typer.BadParameter(f"{option} {value!r}: expected comma-separated {name} such as "
+                                 f"{'1,4' if kind is int else '0,0.7'}") from None
+    if not out or min(out) < low:
+        raise typer.BadParameter(f"{option} {value!r}: expected {name} >= {low:g}")
     return out
+
+
+def ints(value: str, option: str) -> tuple[int, ...]:
+    return numbers(value, option, int, 1)
 
 
 def floats(value: str, option: str) -> tuple[float, ...]:
-    try:
-        out = tuple(float(v) for v in value.split(",") if v.strip())
-    except ValueError:
-        raise typer.BadParameter(f"{option} {value!r}: expected comma-separated numbers such as 0,0.7") from None
-    if not out or min(out) < 0:
-        raise typer.BadParameter(f"{option} {value!r}: expected numbers >= 0")
-    return out
+    return numbers(value, option, float, 0)
 
 
 def default_out(kind: str) -> Path:

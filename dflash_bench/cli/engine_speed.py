@@ -12,7 +12,7 @@ from rich.table import Table
 from dflash_bench.checks import engine_speed
 from dflash_bench.checks.receipt import Receipt, canonical_json, exit_code
 from dflash_bench.cli import app
-from dflash_bench.cli.checks import Json, Out, default_out, ints
+from dflash_bench.cli.checks import Json, Out, default_out, ints, numbers
 from dflash_bench.engine.defaults import default_drafter_for
 from dflash_bench.engine.errors import DFlashBenchError
 
@@ -49,7 +49,7 @@ def engine_speed_cmd(
     json_out: Json = False,
 ) -> None:
     """Plain and drafted decode at each level in one process, and mlx-lm on the same weights (ratios)."""
-    bits = tuple(int(b) for b in drafter_bits.split(",") if b.strip())
+    bits = numbers(drafter_bits, "--drafter-bits", int, 0)
     settings = engine_speed.SpeedSettings(
         target=target, drafter=drafter or (str(p) if (p := default_drafter_for(target)) else None),
         levels=ints(levels, "--levels"), tokens=tokens, reps=reps, drafter_bits=bits, mlx_lm=mlx_lm,
