@@ -132,7 +132,7 @@ def test_exactness_is_not_run_and_never_passed_without_the_draft_field(mlx_lm_se
     assert code == 2 and data["verdict"]["passed"] is False and not data["verdict"]["failures"]
     assert NO_DFLASH in not_run(data)["drafted_equals_plain"]
     rows = data["aggregates"]["prompts"]
-    assert [r["prompt_id"] for r in rows] == ["capital-france", "capital-japan", "fibonacci-raw", "gpu-chat",
+    assert [r["prompt_id"] for r in rows] == ["capital-france", "capital-japan", "fibonacci-chat", "gpu-chat",
                                               "wrenmouth-short"]
     assert rows[-1]["prompt_tokens"] > 512
     # no hash and no ids: every comparison is unverified (None), never equal

@@ -119,7 +119,7 @@ def test_decode_fails_when_drafted_differs_from_plain(tmp_path):
     with FakeServer(diverge_at=3) as fake:
         res, data = run("decode", fake.url, tmp_path, "--tokens", "8", "--reps", "1", "--levels", "1")
     assert res.exit_code == 1
-    assert {f["subject"] for f in data["verdict"]["failures"]} == {"fibonacci-raw", "gpu-chat"}
+    assert {f["subject"] for f in data["verdict"]["failures"]} == {"fibonacci-chat", "gpu-chat"}
 
 
 def test_prefill_uses_exact_arrays_with_no_cached_tokens(tmp_path):
