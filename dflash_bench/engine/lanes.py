@@ -163,7 +163,8 @@ class Lanes:
         if s.pending is None:
             end = min(len(s.prompt), (s.pos // self.chunk + 1) * self.chunk)
             rows = list(s.prompt[s.pos : end])
-            return Segment(rows, s.pos, s.segment_state, [len(rows) - 1] if end == len(s.prompt) else [], s.drafting)
+            logit_rows = [len(rows) - 1] if end == len(s.prompt) else []
+            return Segment(rows, s.pos, s.segment_state, logit_rows, s.drafting, prefill=True)
         window = [s.pending, *s.drafts]
         return Segment(window, s.segment_state.length, s.segment_state, list(range(len(window))), s.drafting)
 

@@ -27,6 +27,7 @@ class Segment:
     state: TargetState
     logit_rows: list[int] = field(default_factory=list)  # rows (0-based in the segment) whose logits are wanted
     want_taps: bool = False
+    prefill: bool = False  # every row is a prompt row of a chunk that starts at a chunk boundary
     _masks: dict[int, mx.array] = field(default_factory=dict, repr=False)
 
     def key_mask(self, k_rows: int) -> mx.array:

@@ -49,13 +49,29 @@ class SelfAttention:
             cache = seg.state.layers[layer]
             assert isinstance(cache, AttentionCache)
             cache.write(seg.start, ks, vs)
-            keys, values = cache.view(seg.start + n)
-            o = attention(pad_queries(qs), keys, values, seg.key_mask(keys.shape[1]), scale=self.scale)[:, :n]
+            if seg.prefill:
+                o = self.prefill_attention(qs, cache, seg.start + n)
+            else:
+                keys, values = cache.view(seg.start + n)
+                o = attention(pad_queries(qs), keys, values, seg.key_mask(keys.shape[1]), scale=self.scale)[:, :n]
             o = o.transpose(1, 0, 2).reshape(n, self.heads * self.head_dim)
             if gate is not None:
                 o = o * mx.sigmoid(gate.reshape(n, -1))
             outs.append(o)
         return linear(repack(outs, x.shape[0]), self.o)
+
+    def prefill_attention(self, q: mx.array, cache: AttentionCache, length: int) -> mx.array:
+        """A prompt chunk's rows over the keys [0, length) in one call: (Hq, n, d) -> (Hq, n, d).
+
+        MLX's "causal" mask aligns the last query with the last key, which is the chunk's last row
+        when exactly `length` keys are given. The call's shapes depend on the chunk's start and row
+        count alone, so its rows are a deterministic function of the chunk and its stream's keys
+        (never of other segments); they are not equal to the same rows computed one at a time, which
+        a prompt row never needs (base.py). On a GPU this is a fused kernel; on CPU MLX composes it
+        from one batched matmul per product, far fewer calls than the 8 x 64 tiles.
+        """
+        keys, values = cache.k[:, :length], cache.v[:, :length]
+        return mx.fast.scaled_dot_product_attention(q[None], keys[None], values[None], scale=self.scale, mask="causal")[0]
 
     def rope(self, x: mx.array, offset: int) -> mx.array:
         return mx.fast.rope(
