@@ -70,10 +70,12 @@ class GatedDeltaNet:
             n = hi - lo
             inputs = mx.concatenate([cache.conv, qkv[lo:hi]])  # (kernel - 1 + n, conv_dim)
             q, k, v, g, beta = self.mix(inputs, n, a[lo:hi], b[lo:hi])
-            y, state = gated_delta_ops(q[None], k[None], v[None], g[None], beta[None], cache.state[None])
+            recurrence = mx.fast.gated_delta_update if seg.prefill else gated_delta_ops
+            y, state = recurrence(q[None], k[None], v[None], g[None], beta[None], cache.state[None])
             prev_conv, prev_state = cache.conv, cache.state
             cache.conv, cache.state = mx.contiguous(inputs[n:]), state[0]  # a copy: a view would pin the chunk
-            cache.redo = self.redo_fn(prev_conv, prev_state, inputs, a[lo:hi], b[lo:hi]) if n > 1 else None
+            windowed = n > 1 and not seg.prefill  # a prompt chunk is kept whole: no rollback record
+            cache.redo = self.redo_fn(prev_conv, prev_state, inputs, a[lo:hi], b[lo:hi]) if windowed else None
             cache.window_start = seg.start
             cache.length = seg.start + n
             outs.append(self.gated_norm(y[0], z[lo:hi].reshape(n, self.hv, self.dv)).reshape(n, -1))
