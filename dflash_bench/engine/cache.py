@@ -2,7 +2,10 @@
 
 Rows are written at absolute positions and kept (or not) after the round: `keep(length)` is the
 only way a window's rejected rows leave, so a stream's state after keeping k+1 rows of a window is
-the state of feeding those rows one by one (tests/test_rows.py proves it for every k).
+the state of feeding those rows one by one (tests/test_rows.py proves it for every k). A prompt
+chunk is kept whole: the state it leaves is a deterministic function of the chunk and the state
+before it (not of single steps), which is why snapshots are taken only at chunk boundaries
+(tests/test_prefill.py proves a resumed prompt computes the fresh one's bits).
 """
 
 from __future__ import annotations

@@ -5,8 +5,13 @@ token plus its drafts), then keep (each stream commits the rows the target agree
 attention K/V, roll the linear-attention state back, absorb the kept rows' taps into the drafter's
 context), then one drafter pass over every drafting stream. Plain streams (`draft: false`) ride in
 the same rounds with a window of one row. Prompt chunks and decode windows mix freely in a round:
-every row is computed independently of the others (engine/tiles.py), so a long prompt does not
-stall running streams and nothing a stream sees depends on its neighbours.
+each segment's rows are computed independently of the other segments (targets/base.py), so a long
+prompt does not stall running streams and nothing a stream sees depends on its neighbours.
+
+A prompt chunk runs from a multiple of `chunk` to the next one (or the prompt's end), whether the
+stream starts fresh or from a prompt-cache boundary, so a prompt row is always computed in the same
+chunk; its segment is marked `prefill` and takes the faster per-chunk attention and recurrence.
+Decode windows must equal single steps, and keep the row-independent path.
 """
 
 from __future__ import annotations

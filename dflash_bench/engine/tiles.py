@@ -1,4 +1,14 @@
-"""Fixed-shape arithmetic: the reason a row's bits never depend on what shares its forward.
+"""Fixed-shape arithmetic: the reason a decode row's bits never depend on what shares its forward.
+
+Two regimes share a forward (targets/base.py):
+- decode rows (a stream's pending token plus its drafts, or a plain one-row step) are
+  row-independent: a row's bits do not depend on how many rows share its forward or which, so a
+  window of B rows equals B single steps. Projections and attention below hold that for them;
+- prompt rows run in chunks that start at multiples of the chunk size from position 0, and a
+  prompt row is only ever computed inside that same chunk, so its rows need only be a deterministic
+  function of the chunk (its rows, its stream's earlier keys and state), never of other segments.
+  Their projections still run in the tiles below (they are packed with every other segment's rows);
+  their attention and recurrence run per chunk in one call each (dense.py, qwen3_5.py).
 
 BLAS (OpenBLAS on Linux, cuBLAS on CUDA) picks a kernel by the shape of each call, so a row of
 `x @ W.T` computed among 1, 5 or 40 rows can differ in its last bits. Two rules make every row

@@ -3,8 +3,17 @@
 One forward serves every stream in a round. Each stream contributes a segment (its prompt chunk,
 or its pending token plus its drafts) at its own absolute positions against its own caches; the
 projections run over all segments' rows packed together in fixed row tiles, attention and
-linear-attention run per segment. Because every op is row-independent (`engine/tiles.py`), a
-segment's outputs do not depend on the other segments, on padding, or on how rows were split.
+linear-attention run per segment, so a segment's outputs never depend on the other segments or
+on padding. Within a segment the two kinds of rows differ (`engine/tiles.py`):
+
+- a decode segment (a window, or a one-row step) is row-independent: its rows equal the same rows
+  fed one at a time, which drafted == plain and rollback need;
+- a prefill segment (`prefill=True`: every row is a prompt row of a chunk starting at a chunk
+  boundary) is deterministic per chunk: attention and the GatedDeltaNet recurrence take the chunk
+  whole, so a row's bits depend on the chunk it sits in, and are not a single step's. That is
+  enough because prompt chunks are laid out by position alone (lanes.py) and the prompt cache
+  keeps states only at chunk boundaries: fresh, resumed, drafted, plain, alone or packed, a prompt
+  row is always computed in the same chunk.
 """
 
 from __future__ import annotations

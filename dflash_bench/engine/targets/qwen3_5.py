@@ -3,19 +3,20 @@
 Three of every four layers are GatedDeltaNet (a depthwise causal conv, then a gated delta-rule
 recurrence over a (Hv, Dv, Dk) state); the rest are full attention with a sigmoid output gate
 (`SelfAttention(gated=True)`). Projections run over the packed rows in fixed tiles; the conv and
-the recurrence run per segment, one row after another, so a row's result depends only on its
-stream's earlier rows:
+the recurrence run per segment, so a row's result depends only on its own stream's rows:
 
 - the conv is written with elementwise products and sums in a fixed order (`mx.conv1d` may choose
   its algorithm by length, so a window's rows could differ from the same rows fed one at a time);
-- the recurrence is mlx-lm's `gated_delta_ops`, a loop of the same compiled one-row step, so n rows
-  at once are bit-equal to n single rows by construction on every backend (`mx.fast.gated_delta_update`
-  is bit-equal too on MLX 0.32.4's CPU backend, but it is documented as chunked and may not be on a GPU).
+- a decode window's recurrence is mlx-lm's `gated_delta_ops`, a loop of the same compiled one-row
+  step, so n rows at once are bit-equal to n single rows by construction on every backend;
+- a prompt chunk's (a prefill segment, base.py) is `mx.fast.gated_delta_update`, documented as
+  chunked: deterministic per chunk, which is all a prompt row needs. On MLX 0.32.4's CPU backend it is the
+  same loop (bit-equal to `gated_delta_ops`, and no faster); the choice matters on a GPU.
 
 Rolling back part of a window re-runs the conv and the recurrence over the kept rows from the state
 the window started from (`LinearCache.redo`): the state after each row is never stored, since one
-is Hv x Dv x Dk floats per layer. Until `keep` a multi-row segment's conv inputs stay referenced
-(rows x conv_dim floats per linear layer), so prefill should keep each chunk as soon as it is done.
+is Hv x Dv x Dk floats per layer. Until `keep` a window's conv inputs stay referenced (rows x
+conv_dim floats per linear layer); a prompt chunk is always kept whole, so it leaves no record.
 """
 
 from __future__ import annotations
