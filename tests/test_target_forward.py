@@ -24,9 +24,11 @@ def assert_close(ours: mx.array, ref: mx.array, what: str) -> None:
     assert err <= 1e-4 * max(scale, 1.0), f"{what}: max |ours - mlx-lm| = {err:.3g} (logits up to {scale:.3g})"
 
 
+@pytest.mark.parametrize("prefill", [False, True], ids=["tiled-prompt", "prefill-prompt"])
 @pytest.mark.parametrize("family,size,tied", CASES)
-def test_forward_matches_mlx_lm(family: str, size: str, tied: bool) -> None:
-    """A prompt, then a 5-row window, then one row: every row's logits match mlx-lm's with its cache."""
+def test_forward_matches_mlx_lm(family: str, size: str, tied: bool, prefill: bool) -> None:
+    """A prompt (through the tiled path, or as a prefill segment), then a 5-row window, then one row:
+    every row's logits match mlx-lm's with its cache."""
     target, model = tiny_target(family, size, tied=tied, seed=1)
     mx.random.seed(2)
     tokens = mx.random.randint(0, VOCAB, (77,)).tolist()
@@ -34,7 +36,8 @@ def test_forward_matches_mlx_lm(family: str, size: str, tied: bool) -> None:
     start = 0
     for n in (71, 5, 1):  # the prompt crosses a 64-key tile; the window and the step read both tiles
         chunk = tokens[start : start + n]
-        ours = target.forward([Segment(chunk, start, state, logit_rows=list(range(n)))])[0].logits
+        seg = Segment(chunk, start, state, logit_rows=list(range(n)), prefill=prefill and start == 0)
+        ours = target.forward([seg])[0].logits
         ref = model(mx.array([chunk]), cache=cache)[0]
         assert_close(ours, ref, f"{family} {size} rows {start}..{start + n - 1}")
         state.keep(start + n)
