@@ -20,9 +20,12 @@ from dflash_bench.engine.drafters.dflash import DFlashDrafter
 from dflash_bench.engine.engine import Engine, Settings
 from dflash_bench.engine.inventory import expected_inventory
 from dflash_bench.engine.planner import (
+    ATTN_ROW,
     CPU,
     GIB,
     GPU,
+    MLP_ROW,
+    SDPA_SCORES,
     PlanInputs,
     admit,
     cache_rows,
@@ -296,6 +299,17 @@ def test_backends_price_bytes_per_element():
     assert cpu.term("attention K/V").prompt == 2 * gpu.term("attention K/V").prompt
     shapes = expected_shapes(t)
     assert gpu.term("target weights").prompt == 2 * sum(math.prod(s) for s in shapes.values())
+
+
+def test_a_prompt_chunk_is_priced_as_one_sdpa_over_its_keys_and_a_window_as_tiles():
+    """The default model at 2048: a 256-row prompt chunk's sdpa over exactly 2047 keys holds
+    SDPA_SCORES score arrays on CPU and none fused on a GPU (the MLP stage is then the largest); a
+    one-row window's tiles hold 2 + 64/64 score arrays over 8 padded queries and 2048 tiled keys."""
+    t = read_target_config("default")
+    cpu, gpu = plan(PlanInputs(t, context=2048)), plan(PlanInputs(t, context=2048, backend=GPU))
+    assert cpu.term("prompt pass work").prompt == int(SDPA_SCORES * 9 * 256 * 2047 * 4 + ATTN_ROW * 576 * 256 * 4)
+    assert gpu.term("prompt pass work").prompt == int((MLP_ROW[0] * 1536 + MLP_ROW[1] * 576) * 256 * 2)
+    assert cpu.term("decode window work").decode == int(3 * 9 * 8 * 2048 * 4 + ATTN_ROW * 576 * 4)
 
 
 def test_plan_command_refuses_a_drafter_for_another_target_in_one_line():

@@ -10,7 +10,7 @@ the engine's own growth rules (SPEC section 2, "Memory planner"):
   64-key tiles plus 256 rows of slack), the GatedDeltaNet conv and fp32 state, the record a round
   keeps to roll that state back, the drafter's K/V per layer, a DFlash2 ring of raw tap rows, and,
   with the prompt cache on, the copy a stream holds of its state at its last prompt-chunk boundary;
-- per stream, transient: the prompt pass's working set (its attention scores, MLP rows, the
+- per stream, transient: the prompt pass's working set (a chunk's attention scores, MLP rows, the
   recurrence's per-row states, the drafter's tap rows) and a decode window's;
 - shared: the logits rows of a round and the prompt cache budget.
 
@@ -18,10 +18,15 @@ A stream is priced at the larger of its two phases. During the prompt pass its c
 the chunked prefill grows them to (`prefill_rows`, exact) while the chunk's working set is live;
 while decoding they may reach the bound for the served span (`cache_rows`), with only a window's
 working set. The transient coefficients were measured on MLX 0.32.4's CPU backend (a round's
-segments are evaluated together, so each stream's working set counts): attention holds its scores,
-their exponentials and the per-key-tile products, `(2 + head_dim / 64)` score-sized arrays; an MLP
-stage `5 x intermediate + 3 x hidden` floats a row, a projection stage `7.5 x hidden`; the
-GatedDeltaNet recurrence one state a row of the chunk.
+segments are evaluated together, so each stream's working set counts): a decode window's tiled
+attention holds its scores, their exponentials and the per-key-tile products, `(2 + head_dim / 64)`
+score-sized arrays over whole key tiles; a prompt chunk's attention (one sdpa call over exactly its
+keys, targets/dense.py) holds `SDPA_SCORES` of them on CPU, where MLX composes it from two matmuls
+and a softmax (measured: about one score array, 1.0 to 1.3 from 4096 down to 512 keys), and none on
+a GPU, where MLX runs it as a fused kernel (`Backend.fused_attention`; not measured here). An MLP
+stage holds `5 x intermediate + 3 x hidden` floats a row, a projection stage `7.5 x hidden`; the
+GatedDeltaNet recurrence one state a row of the chunk (`mx.fast.gated_delta_update` is the same
+per-row loop on CPU; a GPU is priced alike, an upper bound until measured there).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ GIB = 1 << 30
 CHUNK = 256  # lanes.CHUNK: prompt chunks start at multiples of it from position 0
 STATE_BYTES = 4  # GatedDeltaNet conv and recurrent state are float32 on every backend
 ATTN_ROW = 6.5  # floats of hidden width a row holds beside the attention scores
+SDPA_SCORES = 1.0  # score-sized arrays a prompt chunk's unfused sdpa holds (CPU, over exactly its keys)
 MLP_ROW = (5.0, 3.0)  # floats a row in the MLP stage: x intermediate, x hidden
 PROJ_ROW = 7.5  # floats a row in the projection stage, x hidden
 LOGIT_COPIES = 3  # lm_head tile outputs, their concatenation, the sampler's working copy
@@ -55,6 +61,7 @@ class Backend:
     act_bytes: int  # caches, activations, float drafter weights
     dequantizes: bool  # target weights are dequantized to act_bytes at load (the CPU path)
     scale_bytes: int  # a quantized group's scale and bias, each
+    fused_attention: bool  # a prompt chunk's sdpa is a fused kernel that never holds its scores
 
     def weight_bytes(self, shape: tuple[int, ...], quant: dict[str, int] | None) -> int:
         """Bytes one tensor takes once loaded: float, or packed bits plus a scale and bias per group."""
@@ -64,8 +71,8 @@ class Backend:
         return n * self.act_bytes
 
 
-CPU = Backend("cpu", act_bytes=4, dequantizes=True, scale_bytes=4)
-GPU = Backend("gpu", act_bytes=2, dequantizes=False, scale_bytes=2)
+CPU = Backend("cpu", act_bytes=4, dequantizes=True, scale_bytes=4, fused_attention=False)
+GPU = Backend("gpu", act_bytes=2, dequantizes=False, scale_bytes=2, fused_attention=True)
 BACKENDS = {b.name: b for b in (CPU, GPU)}
 
 
@@ -230,7 +237,7 @@ def drafter_weight_bytes(draft: DraftConfig, bits: int, backend: Backend) -> tup
     if not bits:
         return sum(math.prod(s) * backend.act_bytes for s in shapes), 0
     quant = {"bits": bits, "group_size": 64}
-    quantized = Backend(backend.name, backend.act_bytes, False, backend.act_bytes)
+    quantized = replace(backend, dequantizes=False, scale_bytes=backend.act_bytes)
     resident = sum(quantized.weight_bytes(s, quant) for s in shapes)
     staging = sum(math.prod(s) * backend.act_bytes for s in shapes if len(s) >= 2)
     return resident, staging
@@ -245,13 +252,23 @@ def _pad(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def _forward_work(t: TargetConfig, rows: int, keys: int, act: int) -> int:
+def _attention_scores(t: TargetConfig, rows: int, keys: int, act: int, prompt: Backend | None) -> float:
+    """Bytes of score-sized arrays a segment's attention holds: a decode window's tiles (`prompt` None)
+    pad queries and keys to whole tiles; a prompt chunk's sdpa sees exactly its keys, unfused on CPU."""
+    if prompt is None:
+        return (2 + t.head_dim / 64) * t.num_heads * _pad(rows, QUERY_TILE) * tiles(keys) * act
+    if prompt.fused_attention:
+        return 0.0
+    return SDPA_SCORES * t.num_heads * rows * keys * act
+
+
+def _forward_work(t: TargetConfig, rows: int, keys: int, act: int, prompt: Backend | None = None) -> int:
     """The working set one segment of `rows` adds to a target forward with `keys` keys in view: the
-    largest of its attention, MLP, projection and recurrence stages."""
+    largest of its attention, MLP, projection and recurrence stages. `prompt` is the backend of a
+    prompt chunk (per-chunk attention), None for a decode window (tiled attention)."""
     h = t.hidden_size
-    scores = t.num_heads * _pad(rows, QUERY_TILE) * tiles(keys) * act
     stages = [
-        int((2 + t.head_dim / 64) * scores + ATTN_ROW * h * rows * act),
+        int(_attention_scores(t, rows, keys, act, prompt) + ATTN_ROW * h * rows * act),
         int((MLP_ROW[0] * t.intermediate_size + MLP_ROW[1] * h) * rows * act),
         int(PROJ_ROW * h * rows * act),
     ]
@@ -319,15 +336,15 @@ def plan(i: PlanInputs) -> Plan:
         add(Term("GatedDeltaNet state", "stream", layers * (state + conv), layers * (state + conv),
                  f"{layers} layers x ({mib(state)} fp32 state + {mib(conv)} conv)"))
         record = lambda rows: layers * (state + conv + rows * (lin.conv_dim + 2 * lin.num_value_heads) * act)  # noqa: E731
-        add(Term("GatedDeltaNet rollback record", "stream", record(chunk), record(window),
-                 "the round's starting state and its rows, kept until keep"))
+        add(Term("GatedDeltaNet rollback record", "stream", 0, record(window),
+                 "a window's starting state and its rows, kept until keep (a prompt chunk keeps none)"))
     if budget:
         copy = kv_row * tiles(i.context - 1) + sum(x.prompt for x in p.terms if x.name == "GatedDeltaNet state")
         add(Term("prompt-cache boundary copy", "stream", copy, copy, "a stream's state at its last chunk boundary"))
 
     keys = i.context - 1
-    add(Term("prompt pass work", "stream", _forward_work(t, chunk, keys, act), 0,
-             f"a {chunk}-row chunk over {tiles(keys)} keys"))
+    add(Term("prompt pass work", "stream", _forward_work(t, chunk, keys, act, prompt=be), 0,
+             f"a {chunk}-row chunk over {keys} keys ({'fused' if be.fused_attention else 'unfused'} sdpa)"))
     add(Term("decode window work", "stream", 0, _forward_work(t, window, keys, act), f"{window}-row window"))
     if d is not None:
         _drafter_terms(p, i, d, prompt_rows, resumes)
