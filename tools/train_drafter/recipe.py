@@ -10,9 +10,9 @@ from dataclasses import asdict, dataclass, field, replace
 from train_drafter.corpus import HELD_OUT
 from train_drafter.model import Shape
 
-MIX = {  # prompt kinds and their shares (corpus.py builds each kind); v2 leans to chat, as both probes are
-    "code-raw": 0.12, "code-chat": 0.30, "code-continue": 0.06, "code-explain": 0.06,
-    "chat-question": 0.28, "chat-write": 0.08, "prose-raw": 0.05, "self-question": 0.05,
+MIX = {  # prompt kinds and their shares (corpus.py builds each kind); v2/v3 lean to chat, as both probes are
+    "code-raw": 0.08, "code-chat": 0.35, "code-continue": 0.04, "code-explain": 0.06,
+    "chat-question": 0.30, "chat-write": 0.07, "prose-raw": 0.05, "self-question": 0.05,
 }
 
 
