@@ -89,8 +89,9 @@ def test_a_prompt_chunk_packed_with_other_streams_equals_it_alone(family: str, s
     def fresh() -> list[TargetState]:
         return [first.snapshot(CHUNK), window_base.snapshot(70), step_base.snapshot(9), target.new_state()]
 
-    alone_state = fresh()[0]
-    alone = target.forward(segments([alone_state, *fresh()[1:]])[:1], TAPS)[0]
+    alone_states = fresh()
+    alone = target.forward(segments(alone_states)[:1], TAPS)[0]
+    alone_state = alone_states[0]
     alone_state.keep(300)
     for order in ([0, 1, 2, 3], [3, 2, 1, 0]):
         states = fresh()
