@@ -107,7 +107,7 @@ def test_prompt_sets_load_with_answers_probes_and_long_prompts():
     assert len(known) >= 8 and all(p.expect and p.verified_with for p in known)
     assert len({p.id for p in known}) == len(known)
     probes = prompts.probes()
-    assert probes["code"].endpoint == "completions" and probes["chat"].endpoint == "chat"
+    assert probes["code"].endpoint == "chat" and probes["chat"].endpoint == "chat"
     assert "Fibonacci" in probes["code"].text
     longs = prompts.long_prompts()
     # about 4 characters a token: the two long prompts are about 1,200 and 2,500 tokens, past a 512-token window

@@ -24,7 +24,6 @@ from dflash_bench.engine.planner import (
     CPU,
     GIB,
     GPU,
-    MLP_ROW,
     SDPA_SCORES,
     PlanInputs,
     admit,
@@ -303,12 +302,13 @@ def test_backends_price_bytes_per_element():
 
 def test_a_prompt_chunk_is_priced_as_one_sdpa_over_its_keys_and_a_window_as_tiles():
     """The default model at 2048: a 256-row prompt chunk's sdpa over exactly 2047 keys holds
-    SDPA_SCORES score arrays on CPU and none fused on a GPU (the MLP stage is then the largest); a
-    one-row window's tiles hold 2 + 64/64 score arrays over 8 padded queries and 2048 tiled keys."""
+    SDPA_SCORES float32 score arrays on both backends (MLX's CUDA sdpa was measured unfused at a prompt
+    chunk's shape), beside rows at the backend's activation width; a one-row window's tiles hold
+    2 + 64/64 score arrays over 8 padded queries and 2048 tiled keys."""
     t = read_target_config("default")
     cpu, gpu = plan(PlanInputs(t, context=2048)), plan(PlanInputs(t, context=2048, backend=GPU))
     assert cpu.term("prompt pass work").prompt == int(SDPA_SCORES * 9 * 256 * 2047 * 4 + ATTN_ROW * 576 * 256 * 4)
-    assert gpu.term("prompt pass work").prompt == int((MLP_ROW[0] * 1536 + MLP_ROW[1] * 576) * 256 * 2)
+    assert gpu.term("prompt pass work").prompt == int(SDPA_SCORES * 9 * 256 * 2047 * 4 + ATTN_ROW * 576 * 256 * 2)
     assert cpu.term("decode window work").decode == int(3 * 9 * 8 * 2048 * 4 + ATTN_ROW * 576 * 4)
 
 

@@ -22,11 +22,14 @@ segments are evaluated together, so each stream's working set counts): a decode 
 attention holds its scores, their exponentials and the per-key-tile products, `(2 + head_dim / 64)`
 score-sized arrays over whole key tiles; a prompt chunk's attention (one sdpa call over exactly its
 keys, targets/dense.py) holds `SDPA_SCORES` of them on CPU, where MLX composes it from two matmuls
-and a softmax (measured: about one score array, 1.0 to 1.3 from 4096 down to 512 keys), and none on
-a GPU, where MLX runs it as a fused kernel (`Backend.fused_attention`; not measured here). An MLP
+and a softmax (measured: about one score array, 1.0 to 1.3 from 4096 down to 512 keys). MLX's CUDA
+backend does not fuse it at a prompt chunk's shape either: measured on an H200 (MLX 0.32.4), one sdpa
+of 256 queries x 65,536 keys (16 heads of 256) held 1.0 GiB beyond its inputs, one float32 score
+array, with bf16 inputs too; so a GPU prices float32 scores (`Backend.score_bytes`). An MLP
 stage holds `5 x intermediate + 3 x hidden` floats a row, a projection stage `7.5 x hidden`; the
 GatedDeltaNet recurrence one state a row of the chunk (`mx.fast.gated_delta_update` is the same
-per-row loop on CPU; a GPU is priced alike, an upper bound until measured there).
+per-row loop on CPU; a GPU is priced alike: on the H200 one 256-row call with the 9B's 32 value
+heads held 0.6 GiB at peak and took 41 ms).
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ class Backend:
     act_bytes: int  # caches, activations, float drafter weights
     dequantizes: bool  # target weights are dequantized to act_bytes at load (the CPU path)
     scale_bytes: int  # a quantized group's scale and bias, each
-    fused_attention: bool  # a prompt chunk's sdpa is a fused kernel that never holds its scores
+    score_bytes: int  # bytes an element of a prompt chunk's sdpa scores takes (float32 on both, measured)
 
     def weight_bytes(self, shape: tuple[int, ...], quant: dict[str, int] | None) -> int:
         """Bytes one tensor takes once loaded: float, or packed bits plus a scale and bias per group."""
@@ -71,8 +74,8 @@ class Backend:
         return n * self.act_bytes
 
 
-CPU = Backend("cpu", act_bytes=4, dequantizes=True, scale_bytes=4, fused_attention=False)
-GPU = Backend("gpu", act_bytes=2, dequantizes=False, scale_bytes=2, fused_attention=True)
+CPU = Backend("cpu", act_bytes=4, dequantizes=True, scale_bytes=4, score_bytes=4)
+GPU = Backend("gpu", act_bytes=2, dequantizes=False, scale_bytes=2, score_bytes=4)
 BACKENDS = {b.name: b for b in (CPU, GPU)}
 
 
@@ -254,12 +257,10 @@ def _pad(n: int, multiple: int) -> int:
 
 def _attention_scores(t: TargetConfig, rows: int, keys: int, act: int, prompt: Backend | None) -> float:
     """Bytes of score-sized arrays a segment's attention holds: a decode window's tiles (`prompt` None)
-    pad queries and keys to whole tiles; a prompt chunk's sdpa sees exactly its keys, unfused on CPU."""
+    pad queries and keys to whole tiles; a prompt chunk's sdpa sees exactly its keys, unfused."""
     if prompt is None:
         return (2 + t.head_dim / 64) * t.num_heads * _pad(rows, QUERY_TILE) * tiles(keys) * act
-    if prompt.fused_attention:
-        return 0.0
-    return SDPA_SCORES * t.num_heads * rows * keys * act
+    return SDPA_SCORES * t.num_heads * rows * keys * prompt.score_bytes
 
 
 def _forward_work(t: TargetConfig, rows: int, keys: int, act: int, prompt: Backend | None = None) -> int:
@@ -344,7 +345,7 @@ def plan(i: PlanInputs) -> Plan:
 
     keys = i.context - 1
     add(Term("prompt pass work", "stream", _forward_work(t, chunk, keys, act, prompt=be), 0,
-             f"a {chunk}-row chunk over {keys} keys ({'fused' if be.fused_attention else 'unfused'} sdpa)"))
+             f"a {chunk}-row chunk over {keys} keys (sdpa, its scores unfused)"))
     add(Term("decode window work", "stream", 0, _forward_work(t, window, keys, act), f"{window}-row window"))
     if d is not None:
         _drafter_terms(p, i, d, prompt_rows, resumes)
