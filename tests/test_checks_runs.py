@@ -165,7 +165,10 @@ def test_ctrl_c_or_sigterm_mid_run_writes_an_incomplete_receipt_and_exits_130(tm
     out = tmp_path / "decode.json"
     with FakeServer(chunk_delay=0.02) as fake:
         proc = subprocess.Popen([sys.executable, "-m", "dflash_bench", "decode", "--url", fake.url, "--out", str(out),
-                                 "--tokens", "90", "--levels", "1,2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                 "--tokens", "90", "--levels", "1,2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                # a shell's background job (CI under nohup, `cmd &`) inherits SIGINT ignored,
+                                # and then Ctrl-C never reaches Python; a terminal's Ctrl-C finds the default
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         deadline = time.monotonic() + 60
         while fake.fake.completed < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
