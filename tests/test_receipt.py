@@ -77,6 +77,15 @@ def test_atomic_write_leaves_the_old_file_when_replace_fails(tmp_path, monkeypat
     assert os.listdir(tmp_path) == ["r.json"]
 
 
+def test_an_atomic_write_gets_a_new_files_mode_not_mkstemps_owner_only(tmp_path):
+    umask = os.umask(0o022)
+    try:
+        write_atomic(tmp_path / "r.json", "x\n")
+    finally:
+        os.umask(umask)
+    assert (tmp_path / "r.json").stat().st_mode & 0o777 == 0o644
+
+
 def test_atomic_write_leaves_no_temporary_file(tmp_path):
     write_atomic(tmp_path / "sub" / "r.json", "x\n")
     assert os.listdir(tmp_path / "sub") == ["r.json"]

@@ -62,11 +62,17 @@ def canonical_json(data) -> str:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """Writes `text` to `path` through a temporary file in the same folder and os.replace."""
+    """Writes `text` to `path` through a temporary file in the same folder and os.replace.
+
+    mkstemp makes the file owner-only (0600); the receipt gets the mode any new file would (0666
+    less the umask), since receipts are meant to be shared and committed."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    umask = os.umask(0)
+    os.umask(umask)
     try:
+        os.fchmod(fd, 0o666 & ~umask)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
