@@ -10,9 +10,10 @@ import dflash_bench  # noqa: F401
 PUBLISHED = Path(__file__).parent / "data" / "published"
 
 
-def write_short_prompts(folder: Path) -> Path:
-    """A prompts/ folder for end-to-end runs: two known-answer prompts, the probes, and one long
-    prompt cut to two paragraphs (still past a fixture drafter's window and 512 fixture tokens)."""
+def write_short_prompts(folder: Path, known_prompts: int = 2, long_paragraphs: int | None = 2) -> Path:
+    """A prompts/ folder for end-to-end runs: the first `known_prompts` known-answer prompts, the
+    probes, and the first long prompt, cut to `long_paragraphs` paragraphs (two: still past a fixture
+    drafter's window and 512 fixture tokens; None keeps it whole)."""
     import json
 
     from dflash_bench.checks import prompts
@@ -21,9 +22,12 @@ def write_short_prompts(folder: Path) -> Path:
     for name in ("probes.json", "prefill.json"):
         (folder / name).write_text((prompts.PROMPTS_DIR / name).read_text())
     known = json.loads((prompts.PROMPTS_DIR / "known_answers.json").read_text())
-    known["prompts"] = known["prompts"][:2]
+    known["prompts"] = known["prompts"][:known_prompts]
     (folder / "known_answers.json").write_text(json.dumps(known))
     long = json.loads((prompts.PROMPTS_DIR / "long.json").read_text())
-    long["prompts"] = [long["prompts"][0] | {"id": "wrenmouth-short", "paragraphs": 2}]
+    first = long["prompts"][0]
+    if long_paragraphs is not None:
+        first = first | {"id": "wrenmouth-short", "paragraphs": long_paragraphs}
+    long["prompts"] = [first]
     (folder / "long.json").write_text(json.dumps(long))
     return folder

@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from dflash_bench.checks import prompts
 from dflash_bench.cli import app
+from conftest import write_short_prompts
 
 pytestmark = pytest.mark.slow
 
@@ -39,16 +40,7 @@ def check(command: str, pair: list[str], tmp_path, *extra: str) -> tuple[int, di
 def fewer_prompts(tmp_path, monkeypatch):
     """Three known-answer prompts and the shorter long prompt (still past a 512-token window), to keep
     the CPU run short."""
-    folder = tmp_path / "prompts"
-    folder.mkdir()
-    for name in ("probes.json", "prefill.json"):
-        (folder / name).write_text((prompts.PROMPTS_DIR / name).read_text())
-    known = json.loads((prompts.PROMPTS_DIR / "known_answers.json").read_text())
-    known["prompts"] = known["prompts"][:3]
-    (folder / "known_answers.json").write_text(json.dumps(known))
-    long = json.loads((prompts.PROMPTS_DIR / "long.json").read_text())
-    long["prompts"] = long["prompts"][:1]
-    (folder / "long.json").write_text(json.dumps(long))
+    folder = write_short_prompts(tmp_path / "prompts", known_prompts=3, long_paragraphs=None)
     monkeypatch.setattr(prompts, "PROMPTS_DIR", folder)
 
 
