@@ -67,9 +67,10 @@ class SelfAttention:
         when exactly `length` keys are given. The call's shapes depend on the chunk's start and row
         count alone, so its rows are a deterministic function of the chunk and its stream's keys
         (never of other segments); they are not equal to the same rows computed one at a time, which
-        a prompt row never needs (base.py). On a GPU MLX has fused kernels for it that never hold the
-        scores; on CPU it composes two batched matmuls and a softmax, far fewer calls than the 8 x 64
-        tiles (the softmax's exp then dominates: measured on MLX 0.32.4, it is most of the time).
+        a prompt row never needs (base.py). MLX composes it from two batched matmuls and a softmax,
+        holding one float32 score array (measured on CPU, and at 256 x 65,536 on an H200's CUDA
+        backend: not fused there either), in far fewer calls than the 8 x 64 tiles; on CPU the
+        softmax's exp then dominates (measured on MLX 0.32.4, it is most of the time).
         """
         keys, values = cache.k[:, :length], cache.v[:, :length]
         return mx.fast.scaled_dot_product_attention(q[None], keys[None], values[None], scale=self.scale, mask="causal")[0]
