@@ -110,6 +110,11 @@ MALFORMED = {
     "negative tap": (lambda c: c["dflash_config"].update(target_layer_ids=[-1, 5]), "target_layer_ids holds -1"),
     "mask past vocab": (lambda c: c["dflash_config"].update(mask_token_id=248320), "mask_token_id is 248320"),
     "is_causal a string": (lambda c: c.update(is_causal="yes"), "is_causal is 'yes'"),
+    "quantization a number": (lambda c: c.update(quantization=8), "quantization is 8, expected an object"),
+    "quantization at 7 bits": (lambda c: c.update(quantization={"group_size": 64, "bits": 7}), "quantization.bits is 7"),
+    "quantization mxfp4": (lambda c: c.update(quantization={"group_size": 32, "bits": 4, "mode": "mxfp4"}),
+                           "quantization.mode is 'mxfp4'"),
+    "quantization without groups": (lambda c: c.update(quantization={"bits": 8}), "has no quantization.group_size"),
 }
 
 

@@ -12,13 +12,14 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from dflash_bench.engine.draft_config import DraftConfig, read_draft_config
+from dflash_bench.engine.draft_config import DraftConfig, parse_draft_config, read_draft_config
 from dflash_bench.engine.errors import CheckpointError
 from dflash_bench.engine.inventory import (
     check_inventory,
     expected_inventory,
     read_folder_header,
     read_safetensors_header,
+    stored_inventory,
     tensor_bytes,
 )
 
@@ -174,3 +175,36 @@ def test_broken_header_is_a_checkpoint_error(tmp_path: Path, content: bytes, nam
     (tmp_path / "model.safetensors").write_bytes(content)
     with pytest.raises(CheckpointError, match=named):
         read_safetensors_header(tmp_path / "model.safetensors")
+
+
+def quantized_4b(group_size: int = 64, bits: int = 8) -> DraftConfig:
+    """Qwen3.5-4B-DFlash's published config with mlx-lm's `quantization` block added."""
+    cfg = json.loads((PUBLISHED / "qwen3.5-4b-dflash.config.json").read_text())
+    return parse_draft_config(cfg | {"quantization": {"group_size": group_size, "bits": bits}})
+
+
+def test_an_8_bit_drafter_stores_packed_matrices_with_scales_and_biases() -> None:
+    """mlx-lm's layout: a matrix's `.weight` holds 32 / bits columns a uint32 word, and a scale and a
+    bias per group of columns sit beside it; norms stay as they are."""
+    draft = quantized_4b()
+    stored = stored_inventory(draft)
+    assert stored["fc.weight"] == (2560, 8 * 2560 * 8 // 32)
+    assert stored["fc.scales"] == stored["fc.biases"] == (2560, 8 * 2560 // 64)
+    assert stored["layers.0.mlp.down_proj.weight"] == (2560, 9216 // 4)
+    assert stored["layers.0.self_attn.q_norm.weight"] == (128,)
+    assert len(stored) == 69 + 2 * (1 + 7 * 6)
+
+
+def test_a_header_packed_at_other_bits_than_the_config_says_is_refused() -> None:
+    """A header written at 4 bits under a config that says 8: the first matrix is named with both shapes."""
+    header = {}
+    for name, shape in stored_inventory(quantized_4b(bits=4)).items():
+        header[name] = {"dtype": "U32", "shape": list(shape), "data_offsets": [0, 0]}
+    check_inventory(quantized_4b(bits=4), header)
+    with pytest.raises(CheckpointError, match=r"'fc.weight' has shape \[2560, 2560\], the config gives \[2560, 5120\]"):
+        check_inventory(quantized_4b(bits=8), header)
+
+
+def test_groups_that_do_not_divide_a_matrix_are_refused() -> None:
+    with pytest.raises(CheckpointError, match="'layers.0.mlp.gate_proj.weight' has 2560 columns, which 8-bit groups of 5120 do not divide"):
+        stored_inventory(quantized_4b(group_size=5120))

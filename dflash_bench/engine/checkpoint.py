@@ -22,6 +22,7 @@ from typing import Any, Callable
 import mlx.core as mx
 
 from dflash_bench.engine import gguf
+from dflash_bench.engine.draft_config import QUANT_BITS
 from dflash_bench.engine.errors import BadTargetConfig, CheckpointError
 from dflash_bench.engine.target_config import TargetConfig, parse_target_config
 from dflash_bench.engine.tokenizer import Tokenizer
@@ -311,12 +312,12 @@ def _stage(
                 q = quant.get(module)
                 q = q if isinstance(q, dict) else quant
                 hint = (int(q["group_size"]), int(q["bits"]))
-            value = _dequantize(key, value, raw[f"{module}.scales"], raw.get(f"{module}.biases"), expected[name][-1], hint)
+            value = dequantize(key, value, raw[f"{module}.scales"], raw.get(f"{module}.biases"), expected[name][-1], hint)
         staged[name] = value
     return staged
 
 
-def _dequantize(
+def dequantize(
     key: str, w: mx.array, scales: mx.array, biases: mx.array | None, in_dim: int, hint: tuple[int, int] | None
 ) -> mx.array:
     """Affine-dequantize a packed uint32 tensor to float32; group size and bits follow from the
@@ -325,7 +326,7 @@ def _dequantize(
         raise CheckpointError(f"tensor {key!r}: quantized without biases; only affine quantization is supported")
     bits, rest = divmod(w.shape[-1] * 32, in_dim)
     groups = scales.shape[-1]
-    if rest or in_dim % groups or bits not in (2, 3, 4, 5, 6, 8):
+    if rest or in_dim % groups or bits not in QUANT_BITS:
         raise CheckpointError(
             f"tensor {key!r}: packed shape {tuple(w.shape)} with scales {tuple(scales.shape)} "
             f"does not dequantize to {in_dim} columns"

@@ -17,6 +17,7 @@ from dflash_bench.engine.errors import BadDraftConfig
 
 ARCHITECTURES = {"DFlashDraftModel": "DFlash", "DFlash2DraftModel": "DFlash2"}
 LAYER_TYPES = ("sliding_attention", "full_attention")
+QUANT_BITS = (2, 3, 4, 5, 6, 8)  # what mx.dequantize unpacks
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,7 @@ class DraftConfig:
     conv_group_size: int | None = None
     selector_rank: int | None = None
     selector_top_k: int | None = None
+    quantization: tuple[int, int] | None = None  # (group_size, bits) of weights stored MLX affine-quantized
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -132,6 +134,22 @@ def _causality(cfg: dict[str, Any], layer_types: tuple[str, ...]) -> tuple[bool 
     return None, tuple(kind == "sliding_attention" for kind in layer_types)
 
 
+def _quantization(cfg: dict[str, Any]) -> tuple[int, int] | None:
+    """The `quantization` block mlx-lm writes beside weights stored affine-quantized (the loader
+    dequantizes them; the block says how they were packed, and the header must agree)."""
+    q = cfg.get("quantization")
+    if q is None:
+        return None
+    if not isinstance(q, dict):
+        raise BadDraftConfig(f"drafter config.json quantization is {q!r}, expected an object")
+    if q.get("mode", "affine") != "affine":
+        raise BadDraftConfig(f"drafter config.json quantization.mode is {q['mode']!r}, expected 'affine'")
+    group_size, bits = _field(q, "group_size", "quantization."), _field(q, "bits", "quantization.")
+    if bits not in QUANT_BITS:
+        raise BadDraftConfig(f"drafter config.json quantization.bits is {bits}, expected one of {QUANT_BITS}")
+    return group_size, bits
+
+
 def parse_draft_config(cfg: dict[str, Any]) -> DraftConfig:
     """Parse a drafter config.json dict, or raise BadDraftConfig naming the field."""
     if not isinstance(cfg, dict):
@@ -185,6 +203,7 @@ def parse_draft_config(cfg: dict[str, Any]) -> DraftConfig:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         output_multiplier=_optional(dflash, "output_multiplier", d, float, 1.0),
         final_logit_softcapping=softcap,
+        quantization=_quantization(cfg),
         raw=cfg,
         **dflash2,
     )

@@ -78,6 +78,28 @@ def expected_inventory(draft: DraftConfig) -> dict[str, Shape]:
     return names
 
 
+def stored_inventory(draft: DraftConfig) -> dict[str, Shape]:
+    """What the safetensors files hold: `expected_inventory`, with each matrix (a 2-D `.weight`) of
+    a quantized drafter as mlx-lm stores it: uint32 words of packed bits plus a scale and a bias a group."""
+    if draft.quantization is None:
+        return expected_inventory(draft)
+    group_size, bits = draft.quantization
+    stored: dict[str, Shape] = {}
+    for name, shape in expected_inventory(draft).items():
+        if len(shape) != 2 or not name.endswith(".weight"):
+            stored[name] = shape
+            continue
+        out, cols = shape
+        if cols % group_size or cols * bits % 32:
+            raise CheckpointError(
+                f"{draft.kind} drafter tensor {name!r} has {cols} columns, which {bits}-bit groups of {group_size} do not divide"
+            )
+        module = name.removesuffix(".weight")
+        stored[name] = (out, cols * bits // 32)
+        stored[f"{module}.scales"] = stored[f"{module}.biases"] = (out, cols // group_size)
+    return stored
+
+
 def tensors_of(header: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The tensor entries of a safetensors header (drops `__metadata__`)."""
     return {name: entry for name, entry in header.items() if name != "__metadata__"}
@@ -86,7 +108,7 @@ def tensors_of(header: dict[str, Any]) -> dict[str, dict[str, Any]]:
 def check_inventory(draft: DraftConfig, header: dict[str, Any]) -> None:
     """Raise CheckpointError naming the first missing, unexpected or mis-shaped tensor."""
     found = tensors_of(header)
-    expected = expected_inventory(draft)
+    expected = stored_inventory(draft)
     for name, shape in expected.items():
         if name not in found:
             raise CheckpointError(f"{draft.kind} drafter checkpoint has no tensor {name!r} (expected shape {list(shape)})")

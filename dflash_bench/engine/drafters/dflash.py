@@ -16,9 +16,10 @@ from pathlib import Path
 import mlx.core as mx
 
 from dflash_bench.engine.cache import AttentionCache
-from dflash_bench.engine.checkpoint import files_sha256
+from dflash_bench.engine.checkpoint import dequantize, files_sha256
 from dflash_bench.engine.draft_config import DraftConfig, read_draft_config
 from dflash_bench.engine.errors import CheckpointError
+from dflash_bench.engine.inventory import check_inventory, read_folder_header
 from dflash_bench.engine.sampling import SamplingParams, choose
 from dflash_bench.engine.targets.base import Target, repack
 from dflash_bench.engine.tiles import KEY_TILE, Weight, attention, key_mask, linear, pad_queries, pad_rows, query_positions
@@ -192,7 +193,8 @@ class DFlashDrafter:
 
 
 def load_drafter(path: str | Path, target: Target, bits: int = 0) -> DFlashDrafter:
-    """Read a DFlash drafter directory (config.json + model.safetensors) for `target`."""
+    """Read a DFlash drafter directory (config.json + model.safetensors) for `target`: float weights,
+    or mlx-lm's affine-quantized layout (a small drafter ships in 8 bits), dequantized here."""
     path = Path(path)
     config = read_draft_config(path)
     if config.is_dflash2:
@@ -200,9 +202,18 @@ def load_drafter(path: str | Path, target: Target, bits: int = 0) -> DFlashDraft
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{path}: no *.safetensors weights beside config.json")
+    check_inventory(config, read_folder_header(path))  # a clear error before any weight is read
     weights: dict[str, mx.array] = {}
     for f in files:
         weights.update(mx.load(str(f)))
+    if config.quantization is not None:  # stored packed (mlx-lm's layout): the engine computes in float
+        for name in [k for k in weights if k.endswith(".scales")]:
+            module = name.removesuffix(".scales")
+            w = weights[f"{module}.weight"]
+            cols = w.shape[-1] * 32 // config.quantization[1]
+            weights[f"{module}.weight"] = dequantize(
+                f"{module}.weight", w, weights.pop(name), weights.pop(f"{module}.biases"), cols, config.quantization
+            )
     weights = {k: v.astype(mx.float32) for k, v in weights.items()}
     drafter = DFlashDrafter(config, weights, target, bits=bits)
     drafter.weights_sha256 = files_sha256(files)
