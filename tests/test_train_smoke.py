@@ -29,7 +29,7 @@ from dflash_bench.engine.targets import Segment, build_target
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
 from train_drafter.__main__ import main as train_main  # noqa: E402
-from train_drafter.model import Drafter, Shape, drafter_config, export  # noqa: E402
+from train_drafter.model import Drafter, Shape, drafter_config, export, load, start_from  # noqa: E402
 from train_drafter.target import TrainTarget  # noqa: E402
 
 SHAPE = Shape(taps=(1, 3, 5), block=8, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=64, window=12,
@@ -86,6 +86,62 @@ def test_training_drafter_computes_the_engine_drafter(fixture_target, tmp_path, 
     assert len(varied) > 3, "the random drafter proposes one token everywhere: the comparison would prove little"
 
 
+def test_an_8_bit_export_is_what_the_engine_drafts_with(fixture_target, tmp_path) -> None:
+    """Stored in mlx-lm's 8-bit layout, the drafter the engine loads computes what the training
+    model computes from the same export (both dequantize it), and its drafts are equal."""
+    shape = Shape(**{**SHAPE.__dict__, "bits": 8})
+    config = drafter_config(shape, fixture_target.config)
+    model = Drafter(parse_draft_config(config))
+    model.init(seed=3, std=0.5)
+    export(model, config, tmp_path / "drafter")
+    stored = mx.load(str(tmp_path / "drafter/model.safetensors"))
+    assert stored["fc.weight"].dtype == mx.uint32 and "fc.scales" in stored and "fc.biases" in stored
+    assert stored["norm.weight"].dtype == mx.bfloat16
+    target = build_target(fixture_target.config, fixture_target.weights)
+    drafter = load_drafter(tmp_path / "drafter", target)
+    back = load(tmp_path / "drafter")
+    mx.random.seed(6)
+    tokens = mx.random.randint(8, 512, (40,)).tolist()
+    trainer = TrainTarget(fixture_target)
+    taps = trainer.taps(mx.array([tokens]), SHAPE.taps)
+    ours = back.logits(back(taps, mx.array([tokens]), mx.array([[9, 30]]), trainer.embed), trainer.head)[0]
+    for n, anchor in enumerate([9, 30]):
+        ref = engine_logits(drafter, target, tokens, anchor)
+        assert mx.abs(ours[n] - ref).max().item() <= 1e-3 * max(1.0, mx.abs(ref).max().item())
+        assert mx.argmax(ours[n], axis=-1).tolist() == mx.argmax(ref, axis=-1).tolist()
+    # 8 bits lose little: the dequantized weights are within one step (a group's scale, its range / 255)
+    # of the float ones (mx.quantize itself errs up to 0.75 of one; float16 scales keep the rest small)
+    err = mx.abs(back.fc.weight - model.fc.weight).max().item()
+    assert 0 < err <= stored["fc.scales"].astype(mx.float32).abs().max().item()
+
+
+def test_growing_a_drafter_keeps_what_it_computes(fixture_target, tmp_path) -> None:
+    """`--init` with a 2-layer export into a 4-layer recipe: the source's layers at both ends, the two
+    inserted ones the identity, so the grown drafter's hidden states are the source's, bit for bit;
+    a drafter that differs in anything else is refused."""
+    small = drafter_config(SHAPE, fixture_target.config)
+    source = Drafter(parse_draft_config(small))
+    source.init(seed=3, std=0.5)
+    export(source, small, tmp_path / "small")
+    kinds = ("sliding_attention",) * 3 + ("full_attention",)
+    big = drafter_config(Shape(**{**SHAPE.__dict__, "layers": 4, "layer_types": kinds, "bits": 8}), fixture_target.config)
+    grown = Drafter(parse_draft_config(big))
+    grown.init(seed=4, std=0.5)
+    how = start_from(grown, big, tmp_path / "small")
+    assert how.startswith("grown from 2 to 4 layers") and "[0, 3]" in how
+    before = load(tmp_path / "small")
+    trainer = TrainTarget(fixture_target)
+    mx.random.seed(7)
+    tokens = mx.array([mx.random.randint(8, 512, (40,)).tolist()])
+    taps = trainer.taps(tokens, SHAPE.taps)
+    anchors = mx.array([[5, 20, 33]])
+    assert mx.array_equal(grown(taps, tokens, anchors, trainer.embed), before(taps, tokens, anchors, trainer.embed))
+    assert mx.abs(grown.layers[1].self_attn.q_proj.weight).max().item() > 0  # the new layers can learn
+    wider = drafter_config(Shape(**{**SHAPE.__dict__, "layers": 4, "intermediate": 128}), fixture_target.config)
+    with pytest.raises(ValueError, match="intermediate_size"):
+        start_from(Drafter(parse_draft_config(wider)), wider, tmp_path / "small")
+
+
 def test_training_target_taps_are_the_engine_taps(fixture_target) -> None:
     trainer = TrainTarget(fixture_target)
     target = build_target(fixture_target.config, fixture_target.weights)
@@ -121,7 +177,8 @@ def test_smoke_run_trains_exports_and_serves(tmp_path) -> None:
     again = tmp_path / "again"
     train_main(["train", "--recipe", "smoke", "--target", str(target_dir), "--out", str(again),
                 "--data", str(tmp_path / "data.npz"), "--init", str(out / "drafter"), "--steps", "2"])
-    assert json.loads((again / "receipt.json").read_text())["init"] == str(out / "drafter")
+    assert json.loads((again / "receipt.json").read_text())["init"] == {"from": str(out / "drafter"),
+                                                                          "how": "same architecture"}
     engine = Engine(target_dir, out / "drafter")
     prompt = engine.tokenizer.encode("def fibonacci(n):")
     drafted = engine.generate(Request(prompt, max_tokens=20, ignore_eos=True))

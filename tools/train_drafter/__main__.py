@@ -23,7 +23,7 @@ from dflash_bench.engine.checkpoint import load_target
 from dflash_bench.engine.draft_config import parse_draft_config
 from train_drafter import corpus
 from train_drafter.data import Sequences, TapStore, generate_all
-from train_drafter.model import Drafter, drafter_config, export
+from train_drafter.model import GROUP_SIZE, Drafter, drafter_config, export, load, start_from
 from train_drafter.recipe import RECIPES, Recipe, with_overrides
 from train_drafter.target import TrainTarget
 from train_drafter.train import Schedule, evaluate, train
@@ -97,10 +97,10 @@ def cmd_train(args, recipe: Recipe, target: TrainTarget, loaded, seqs: Sequences
     mx.random.seed(recipe.seed)
     model = Drafter(draft_cfg)
     model.init(recipe.seed)
-    if args.init:  # continue from an exported drafter of the same architecture
-        if json.loads((Path(args.init) / "config.json").read_text()) != config:
-            raise ValueError(f"--init {args.init}: its config.json is not this recipe's drafter")
-        model.load_weights([(k, v.astype(mx.float32)) for k, v in mx.load(str(Path(args.init) / "model.safetensors")).items()])
+    init = None
+    if args.init:  # continue from an exported drafter: this recipe's, or a smaller one grown
+        init = {"from": args.init, "how": start_from(model, config, Path(args.init))}
+        log(f"init: {init['how']}")
     params = sum(v.size for _, v in tree_flatten(model.parameters()))
     log(f"drafter: {params} params, {draft_cfg.num_layers} layers, taps {list(draft_cfg.taps)}")
     budget = args.time_budget
@@ -111,10 +111,10 @@ def cmd_train(args, recipe: Recipe, target: TrainTarget, loaded, seqs: Sequences
                      compile=not args.no_compile)
     trained = train(model, target, store, sched, log=log, checkpoint=lambda step: export(model, config, out / "drafter"))
     del store
-    log("evaluating on held-out replies")
-    held_eval = evaluate(model, target, held, draft_cfg.taps, recipe.gamma)
-    log(f"held-out: {json.dumps(held_eval)}")
     drafter_dir = export(model, config, out / "drafter")
+    log("evaluating the export (as stored: quantized when the recipe says so) on held-out replies")
+    held_eval = evaluate(load(drafter_dir), target, held, draft_cfg.taps, recipe.gamma)
+    log(f"held-out: {json.dumps(held_eval)}")
     files = {f.name: {"bytes": f.stat().st_size, "sha256": hashlib.sha256(f.read_bytes()).hexdigest()}
              for f in sorted(drafter_dir.iterdir())}
     return {
@@ -128,13 +128,15 @@ def cmd_train(args, recipe: Recipe, target: TrainTarget, loaded, seqs: Sequences
         "target": {"path": loaded.path.name, "weights_sha256": loaded.weights_sha256, "taps_dtype": "float32",
                    "stored_taps": "bfloat16"},
         "recipe": recipe.as_dict(),
-        "init": args.init,
+        "init": init,
         "data": data_summary | {"train_sequences": len(train_set.length), "held_out_sequences": len(held.length)},
         "architecture": {"layers": draft_cfg.num_layers, "layer_types": list(draft_cfg.layer_types),
                          "taps": list(draft_cfg.taps), "block": draft_cfg.block_size, "window": draft_cfg.sliding_window,
                          "hidden": draft_cfg.hidden_size, "intermediate": draft_cfg.intermediate_size,
                          "heads": draft_cfg.num_heads, "kv_heads": draft_cfg.num_kv_heads,
                          "mask_token_id": draft_cfg.mask_token_id, "params": int(params),
+                         "stored": f"{recipe.shape.bits}-bit matrices (groups of {GROUP_SIZE}), bf16 norms"
+                         if recipe.shape.bits else "bf16",
                          "frozen": "the target's embedding and (tied) lm_head"},
         "training": {"steps": trained.steps_done, "steps_planned": trained.steps_planned,
                      "seconds": round(trained.seconds, 1), "time_budget_s": budget,
@@ -194,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--time-budget", type=float, help="seconds of training; steps shrink to fit")
     ap.add_argument("--deadline", type=float, help="seconds the whole command may take (sets the training budget)")
     ap.add_argument("--no-compile", action="store_true", help="train without mx.compile")
-    ap.add_argument("--init", help="train: start from this exported drafter (same recipe) instead of random weights")
+    ap.add_argument("--init", help="train: start from this exported drafter (this recipe's, or one with fewer layers, grown) instead of random weights")
     ap.add_argument("--drafter", help="probe: drafter folder")
     ap.add_argument("--probes", default="prompts/probes.json", help="probe: prompt set")
     ap.add_argument("--tokens", type=int, default=256, help="probe: tokens a reply")

@@ -27,8 +27,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from dflash_bench.engine.checkpoint import dequantize
 from dflash_bench.engine.draft_config import DraftConfig, parse_draft_config
 from dflash_bench.engine.target_config import TargetConfig
+
+GROUP_SIZE = 64  # quantization group: mlx-lm's default
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,7 @@ class Shape:
     window: int
     mask_token_id: int
     layer_types: tuple[str, ...] = ()  # default: all sliding but the last, which is full
+    bits: int = 0  # storage: 0 for bf16, else matrices in mlx-lm's affine layout (groups of GROUP_SIZE)
 
     def kinds(self) -> list[str]:
         return list(self.layer_types) or ["sliding_attention"] * (self.layers - 1) + ["full_attention"]
@@ -67,7 +71,7 @@ def drafter_config(shape: Shape, target: TargetConfig, eps: float = 1e-6) -> dic
         "rms_norm_eps": eps, "rope_parameters": {"rope_theta": target.rope_theta, "rope_type": "default"},
         "sliding_window": shape.window, "tie_word_embeddings": True, "use_cache": True,
         "use_sliding_window": True, "vocab_size": target.vocab_size,
-    }
+    } | ({"quantization": {"group_size": GROUP_SIZE, "bits": shape.bits}} if shape.bits else {})
 
 
 class Attention(nn.Module):
@@ -198,19 +202,78 @@ def block_mask(anchors: mx.array, context: int, block: int, window: int | None, 
 
 
 def export(model: Drafter, config: dict, out_dir: Path) -> Path:
-    """config.json + model.safetensors (bf16) in the z-lab layout; what `load_drafter` reads."""
+    """config.json + model.safetensors in the z-lab layout, what `load_drafter` reads: bf16, or with
+    config.json's `quantization` block every matrix packed by `mx.quantize` (scales and biases
+    float16: bf16 would add up to half a step of error at 8 bits)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    weights = {k: v.astype(mx.bfloat16) for k, v in tree_flatten(model.parameters())}
+    quant = config.get("quantization")
+    weights = {}
+    for name, value in tree_flatten(model.parameters()):
+        if quant and value.ndim == 2:
+            module = name.removesuffix(".weight")
+            packed, scales, biases = mx.quantize(value, group_size=quant["group_size"], bits=quant["bits"])
+            weights |= {name: packed, f"{module}.scales": scales.astype(mx.float16),
+                        f"{module}.biases": biases.astype(mx.float16)}
+        else:
+            weights[name] = value.astype(mx.bfloat16)
     mx.save_safetensors(str(out_dir / "model.safetensors"), dict(sorted(weights.items())), metadata={"format": "pt"})
     return out_dir
 
 
+def read_weights(out_dir: Path) -> tuple[dict, dict[str, mx.array]]:
+    """An export's config.json and its weights in float32 (dequantized when stored packed)."""
+    config = json.loads((Path(out_dir) / "config.json").read_text())
+    weights = mx.load(str(Path(out_dir) / "model.safetensors"))
+    quant = config.get("quantization")
+    for name in [k for k in weights if k.endswith(".scales")]:
+        module = name.removesuffix(".scales")
+        w = weights[f"{module}.weight"]
+        weights[f"{module}.weight"] = dequantize(
+            f"{module}.weight", w, weights.pop(name), weights.pop(f"{module}.biases"), w.shape[-1] * 32 // quant["bits"],
+            (quant["group_size"], quant["bits"]),
+        )
+    return config, {k: v.astype(mx.float32) for k, v in weights.items()}
+
+
 def load(out_dir: Path) -> Drafter:
     """An exported drafter back as a training model (float32), to evaluate or continue."""
-    config = parse_draft_config(json.loads((Path(out_dir) / "config.json").read_text()))
-    model = Drafter(config)
-    weights = mx.load(str(Path(out_dir) / "model.safetensors"))
-    model.load_weights([(k, v.astype(mx.float32)) for k, v in weights.items()])
+    config, weights = read_weights(out_dir)
+    model = Drafter(parse_draft_config(config))
+    model.load_weights(list(weights.items()))
     return model
+
+
+GROWABLE = {"num_hidden_layers", "layer_types", "max_window_layers", "quantization"}
+
+
+def start_from(model: Drafter, config: dict, source: Path) -> str:
+    """Load an exported drafter into `model` (config.json `config`): the same architecture as is; one
+    with fewer layers grown function-preserving, so training resumes from what the source computes:
+    its layers keep their places at both ends (the last stays last), and each inserted layer starts
+    as the identity (its o_proj and down_proj zero, the rest from `model`'s init), as LLaMA Pro grows
+    a model. Returns how the weights were placed, for the receipt."""
+    theirs, weights = read_weights(source)
+    differs = {k for k in set(config) | set(theirs) if config.get(k) != theirs.get(k)}
+    if not differs - {"quantization"}:
+        model.load_weights(list(weights.items()))
+        return "same architecture"
+    have, want = theirs["num_hidden_layers"], config["num_hidden_layers"]
+    kinds, their_kinds = config["layer_types"], theirs["layer_types"]
+    placed = list(range(have - 1)) + [want - 1]
+    if differs - GROWABLE or have >= want or [kinds[i] for i in placed] != their_kinds:
+        raise ValueError(f"--init {source}: its drafter differs in {sorted(differs)}; only growing the layer count "
+                         f"with the source's layer kinds kept at both ends is supported")
+    moved = {}
+    for name, value in weights.items():
+        if name.startswith("layers."):
+            _, i, rest = name.split(".", 2)
+            name = f"layers.{placed[int(i)]}.{rest}"
+        moved[name] = value
+    for i in sorted(set(range(want)) - set(placed)):
+        layer = model.layers[i]
+        layer.self_attn.o_proj.weight = mx.zeros_like(layer.self_attn.o_proj.weight)
+        layer.mlp.down_proj.weight = mx.zeros_like(layer.mlp.down_proj.weight)
+    model.load_weights(list(moved.items()), strict=False)
+    return f"grown from {have} to {want} layers: source layers -> {placed}, the others start as the identity"

@@ -43,11 +43,13 @@ class Recipe:
 
 
 # SmolLM2-135M: 30 layers of hidden 576, 9 query / 3 KV heads of 64, vocab 49152 (tied).
-# 2 layers, intermediate 1280, 5 taps: fc 576 x 2880 + 2 x 3.1M = 7.9M params, 15.7 MB in bf16.
+# 4 layers (3 sliding, the last full), intermediate 1280, 5 taps: fc 576 x 2880 + 4 x 3.1M = 14.0M
+# params, stored in 8 bits (15.0 MB; 28 MB in bf16, past the 16 MB the repository allows a drafter).
+# v1-v3 had 2 layers in bf16 (7.9M params, 15.7 MB); v4 grew v3 to 4 (model.start_from).
 # Mask: <empty_output> (16), a special the chat template never uses.
 SMOLLM2 = Recipe(
-    shape=Shape(taps=(1, 8, 15, 22, 29), block=16, layers=2, heads=9, kv_heads=3, head_dim=64,
-                intermediate=1280, window=512, mask_token_id=16),
+    shape=Shape(taps=(1, 8, 15, 22, 29), block=16, layers=4, heads=9, kv_heads=3, head_dim=64,
+                intermediate=1280, window=512, mask_token_id=16, bits=8),
     prompts=10000, new_tokens=256, max_prompt_tokens=200, held_out=200,
     steps=4000, batch=32, anchors=32, gen_batch=1000, tap_batch=64, tap_chunk=256, warmup=100,
 )
