@@ -29,7 +29,6 @@ beta = 0, log-gate 0) leave the state untouched, so a short last chunk pads to w
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -63,8 +62,18 @@ def unit_lower_inverse(a: mx.array) -> mx.array:
     return inv.reshape(*batch, c, c)
 
 
-def _chunked(q: mx.array, k: mx.array, v: mx.array, log_g: mx.array, beta: mx.array, state: mx.array,
-             sub: int) -> tuple[mx.array, mx.array]:
+def chunked_gated_delta(q: mx.array, k: mx.array, v: mx.array, log_g: mx.array, beta: mx.array, state: mx.array,
+                        sub: int = SUB) -> tuple[mx.array, mx.array]:
+    """One stream's chunk of the gated delta rule: (y, final state).
+
+    q, k: (T, Hk, Dk), already normalized as mlx-lm's `normalize_qk` leaves them; v: (T, Hv, Dv);
+    log_g, beta: (T, Hv); state: (Hv, Dv, Dk) float32. Returns y (T, Hv, Dv) in v's dtype and the
+    float32 state after row T. Not `mx.compile`d: on this CPU that was no faster (91 against 81 ms
+    at the 9B's heads), and a compiled graph keeps its constants alive per shape, which the
+    memory-returns-to-baseline checks would see.
+    """
+    if sub & (sub - 1):
+        raise ValueError(f"sub-chunk size must be a power of two, got {sub}")
     t, hk, dk = k.shape
     hv, dv = v.shape[1:]
     n = -(-t // sub)
@@ -102,21 +111,3 @@ def _chunked(q: mx.array, k: mx.array, v: mx.array, log_g: mx.array, beta: mx.ar
         s = gamma[:, i, -1, None, None] * s + (u * tail[:, i, :, None]).swapaxes(-1, -2) @ kb[:, i]
     y = mx.stack(ys, axis=1).reshape(hv, n * sub, dv)
     return mx.moveaxis(y, 0, 1)[:t].astype(v.dtype), s
-
-
-@lru_cache(maxsize=8)
-def _compiled(sub: int):
-    return mx.compile(lambda q, k, v, log_g, beta, state: _chunked(q, k, v, log_g, beta, state, sub))
-
-
-def chunked_gated_delta(q: mx.array, k: mx.array, v: mx.array, log_g: mx.array, beta: mx.array, state: mx.array,
-                        sub: int = SUB) -> tuple[mx.array, mx.array]:
-    """One stream's chunk of the gated delta rule: (y, final state).
-
-    q, k: (T, Hk, Dk), already normalized as mlx-lm's `normalize_qk` leaves them; v: (T, Hv, Dv);
-    log_g, beta: (T, Hv); state: (Hv, Dv, Dk) float32. Returns y (T, Hv, Dv) in v's dtype and the
-    float32 state after row T. Compiled per shape: the same chunk always runs the same graph.
-    """
-    if sub & (sub - 1):
-        raise ValueError(f"sub-chunk size must be a power of two, got {sub}")
-    return _compiled(sub)(q, k, v, log_g, beta, state)
