@@ -29,10 +29,10 @@ from mlx_lm.models.gated_delta import compute_g, gated_delta_ops, normalize_qk
 
 from dflash_bench.engine.cache import AttentionCache, LinearCache, TargetState
 from dflash_bench.engine.target_config import TargetConfig
-from dflash_bench.engine.targets.base import Segment, Target, repack
+from dflash_bench.engine.targets.base import Segment, Target, as_weight
 from dflash_bench.engine.targets.chunked_delta import chunked_gated_delta, log_gate
 from dflash_bench.engine.targets.dense import SelfAttention
-from dflash_bench.engine.tiles import Weight, linear
+from dflash_bench.engine.tiles import Layout, linear
 
 
 def silu(x: mx.array) -> mx.array:
@@ -42,18 +42,19 @@ def silu(x: mx.array) -> mx.array:
 class GatedDeltaNet:
     """One linear-attention layer: packed projections, then conv and recurrence per segment."""
 
-    def __init__(self, config: TargetConfig, weights: dict[str, mx.array], prefix: str):
+    def __init__(self, config: TargetConfig, weights: dict, prefix: str, dtype: mx.Dtype = mx.float32):
         lin = config.linear
         assert lin is not None
         self.hk, self.hv, self.dk, self.dv = lin.num_key_heads, lin.num_value_heads, lin.key_head_dim, lin.value_head_dim
         self.kernel = lin.conv_kernel
         self.key_dim = self.hk * self.dk
         self.conv_dim = lin.conv_dim
-        self.qkv = Weight(weights[f"{prefix}.in_proj_qkv.weight"])
-        self.z = Weight(weights[f"{prefix}.in_proj_z.weight"])
-        self.b = Weight(weights[f"{prefix}.in_proj_b.weight"])
-        self.a = Weight(weights[f"{prefix}.in_proj_a.weight"])
-        self.out = Weight(weights[f"{prefix}.out_proj.weight"])
+        self.dtype = dtype
+        self.qkv = as_weight(weights[f"{prefix}.in_proj_qkv.weight"])
+        self.z = as_weight(weights[f"{prefix}.in_proj_z.weight"])
+        self.b = as_weight(weights[f"{prefix}.in_proj_b.weight"])
+        self.a = as_weight(weights[f"{prefix}.in_proj_a.weight"])
+        self.out = as_weight(weights[f"{prefix}.out_proj.weight"])
         self.conv_w = weights[f"{prefix}.conv1d.weight"][:, :, 0].T  # (kernel, conv_dim): tap j of every channel
         self.dt_bias = weights[f"{prefix}.dt_bias"]
         self.A_log = weights[f"{prefix}.A_log"]
@@ -66,10 +67,11 @@ class GatedDeltaNet:
             state=mx.zeros((self.hv, self.dv, self.dk), dtype=mx.float32),
         )
 
-    def __call__(self, x: mx.array, segments: list[Segment], spans: list[tuple[int, int]], layer: int) -> mx.array:
-        qkv, z, b, a = linear(x, self.qkv), linear(x, self.z), linear(x, self.b), linear(x, self.a)
+    def __call__(self, x: mx.array, segments: list[Segment], layout: Layout, layer: int) -> mx.array:
+        qkv, z = linear(x, self.qkv, layout), linear(x, self.z, layout)
+        b, a = linear(x, self.b, layout), linear(x, self.a, layout)
         outs = []
-        for seg, (lo, hi) in zip(segments, spans):
+        for seg, (lo, hi) in zip(segments, layout.spans):
             cache = seg.state.layers[layer]
             assert isinstance(cache, LinearCache)
             n = hi - lo
@@ -89,7 +91,7 @@ class GatedDeltaNet:
             cache.window_start = seg.start
             cache.length = seg.start + n
             outs.append(self.gated_norm(y, z[lo:hi].reshape(n, self.hv, self.dv)).reshape(n, -1))
-        return linear(repack(outs, x.shape[0]), self.out)
+        return linear(layout.pack(outs), self.out, layout)
 
     def mix(self, inputs: mx.array, n: int) -> tuple[mx.array, mx.array, mx.array]:
         """Conv (row t sees inputs t .. t + kernel - 1, summed in tap order), silu, normalized q/k, v."""
@@ -122,36 +124,37 @@ class GatedDeltaNet:
         return redo
 
     def gated_norm(self, y: mx.array, z: mx.array) -> mx.array:
-        """RMSNorm of each value head, times silu of the z gate (mlx-lm's precise_swiglu order)."""
-        return silu(z) * mx.fast.rms_norm(y, self.norm, self.eps)
+        """RMSNorm of each value head, times silu of the z gate (mlx-lm's precise_swiglu order), in
+        the activation dtype (the recurrence's float32 output is cast first)."""
+        return silu(z) * mx.fast.rms_norm(y.astype(self.dtype), self.norm, self.eps)
 
 
 class HybridTarget(Target):
     """Embedding, N x (GatedDeltaNet or gated attention, then SwiGLU MLP), final norm, lm_head."""
 
-    def __init__(self, config: TargetConfig, weights: dict[str, mx.array]):
-        super().__init__(config, weights)
+    def __init__(self, config: TargetConfig, weights: dict, dtype: mx.Dtype = mx.float32):
+        super().__init__(config, weights, dtype)
         self.mixers: list[GatedDeltaNet | SelfAttention] = []
         self.mlps, self.norms = [], []
         for i, kind in enumerate(config.layer_types):
             p = f"layers.{i}"
             if kind == "linear_attention":
-                self.mixers.append(GatedDeltaNet(config, weights, f"{p}.linear_attn"))
+                self.mixers.append(GatedDeltaNet(config, weights, f"{p}.linear_attn", dtype))
             else:
                 self.mixers.append(SelfAttention(config, weights, f"{p}.self_attn", gated=True))
-            self.mlps.append(tuple(Weight(weights[f"{p}.mlp.{n}_proj.weight"]) for n in ("gate", "up", "down")))
+            self.mlps.append(tuple(as_weight(weights[f"{p}.mlp.{n}_proj.weight"]) for n in ("gate", "up", "down")))
             self.norms.append((weights[f"{p}.input_layernorm.weight"], weights[f"{p}.post_attention_layernorm.weight"]))
 
     def new_state(self) -> TargetState:
         c = self.config
         return TargetState(
             [
-                m.new_cache() if isinstance(m, GatedDeltaNet) else AttentionCache(c.num_kv_heads, c.head_dim)
+                m.new_cache() if isinstance(m, GatedDeltaNet) else AttentionCache(c.num_kv_heads, c.head_dim, self.dtype)
                 for m in self.mixers
             ]
         )
 
-    def layer(self, i: int, x: mx.array, segments: list[Segment], spans: list[tuple[int, int]]) -> mx.array:
+    def layer(self, i: int, x: mx.array, segments: list[Segment], layout: Layout) -> mx.array:
         pre, post = self.norms[i]
-        x = x + self.mixers[i](mx.fast.rms_norm(x, pre, self.eps), segments, spans, i)
-        return x + self.mlp(mx.fast.rms_norm(x, post, self.eps), *self.mlps[i])
+        x = x + self.mixers[i](mx.fast.rms_norm(x, pre, self.eps), segments, layout, i)
+        return x + self.mlp(mx.fast.rms_norm(x, post, self.eps), layout, *self.mlps[i])
