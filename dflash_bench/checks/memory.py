@@ -20,6 +20,7 @@ without it, and its measured weights and context caches).
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import sys
@@ -37,6 +38,7 @@ from dflash_bench.engine.request import Request, token_sha
 from dflash_bench.engine.tiles import Weight
 
 TOLERANCE = 0.10
+PROGRESS_EVERY = 32  # rounds between progress lines on stderr (the progress bar draws only on a terminal)
 
 
 @dataclass
@@ -96,6 +98,12 @@ def run(plan: Plan, target: str, drafter: str | None, s: CheckSettings, receipt:
     while engine.lanes.busy:
         engine.step()
         advance(1)
+        # how far it got, kept current: a run cut short (Ctrl-C, a time limit) still says it
+        receipt.aggregates["progress"] = {
+            "rounds": engine.lanes.rounds, "seconds": time.perf_counter() - started, "load_seconds": load_seconds,
+            "prompt_tokens_done": sum(st.pos for st in engine.lanes.streams), "mlx_peak_bytes": mx.get_peak_memory()}
+        if engine.lanes.rounds % PROGRESS_EVERY == 0:
+            print(f"plan --check: {json.dumps(receipt.aggregates['progress'])}", file=sys.stderr, flush=True)
         if prefill_done is None and all(st.pending is not None for st in engine.lanes.streams):
             prefill_done = time.perf_counter() - started
             for st in engine.lanes.streams:
