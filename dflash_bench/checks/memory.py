@@ -132,6 +132,16 @@ def run(plan: Plan, target: str, drafter: str | None, s: CheckSettings, receipt:
     target_weights = sum(a.nbytes for w in loaded.weights.values()
                          for a in (w.arrays() if isinstance(w, Weight) else [w])) if loaded else 0
     drafter_weights = engine.drafter.nbytes if engine.drafter else 0
+    held = {  # measured from the arrays (states when every prompt pass is done), beside the plan's terms
+        "target_weights": {"planned_bytes": _prompt_phase(plan, "target weights"), "measured_bytes": target_weights},
+        "target_state_per_stream": {"planned_bytes": _prompt_phase(plan, "attention K/V")
+                                    + _prompt_phase(plan, "GatedDeltaNet state"), "measured_bytes": state["target"]},
+    }
+    if i.drafter:
+        held["drafter_weights"] = {"planned_bytes": _prompt_phase(plan, "drafter weights"),
+                                   "measured_bytes": drafter_weights}
+        held["drafter_state_per_stream"] = {"planned_bytes": _prompt_phase(plan, "drafter context K/V"),
+                                            "measured_bytes": state["drafter"]}
     comparison = {"mlx": {"predicted_bytes": predicted, "measured_bytes": mlx_peak, "error": predicted / mlx_peak - 1}}
     process_cmp = {"predicted_bytes": process, "measured_bytes": rss_peak, "error": process / rss_peak - 1}
     if on_gpu():
@@ -147,14 +157,7 @@ def run(plan: Plan, target: str, drafter: str | None, s: CheckSettings, receipt:
                   "run_seconds": run_seconds, "prefill_seconds": prefill_done, "rounds": engine.lanes.rounds,
                   "device": str(mx.default_device()), "backend": engine.backend.name,
                   "process_rss_on_gpu": process_cmp if on_gpu() else None},
-        held={  # measured from the arrays (states when every prompt pass is done), beside the plan's terms
-            "target_weights": {"planned_bytes": _prompt_phase(plan, "target weights"), "measured_bytes": target_weights},
-            "drafter_weights": {"planned_bytes": _prompt_phase(plan, "drafter weights"), "measured_bytes": drafter_weights},
-            "target_state_per_stream": {"planned_bytes": _prompt_phase(plan, "attention K/V")
-                                        + _prompt_phase(plan, "GatedDeltaNet state"), "measured_bytes": state["target"]},
-            "drafter_state_per_stream": {"planned_bytes": _prompt_phase(plan, "drafter context K/V"),
-                                         "measured_bytes": state["drafter"]},
-        },
+        held=held,
         drafter={"plan_added_bytes": plan.drafter_added_bytes,
                  "plan_without_drafter_bytes": plan.without_drafter.total_bytes,
                  "planned_held_bytes": _prompt_phase(plan, "drafter weights")

@@ -40,6 +40,10 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f}" if n else "-"
 
 
+def _size(n: int) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:,.1f} MiB"
+
+
 def plan_table(p: Plan) -> Group:
     """Every term in MiB, each stream term in both phases, then the totals and the verdict."""
     i = p.inputs
@@ -58,8 +62,8 @@ def plan_table(p: Plan) -> Group:
     t.add_row("total", "", _mib(p.total_bytes), "", f"{p.total_bytes / GIB:.2f} GiB", style="bold")
     lines = [t]
     if i.drafter:
-        lines.append(Text(f"the drafter adds {p.drafter_added_bytes / GIB:.2f} GiB: "
-                          f"{p.without_drafter.total_bytes / GIB:.2f} GiB without it", style="cyan"))
+        lines.append(Text(f"the drafter adds {_size(p.drafter_added_bytes)}: {_size(p.without_drafter.total_bytes)} "
+                          f"without it", style="cyan"))
     if i.memory_bytes is not None:
         verdict = "fits" if p.fits else "does not fit"
         lines.append(Text(f"{verdict} in {i.memory_bytes / GIB:.2f} GiB; {p.streams_fit} streams of {i.context} "
