@@ -31,7 +31,7 @@ array, with bf16 inputs too; so both modes price float32 scores (`Backend.score_
 stage holds `5 x intermediate + 3 x hidden` activations a row, a projection stage `7.5 x hidden`;
 a GatedDeltaNet layer over a prompt chunk (the chunked delta rule, float32) `GDN_ROW` float32
 arrays of value-head width a row plus `GDN_STATES` recurrent states (measured on this CPU at the
-9B's heads: 29 MiB at 64 rows, 67 MiB at 256 in the cpu mode, 74 MiB in the gpu mode; the per-row
+9B's heads: 27 MiB at 64 rows, 77 MiB at 256 in the cpu mode, 79 MiB in the gpu mode; the per-row
 loop it replaced held one state a row, 0.6 GiB at 256 rows on the H200).
 """
 
@@ -56,8 +56,8 @@ ATTN_ROW = 6.5  # floats of hidden width a row holds beside the attention scores
 SDPA_SCORES = 1.0  # score-sized arrays a prompt chunk's unfused sdpa holds (CPU, over exactly its keys)
 MLP_ROW = (5.0, 3.0)  # floats a row in the MLP stage: x intermediate, x hidden
 PROJ_ROW = 7.5  # floats a row in the projection stage, x hidden
-GDN_ROW = 14  # float32 arrays of (value heads x head width) a prompt row holds in a GatedDeltaNet layer
-GDN_STATES = 8  # recurrent states alive beside them (the sub-chunks' states and their transposes)
+GDN_ROW = 17  # float32 arrays of (value heads x head width) a prompt row holds in a GatedDeltaNet layer
+GDN_STATES = 5  # recurrent states alive beside them (the sub-chunks' states and their transposes)
 
 
 def logit_bytes(rows: int, vocab: int, act: int) -> int:
