@@ -19,11 +19,10 @@ from dflash_bench.engine.draft_config import parse_draft_config
 from dflash_bench.engine.drafters.dflash import DFlashDrafter
 from dflash_bench.engine.engine import Engine, Settings
 from dflash_bench.engine.inventory import expected_inventory
+from dflash_bench.engine.backend import CPU, GPU
 from dflash_bench.engine.planner import (
     ATTN_ROW,
-    CPU,
     GIB,
-    GPU,
     SDPA_SCORES,
     PlanInputs,
     admit,

@@ -18,7 +18,6 @@ from test_rows import SIZES, assert_same_state, cache_arrays, differing_rows, pr
 from tiny_targets import FAMILIES, tiny_target
 
 import mlx.core as mx
-from mlx_lm.models.gated_delta import compute_g, gated_delta_ops, normalize_qk
 
 from dflash_bench.engine.cache import TargetState
 from dflash_bench.engine.engine import Engine, Settings
@@ -153,37 +152,17 @@ def test_prefill_computes_what_the_tiled_path_computes(family: str, size: str) -
         close(a, b, f"{family} {size} cache array {j}")
 
 
-def test_gated_delta_update_is_the_per_token_loop() -> None:
-    """mx.fast.gated_delta_update takes gamma in linear space (compute_g's decay) and the state as
-    (B, Hv, Dv, Dk), like mlx-lm's gated_delta_ops: with Hk < Hv, Dk != Dv and a non-zero initial
-    state their outputs and final states agree."""
-    b, t, hk, hv, dk, dv = 1, 37, 2, 4, 32, 48
-    key = iter(mx.random.split(mx.random.key(60), 8))
-    q, k = normalize_qk(mx.random.normal((b, t, hk, dk), key=next(key)), mx.random.normal((b, t, hk, dk), key=next(key)),
-                        inv_scale=dk**-0.5, eps=1e-6)
-    v = mx.random.normal((b, t, hv, dv), key=next(key))
-    g = compute_g(mx.random.normal((hv,), key=next(key)), mx.random.normal((b, t, hv), key=next(key)),
-                  mx.random.normal((hv,), key=next(key)))
-    beta = mx.sigmoid(mx.random.normal((b, t, hv), key=next(key)))
-    state = 0.1 * mx.random.normal((b, hv, dv, dk), key=next(key))
-    y_fast, s_fast = mx.fast.gated_delta_update(q, k, v, g, beta, state)
-    y_loop, s_loop = gated_delta_ops(q, k, v, g, beta, state)
-    assert y_fast.shape == y_loop.shape and s_fast.shape == s_loop.shape == state.shape
-    close(y_fast, y_loop, "outputs", tol=1e-5)
-    close(s_fast, s_loop, "final state", tol=1e-5)
-
-
 def test_prefill_segments_take_the_per_chunk_calls_and_windows_do_not(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A prompt chunk calls sdpa once per attention layer and gated_delta_update once per linear
+    """A prompt chunk calls sdpa once per attention layer and the chunked delta rule once per linear
     layer; a window beside it calls neither (it keeps the tiles and the per-token loop)."""
     from dflash_bench.engine.targets import qwen3_5
 
     target = target_for("qwen3_5", "small")  # 3 linear layers and 1 attention layer
     base = prefilled(target, random_tokens(20, 61))
     calls = {"sdpa": [], "gdu": [], "loop": []}
-    sdpa, gdu, loop = mx.fast.scaled_dot_product_attention, mx.fast.gated_delta_update, qwen3_5.gated_delta_ops
+    sdpa, gdu, loop = mx.fast.scaled_dot_product_attention, qwen3_5.chunked_gated_delta, qwen3_5.gated_delta_ops
     monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", lambda q, *a, **kw: calls["sdpa"].append(q.shape[2]) or sdpa(q, *a, **kw))
-    monkeypatch.setattr(mx.fast, "gated_delta_update", lambda q, *a, **kw: calls["gdu"].append(q.shape[1]) or gdu(q, *a, **kw))
+    monkeypatch.setattr(qwen3_5, "chunked_gated_delta", lambda q, *a, **kw: calls["gdu"].append(q.shape[0]) or gdu(q, *a, **kw))
     monkeypatch.setattr(qwen3_5, "gated_delta_ops", lambda q, *a, **kw: calls["loop"].append(q.shape[1]) or loop(q, *a, **kw))
     target.forward([Segment(random_tokens(40, 62), 0, target.new_state(), [39], prefill=True),
                     Segment(random_tokens(5, 63), 20, base, list(range(5)))])

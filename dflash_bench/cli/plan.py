@@ -1,9 +1,11 @@
 """`dflash-bench plan TARGET [--drafter DIR] [--parallel N] [--context C] [--prompt-cache-gib G] [--memory-gib M]`.
 
 Prices every term of serving from the two config.json files alone (no weight is read) and says how
-many streams of `--context` tokens fit; `--json` prints the plan as JSON. `--check` then loads the
-engine in this process, fills the planned streams and compares the plan with the measured peak,
-writing a receipt (exit 0 within the tolerance, 1 beyond it).
+many streams of `--context` tokens fit, and what the drafter adds (the plan without it beside);
+`--json` prints the plan as JSON. `--backend` is the engine mode priced (backend.py): by default
+the one MLX's default device gets (gpu on a GPU). `--check` then loads the engine in this process in
+that mode, fills the planned streams and compares the plan with the measured peak, writing a
+receipt (exit 0 within the tolerance, 1 beyond it).
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ from dflash_bench.checks import memory
 from dflash_bench.checks.receipt import Receipt, canonical_json, exit_code, utc_stamp
 from dflash_bench.checks.runner import make_progress
 from dflash_bench.cli import app
+from dflash_bench.engine import backend as backends
 from dflash_bench.engine.errors import DFlashBenchError
 from dflash_bench.engine.planner import (
-    BACKENDS,
     GIB,
     Plan,
     PlanInputs,
@@ -36,6 +38,10 @@ from dflash_bench.engine.planner import (
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f}" if n else "-"
+
+
+def _size(n: int) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:,.1f} MiB"
 
 
 def plan_table(p: Plan) -> Group:
@@ -55,6 +61,9 @@ def plan_table(p: Plan) -> Group:
     t.add_row("a stream", "", _mib(p.stream_prompt_bytes), _mib(p.stream_decode_bytes), "priced at the larger phase")
     t.add_row("total", "", _mib(p.total_bytes), "", f"{p.total_bytes / GIB:.2f} GiB", style="bold")
     lines = [t]
+    if i.drafter:
+        lines.append(Text(f"the drafter adds {_size(p.drafter_added_bytes)}: {_size(p.without_drafter.total_bytes)} "
+                          f"without it", style="cyan"))
     if i.memory_bytes is not None:
         verdict = "fits" if p.fits else "does not fit"
         lines.append(Text(f"{verdict} in {i.memory_bytes / GIB:.2f} GiB; {p.streams_fit} streams of {i.context} "
@@ -72,8 +81,9 @@ def plan_command(
     memory_gib: Annotated[Optional[float], typer.Option("--memory-gib", min=0,
                                                         help="Memory the backend may use (default: MLX's limit).")] = None,
     drafter_bits: Annotated[int, typer.Option(help="Drafter matrices' bits (0 keeps them float).")] = 0,
-    backend: Annotated[str, typer.Option(help="cpu (float32, this engine) or gpu (bf16 activations, weights as "
-                                              "stored).")] = "cpu",
+    backend: Annotated[str, typer.Option(help="The engine mode priced and, with --check, run: auto (the default "
+                                              "device's), cpu (float32 weights and activations) or gpu "
+                                              "(packed quantized weights, bf16).")] = "auto",
     json_out: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
     check: Annotated[bool, typer.Option(help="Load the engine, fill the streams, compare with the measured peak.")] = False,
     max_tokens: Annotated[Optional[int], typer.Option(help="--check: each reply's tokens (default: a drafter block "
@@ -83,14 +93,11 @@ def plan_command(
 ):
     """Price serving N streams of C tokens from config.json files alone; --check measures it."""
     try:
-        if backend not in BACKENDS:
-            raise DFlashBenchError(f"--backend is {backend!r}, expected one of {', '.join(BACKENDS)}")
-        if check and backend != "cpu":
-            raise DFlashBenchError(f"--check runs this engine, whose backend is cpu; --backend is {backend!r}")
+        mode = backends.resolve(backend)
         tcfg, dcfg = read_configs(target, drafter)
         memory_bytes = int(memory_gib * GIB) if memory_gib is not None else backend_memory_bytes()
         inputs = PlanInputs(tcfg, dcfg, parallel, context, prompt_cache_gib, drafter_bits if dcfg else 0,
-                            memory_bytes, BACKENDS[backend])
+                            memory_bytes, mode)
         p = plan(inputs)
     except (DFlashBenchError, ValueError) as err:
         typer.echo(err.line() if isinstance(err, DFlashBenchError) else f"plan: {err}", err=True)

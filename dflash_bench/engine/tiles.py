@@ -7,8 +7,9 @@ Two regimes share a forward (targets/base.py):
 - prompt rows run in chunks that start at multiples of the chunk size from position 0, and a
   prompt row is only ever computed inside that same chunk, so its rows need only be a deterministic
   function of the chunk (its rows, its stream's earlier keys and state), never of other segments.
-  Their projections still run in the tiles below (they are packed with every other segment's rows);
-  their attention and recurrence run per chunk in one call each (dense.py, qwen3_5.py).
+  So a chunk's projections run in one matmul call per weight over the chunk's own block of rows
+  (`Layout`), and its attention and recurrence in one call each (dense.py, qwen3_5.py): 16x fewer
+  calls than tiles for a 256-row chunk, which is what a GPU forward is bound by (kernel launches).
 
 BLAS (OpenBLAS on Linux, cuBLAS on CUDA) picks a kernel by the shape of each call, so a row of
 `x @ W.T` computed among 1, 5 or 40 rows can differ in its last bits. Two rules make every row
@@ -30,6 +31,7 @@ MLX's own CPU ops (rms_norm, rope, softmax, exp, sums, elementwise) are row-wise
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import mlx.core as mx
 
@@ -49,7 +51,11 @@ def pad_rows(x: mx.array, multiple: int = ROW_TILE) -> mx.array:
 
 
 class Weight:
-    """A projection's weight: float32 (or bf16) `(out, in)`, or an MLX affine-quantized triple."""
+    """A projection's weight: float32 (or bf16) `(out, in)`, or an MLX affine-quantized triple.
+
+    `Weight(w, bits)` quantizes a float matrix (the drafter's `--drafter-bits`); `Weight.packed`
+    keeps a checkpoint's own packed triple (the engine's gpu mode), so nothing is dequantized.
+    """
 
     def __init__(self, w: mx.array, bits: int = 0, group_size: int = 64):
         self.out_features, self.in_features = w.shape
@@ -62,6 +68,27 @@ class Weight:
         else:
             self.w = w
 
+    @classmethod
+    def packed(cls, w: mx.array, scales: mx.array, biases: mx.array, group_size: int, bits: int) -> "Weight":
+        """A checkpoint's packed uint32 `(out, in * bits / 32)` with its per-group scales and biases."""
+        self = cls.__new__(cls)
+        self.out_features, self.in_features = w.shape[0], w.shape[1] * 32 // bits
+        self.bits, self.group_size = bits, group_size
+        self.w, self.scales, self.biases = w, scales, biases
+        return self
+
+    def rows(self, ids: mx.array) -> mx.array:
+        """Rows `ids` as a float matrix (an embedding lookup): a packed table dequantizes only those."""
+        if not self.bits:
+            return self.w[ids]
+        return mx.dequantize(self.w[ids], self.scales[ids], self.biases[ids], group_size=self.group_size, bits=self.bits)
+
+    def astype(self, dtype: mx.Dtype) -> "Weight":
+        """A float weight in `dtype`; a packed one keeps its uint32 and holds its scales and biases in it."""
+        if not self.bits:
+            return Weight(self.w.astype(dtype))
+        return Weight.packed(self.w, self.scales.astype(dtype), self.biases.astype(dtype), self.group_size, self.bits)
+
     def tile(self, x: mx.array) -> mx.array:
         if self.bits:
             return mx.quantized_matmul(
@@ -73,6 +100,10 @@ class Weight:
         return [a for a in (self.w, self.scales, self.biases) if a is not None]
 
     @property
+    def shape(self) -> tuple[int, int]:
+        return self.out_features, self.in_features
+
+    @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays())
 
@@ -82,17 +113,67 @@ def row_tile(in_features: int, out_features: int) -> int:
     return ROW_TILE if ROW_TILE * in_features * out_features > SMALL_PRODUCT else SMALL_TILE
 
 
-def linear(x: mx.array, weight: Weight | mx.array) -> mx.array:
-    """`x @ W.T` for `x` of shape (R, in) with R a multiple of ROW_TILE, one call per row tile."""
+@dataclass(frozen=True)
+class Layout:
+    """Where each segment's rows sit in a forward's packed rows, and which rows share a matmul call.
+
+    Decode segments come first, packed in order and padded to whole ROW_TILEs: they run in
+    `row_tile` tiles, so a row's bits never depend on its company. Each prompt chunk then takes its
+    own block of whole ROW_TILEs, one call per weight: the call's shape depends on the chunk's row
+    count alone, and no other segment's rows share it.
+    """
+
+    spans: tuple[tuple[int, int], ...]  # each segment's rows, in the segments' order
+    blocks: tuple[tuple[int, int], ...]  # the prompt chunks' blocks, one call each
+    decode_rows: int  # rows [0, decode_rows) run in tiles
+    rows: int
+
+    @classmethod
+    def of(cls, lengths: list[int], prompt: list[bool]) -> "Layout":
+        spans: list[tuple[int, int]] = [(0, 0)] * len(lengths)
+        pos = 0
+        for i, n in enumerate(lengths):
+            if not prompt[i]:
+                spans[i], pos = (pos, pos + n), pos + n
+        decode_rows = pos = -(-pos // ROW_TILE) * ROW_TILE
+        blocks = []
+        for i, n in enumerate(lengths):
+            if prompt[i]:
+                spans[i] = (pos, pos + n)
+                blocks.append((pos, pos + -(-n // ROW_TILE) * ROW_TILE))
+                pos = blocks[-1][1]
+        return cls(tuple(spans), tuple(blocks), decode_rows, pos)
+
+    def pack(self, parts: list[mx.array]) -> mx.array:
+        """Each segment's rows (in the segments' order) into one array laid out as `spans`, zeros between."""
+        pieces, cursor = [], 0
+        for (a, b), part in sorted(zip(self.spans, parts), key=lambda item: item[0][0]):
+            if a > cursor:
+                pieces.append(mx.zeros((a - cursor, *part.shape[1:]), dtype=part.dtype))
+            pieces.append(part)
+            cursor = b
+        if self.rows > cursor:
+            pieces.append(mx.zeros((self.rows - cursor, *parts[0].shape[1:]), dtype=parts[0].dtype))
+        return mx.concatenate(pieces) if len(pieces) > 1 else pieces[0]
+
+    def calls(self, tile: int) -> list[tuple[int, int]]:
+        """The row ranges of one weight's matmul calls: decode tiles of `tile` rows, then each block."""
+        return [(a, a + tile) for a in range(0, self.decode_rows, tile)] + list(self.blocks)
+
+
+def linear(x: mx.array, weight: Weight | mx.array, layout: Layout | None = None) -> mx.array:
+    """`x @ W.T` for `x` of shape (R, in) with R a multiple of ROW_TILE: one call per row tile, or
+    per `layout` (decode tiles, then one call per prompt chunk's block)."""
     if not isinstance(weight, Weight):
         weight = Weight(weight)
     rows = x.shape[0]
     if rows % ROW_TILE:
         raise ValueError(f"linear takes a multiple of {ROW_TILE} rows, got {rows}")
     tile = row_tile(weight.in_features, weight.out_features)
-    if rows == tile:
+    calls = layout.calls(tile) if layout is not None else [(a, a + tile) for a in range(0, rows, tile)]
+    if len(calls) == 1:
         return weight.tile(x)
-    return mx.concatenate([weight.tile(x[i : i + tile]) for i in range(0, rows, tile)])
+    return mx.concatenate([weight.tile(x[a:b]) for a, b in calls])
 
 
 def key_mask(

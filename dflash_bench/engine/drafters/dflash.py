@@ -70,6 +70,7 @@ class DFlashDrafter:
         self.heads, self.kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.scale = c.head_dim**-0.5
         self.eps = c.rms_norm_eps
+        self.dtype = weights["hidden_norm.weight"].dtype  # its activations and context K/V: its weights' dtype
 
         def w(name: str) -> Weight:
             return Weight(weights[name], bits=bits)
@@ -112,7 +113,7 @@ class DFlashDrafter:
         return out
 
     def new_state(self) -> DrafterState:
-        return DrafterState([AttentionCache(self.kv_heads, self.head_dim) for _ in self.layers])
+        return DrafterState([AttentionCache(self.kv_heads, self.head_dim, self.dtype) for _ in self.layers])
 
     def rope(self, x: mx.array, offset: int) -> mx.array:
         return mx.fast.rope(x[None], self.head_dim, traditional=False, base=self.config.rope_theta, scale=1.0, offset=offset)[0]
@@ -143,7 +144,7 @@ class DFlashDrafter:
         mask = self.config.mask_token_id
         blocks = [[p.last] + [mask] * (self.block - 1) for p in items]
         spans = [(i * self.block, (i + 1) * self.block) for i in range(len(items))]
-        h = pad_rows(self.target.embed[mx.array([t for b in blocks for t in b], dtype=mx.int32)])
+        h = pad_rows(self.target.embed_rows([t for b in blocks for t in b]))
         for li, layer in enumerate(self.layers):
             x = mx.fast.rms_norm(h, layer["pre"], self.eps)
             q, k, v = linear(x, layer["q"]), linear(x, layer["k"]), linear(x, layer["v"])
@@ -164,7 +165,7 @@ class DFlashDrafter:
 
     def logits(self, h: mx.array, rows: list[int]) -> mx.array:
         x = mx.fast.rms_norm(h[mx.array(rows, dtype=mx.int32)], self.norm, self.eps)
-        out = linear(pad_rows(x), self.target.lm_head)[: len(rows)]
+        out = linear(pad_rows(x), self.target.lm_head)[: len(rows)].astype(mx.float32)
         c = self.config
         if c.output_multiplier != 1.0:
             out = out * c.output_multiplier
@@ -192,9 +193,10 @@ class DFlashDrafter:
         return o.transpose(1, 0, 2).reshape(n, self.heads * self.head_dim)
 
 
-def load_drafter(path: str | Path, target: Target, bits: int = 0) -> DFlashDrafter:
+def load_drafter(path: str | Path, target: Target, bits: int = 0, dtype: mx.Dtype = mx.float32) -> DFlashDrafter:
     """Read a DFlash drafter directory (config.json + model.safetensors) for `target`: float weights,
-    or mlx-lm's affine-quantized layout (a small drafter ships in 8 bits), dequantized here."""
+    or mlx-lm's affine-quantized layout (a small drafter ships in 8 bits), dequantized here; in `dtype`
+    (the engine's activation dtype) before any `bits` quantization."""
     path = Path(path)
     config = read_draft_config(path)
     if config.is_dflash2:
@@ -214,7 +216,7 @@ def load_drafter(path: str | Path, target: Target, bits: int = 0) -> DFlashDraft
             weights[f"{module}.weight"] = dequantize(
                 f"{module}.weight", w, weights.pop(name), weights.pop(f"{module}.biases"), cols, config.quantization
             )
-    weights = {k: v.astype(mx.float32) for k, v in weights.items()}
+    weights = {k: v.astype(dtype) for k, v in weights.items()}
     drafter = DFlashDrafter(config, weights, target, bits=bits)
     drafter.weights_sha256 = files_sha256(files)
     return drafter

@@ -24,7 +24,7 @@ import mlx.core as mx
 
 from dflash_bench.engine.cache import TargetState
 from dflash_bench.engine.target_config import TargetConfig
-from dflash_bench.engine.tiles import ROW_TILE, Weight, key_mask, linear, pad_rows, query_positions
+from dflash_bench.engine.tiles import ROW_TILE, Layout, Weight, key_mask, linear, pad_rows, query_positions
 
 
 @dataclass
@@ -53,38 +53,50 @@ class SegmentOut:
     taps: mx.array | None  # (rows, taps * hidden): the tap layers' outputs side by side
 
 
+def as_weight(w: Weight | mx.array) -> Weight:
+    """A checkpoint tensor as a projection weight: kept-packed ones arrive as Weights already."""
+    return w if isinstance(w, Weight) else Weight(w)
+
+
 class Target:
-    """Shared parts of the target families; subclasses implement `layer`."""
+    """Shared parts of the target families; subclasses implement `layer`.
+
+    `dtype` is the activation and attention-cache dtype (backend.py): float32 in the cpu mode, bf16
+    in the gpu mode, where the weights arrive packed (`Weight.packed`) or in bf16.
+    """
 
     config: TargetConfig
 
-    def __init__(self, config: TargetConfig, weights: dict[str, mx.array]):
+    def __init__(self, config: TargetConfig, weights: dict[str, mx.array | Weight], dtype: mx.Dtype = mx.float32):
         self.config = config
-        self.embed = weights["embed_tokens.weight"]
-        head = weights.get("lm_head.weight", self.embed) if not config.tie_word_embeddings else self.embed
-        self.lm_head = Weight(head)
+        self.dtype = dtype
+        self.embed = as_weight(weights["embed_tokens.weight"])
+        tied = config.tie_word_embeddings or "lm_head.weight" not in weights
+        self.lm_head = self.embed if tied else as_weight(weights["lm_head.weight"])
         self.norm = weights["norm.weight"]
         self.eps = config.rms_norm_eps
 
     def new_state(self) -> TargetState:
         raise NotImplementedError
 
-    def layer(self, i: int, x: mx.array, segments: list[Segment], spans: list[tuple[int, int]]) -> mx.array:
+    def layer(self, i: int, x: mx.array, segments: list[Segment], layout: Layout) -> mx.array:
         raise NotImplementedError
+
+    def embed_rows(self, tokens: list[int]) -> mx.array:
+        """The embedding rows of `tokens`, in the activation dtype."""
+        return self.embed.rows(mx.array(tokens, dtype=mx.int32)).astype(self.dtype)
 
     def forward(self, segments: list[Segment], taps: tuple[int, ...] = ()) -> list[SegmentOut]:
         """Run every segment through the model; caches grow by each segment's rows."""
-        spans, rows = [], 0
         for seg in segments:
             if seg.start != seg.state.length:
                 raise ValueError(f"segment starts at {seg.start} but its state holds {seg.state.length} positions")
-            spans.append((rows, rows + len(seg.tokens)))
-            rows += len(seg.tokens)
-        ids = mx.array([t for seg in segments for t in seg.tokens], dtype=mx.int32)
-        x = pad_rows(self.embed[ids])
+        layout = Layout.of([len(seg.tokens) for seg in segments], [seg.prefill for seg in segments])
+        spans = layout.spans
+        x = layout.pack([self.embed_rows(seg.tokens) for seg in segments])
         planes: list[mx.array] = []
         for i in range(self.config.num_layers):
-            x = self.layer(i, x, segments, spans)
+            x = self.layer(i, x, segments, layout)
             if i in taps:
                 planes.append(x)
         tap_rows = mx.concatenate([planes[taps.index(i)] for i in taps], axis=-1) if taps else None
@@ -103,11 +115,12 @@ class Target:
         return outs
 
     def logits(self, x: mx.array, rows: list[int]) -> mx.array:
+        """Float32 logits of the packed rows `rows` (their lm_head products run in row tiles)."""
         h = mx.fast.rms_norm(x[mx.array(rows, dtype=mx.int32)], self.norm, self.eps)
-        return linear(pad_rows(h), self.lm_head)[: len(rows)]
+        return linear(pad_rows(h), self.lm_head)[: len(rows)].astype(mx.float32)
 
-    def mlp(self, x: mx.array, gate: Weight, up: Weight, down: Weight) -> mx.array:
-        return linear(mx.sigmoid(g := linear(x, gate)) * g * linear(x, up), down)
+    def mlp(self, x: mx.array, layout: Layout, gate: Weight, up: Weight, down: Weight) -> mx.array:
+        return linear(mx.sigmoid(g := linear(x, gate, layout)) * g * linear(x, up, layout), down, layout)
 
 
 def per_segment(x: mx.array, spans: list[tuple[int, int]]) -> list[mx.array]:
@@ -116,6 +129,6 @@ def per_segment(x: mx.array, spans: list[tuple[int, int]]) -> list[mx.array]:
 
 
 def repack(parts: list[mx.array], rows: int) -> mx.array:
-    """Segments' rows back into one packed array padded to `rows` (a multiple of ROW_TILE)."""
+    """Blocks' rows back into one packed array padded to `rows` (the drafter's, which has no Layout)."""
     x = mx.concatenate(parts) if len(parts) > 1 else parts[0]
     return pad_rows(x, ROW_TILE) if x.shape[0] != rows else x

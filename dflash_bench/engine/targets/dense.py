@@ -6,8 +6,8 @@ import mlx.core as mx
 
 from dflash_bench.engine.cache import AttentionCache, TargetState
 from dflash_bench.engine.target_config import TargetConfig
-from dflash_bench.engine.targets.base import Segment, Target, per_segment, repack
-from dflash_bench.engine.tiles import Weight, attention, linear, pad_queries
+from dflash_bench.engine.targets.base import Segment, Target, as_weight, per_segment
+from dflash_bench.engine.tiles import Layout, attention, linear, pad_queries
 
 
 class SelfAttention:
@@ -16,12 +16,12 @@ class SelfAttention:
     `gated` is qwen3_5's variant: q_proj yields queries and a sigmoid gate on the output.
     """
 
-    def __init__(self, config: TargetConfig, weights: dict[str, mx.array], prefix: str, gated: bool = False):
+    def __init__(self, config: TargetConfig, weights: dict, prefix: str, gated: bool = False):
         self.heads, self.kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        self.q = Weight(weights[f"{prefix}.q_proj.weight"])
-        self.k = Weight(weights[f"{prefix}.k_proj.weight"])
-        self.v = Weight(weights[f"{prefix}.v_proj.weight"])
-        self.o = Weight(weights[f"{prefix}.o_proj.weight"])
+        self.q = as_weight(weights[f"{prefix}.q_proj.weight"])
+        self.k = as_weight(weights[f"{prefix}.k_proj.weight"])
+        self.v = as_weight(weights[f"{prefix}.v_proj.weight"])
+        self.o = as_weight(weights[f"{prefix}.o_proj.weight"])
         self.q_norm = weights.get(f"{prefix}.q_norm.weight") if config.qk_norm else None
         self.k_norm = weights.get(f"{prefix}.k_norm.weight") if config.qk_norm else None
         self.eps = config.rms_norm_eps
@@ -30,9 +30,10 @@ class SelfAttention:
         self.gated = gated
         self.scale = self.head_dim**-0.5
 
-    def __call__(self, x: mx.array, segments: list[Segment], spans: list[tuple[int, int]], layer: int) -> mx.array:
-        q, k, v = linear(x, self.q), linear(x, self.k), linear(x, self.v)
+    def __call__(self, x: mx.array, segments: list[Segment], layout: Layout, layer: int) -> mx.array:
+        q, k, v = linear(x, self.q, layout), linear(x, self.k, layout), linear(x, self.v, layout)
         outs = []
+        spans = layout.spans
         for seg, qs, ks, vs in zip(segments, per_segment(q, spans), per_segment(k, spans), per_segment(v, spans)):
             n = len(seg.tokens)
             if self.gated:
@@ -58,7 +59,7 @@ class SelfAttention:
             if gate is not None:
                 o = o * mx.sigmoid(gate.reshape(n, -1))
             outs.append(o)
-        return linear(repack(outs, x.shape[0]), self.o)
+        return linear(layout.pack(outs), self.o, layout)
 
     def prefill_attention(self, q: mx.array, cache: AttentionCache, length: int) -> mx.array:
         """A prompt chunk's rows over the keys [0, length) in one call: (Hq, n, d) -> (Hq, n, d).
@@ -84,20 +85,20 @@ class SelfAttention:
 class DenseTarget(Target):
     """Embedding, N x (attention + SwiGLU MLP), final norm, lm_head."""
 
-    def __init__(self, config: TargetConfig, weights: dict[str, mx.array]):
-        super().__init__(config, weights)
+    def __init__(self, config: TargetConfig, weights: dict, dtype: mx.Dtype = mx.float32):
+        super().__init__(config, weights, dtype)
         self.attn, self.mlps, self.norms = [], [], []
         for i in range(config.num_layers):
             p = f"layers.{i}"
             self.attn.append(SelfAttention(config, weights, f"{p}.self_attn"))
-            self.mlps.append(tuple(Weight(weights[f"{p}.mlp.{n}_proj.weight"]) for n in ("gate", "up", "down")))
+            self.mlps.append(tuple(as_weight(weights[f"{p}.mlp.{n}_proj.weight"]) for n in ("gate", "up", "down")))
             self.norms.append((weights[f"{p}.input_layernorm.weight"], weights[f"{p}.post_attention_layernorm.weight"]))
 
     def new_state(self) -> TargetState:
         c = self.config
-        return TargetState([AttentionCache(c.num_kv_heads, c.head_dim) for _ in range(c.num_layers)])
+        return TargetState([AttentionCache(c.num_kv_heads, c.head_dim, self.dtype) for _ in range(c.num_layers)])
 
-    def layer(self, i: int, x: mx.array, segments: list[Segment], spans: list[tuple[int, int]]) -> mx.array:
+    def layer(self, i: int, x: mx.array, segments: list[Segment], layout: Layout) -> mx.array:
         pre, post = self.norms[i]
-        x = x + self.attn[i](mx.fast.rms_norm(x, pre, self.eps), segments, spans, i)
-        return x + self.mlp(mx.fast.rms_norm(x, post, self.eps), *self.mlps[i])
+        x = x + self.attn[i](mx.fast.rms_norm(x, pre, self.eps), segments, layout, i)
+        return x + self.mlp(mx.fast.rms_norm(x, post, self.eps), layout, *self.mlps[i])
