@@ -345,6 +345,20 @@ def dequantize(
     return mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32), group_size=group_size, bits=bits)
 
 
+def dequantize_packed(weights: dict[str, mx.array], group_size: int, bits: int) -> dict[str, mx.array]:
+    """A checkpoint's tensors with every packed matrix (mlx-lm's `.weight` uint32 beside `.scales` and
+    `.biases`) dequantized to float32 in place of the three; what is not packed passes through."""
+    out = dict(weights)
+    for name in [k for k in weights if k.endswith(".scales")]:
+        module = name.removesuffix(".scales")
+        w = out[f"{module}.weight"]
+        out[f"{module}.weight"] = dequantize(
+            f"{module}.weight", w, out.pop(name), out.pop(f"{module}.biases", None), w.shape[-1] * 32 // bits,
+            (group_size, bits),
+        )
+    return out
+
+
 def quantization(
     key: str, w: mx.array, scales: mx.array, biases: mx.array | None, in_dim: int, hint: tuple[int, int] | None
 ) -> tuple[int, int]:

@@ -27,7 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from dflash_bench.engine.checkpoint import dequantize
+from dflash_bench.engine.checkpoint import dequantize_packed
 from dflash_bench.engine.draft_config import DraftConfig, parse_draft_config
 from dflash_bench.engine.target_config import TargetConfig
 
@@ -226,14 +226,8 @@ def read_weights(out_dir: Path) -> tuple[dict, dict[str, mx.array]]:
     """An export's config.json and its weights in float32 (dequantized when stored packed)."""
     config = json.loads((Path(out_dir) / "config.json").read_text())
     weights = mx.load(str(Path(out_dir) / "model.safetensors"))
-    quant = config.get("quantization")
-    for name in [k for k in weights if k.endswith(".scales")]:
-        module = name.removesuffix(".scales")
-        w = weights[f"{module}.weight"]
-        weights[f"{module}.weight"] = dequantize(
-            f"{module}.weight", w, weights.pop(name), weights.pop(f"{module}.biases"), w.shape[-1] * 32 // quant["bits"],
-            (quant["group_size"], quant["bits"]),
-        )
+    if quant := config.get("quantization"):
+        weights = dequantize_packed(weights, quant["group_size"], quant["bits"])
     return config, {k: v.astype(mx.float32) for k, v in weights.items()}
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from dflash_bench.engine.cache import AttentionCache
-from dflash_bench.engine.checkpoint import dequantize, files_sha256
+from dflash_bench.engine.checkpoint import dequantize_packed, files_sha256
 from dflash_bench.engine.draft_config import DraftConfig, read_draft_config
 from dflash_bench.engine.errors import CheckpointError
 from dflash_bench.engine.inventory import check_inventory, read_folder_header
@@ -209,13 +209,7 @@ def load_drafter(path: str | Path, target: Target, bits: int = 0, dtype: mx.Dtyp
     for f in files:
         weights.update(mx.load(str(f)))
     if config.quantization is not None:  # stored packed (mlx-lm's layout): the engine computes in float
-        for name in [k for k in weights if k.endswith(".scales")]:
-            module = name.removesuffix(".scales")
-            w = weights[f"{module}.weight"]
-            cols = w.shape[-1] * 32 // config.quantization[1]
-            weights[f"{module}.weight"] = dequantize(
-                f"{module}.weight", w, weights.pop(name), weights.pop(f"{module}.biases"), cols, config.quantization
-            )
+        weights = dequantize_packed(weights, *config.quantization)
     weights = {k: v.astype(dtype) for k, v in weights.items()}
     drafter = DFlashDrafter(config, weights, target, bits=bits)
     drafter.weights_sha256 = files_sha256(files)
