@@ -290,6 +290,7 @@ def test_a_random_drafter_like_the_shipped_one_keeps_its_layout_not_its_weights(
     check_inventory(read_draft_config(out), read_folder_header(out))
     ours, shipped = (mx.load(str(d / "model.safetensors")) for d in (out, shipped_dir))
     assert ours.keys() == shipped.keys()
+    assert all(ours[k].dtype == shipped[k].dtype and ours[k].shape == shipped[k].shape for k in ours)
     assert not mx.array_equal(ours["fc.weight"], shipped["fc.weight"])
 
 

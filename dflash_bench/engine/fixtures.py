@@ -482,7 +482,8 @@ def draft_weights(kind: str, target: str = "llama", seed: int = 0) -> dict[str, 
 
 
 def write_random_like(drafter_dir: Path, out_dir: Path, seed: int = 0) -> Path:
-    """A drafter with `drafter_dir`'s config.json (a real layout) and random weights of its shapes.
+    """A drafter with `drafter_dir`'s config.json (a real layout) and random weights of its shapes,
+    packed as its config's `quantization` says when it has one.
 
     What a fresh, untrained drafter for a real target looks like: the engine's speed and exactness
     can be measured with it, and its rounds keep about one token.
@@ -499,8 +500,16 @@ def write_random_like(drafter_dir: Path, out_dir: Path, seed: int = 0) -> Path:
             w.normal(name, shape, 0.1, mean=1.0)
         else:
             w.normal(name, shape, shape[-1] ** -0.5)
+    tensors = w.sorted()
+    if draft.quantization is not None:  # stored packed like the original (the shipped drafter is 8-bit)
+        group_size, bits = draft.quantization
+        for name in [k for k, v in tensors.items() if v.ndim == 2]:
+            module = name.removesuffix(".weight")
+            packed, scales, biases = mx.quantize(tensors[name].astype(mx.float32), group_size=group_size, bits=bits)
+            tensors |= {name: packed, f"{module}.scales": scales.astype(mx.float16),
+                        f"{module}.biases": biases.astype(mx.float16)}
     (out_dir / "config.json").write_bytes((Path(drafter_dir) / "config.json").read_bytes())
-    mx.save_safetensors(str(out_dir / "model.safetensors"), w.sorted(), metadata={"format": "pt"})
+    mx.save_safetensors(str(out_dir / "model.safetensors"), dict(sorted(tensors.items())), metadata={"format": "pt"})
     return out_dir
 
 
