@@ -345,6 +345,18 @@ def dequantize(
     return mx.dequantize(w, scales.astype(mx.float32), biases.astype(mx.float32), group_size=group_size, bits=bits)
 
 
+def quantize_packed(weights: dict[str, mx.array], group_size: int, bits: int) -> dict[str, mx.array]:
+    """The inverse of `dequantize_packed`, as a drafter is stored: every matrix (a 2-D tensor) packed by
+    `mx.quantize` beside float16 scales and biases (bf16 would add up to half a step of error at 8
+    bits); the rest passes through."""
+    out = dict(weights)
+    for name in [k for k, v in weights.items() if v.ndim == 2]:
+        module = name.removesuffix(".weight")
+        packed, scales, biases = mx.quantize(weights[name].astype(mx.float32), group_size=group_size, bits=bits)
+        out |= {name: packed, f"{module}.scales": scales.astype(mx.float16), f"{module}.biases": biases.astype(mx.float16)}
+    return out
+
+
 def dequantize_packed(weights: dict[str, mx.array], group_size: int, bits: int) -> dict[str, mx.array]:
     """A checkpoint's tensors with every packed matrix (mlx-lm's `.weight` uint32 beside `.scales` and
     `.biases`) dequantized to float32 in place of the three; what is not packed passes through."""

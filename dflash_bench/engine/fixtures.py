@@ -30,6 +30,7 @@ import mlx.core as mx
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from dflash_bench.engine import gguf
+from dflash_bench.engine.checkpoint import quantize_packed
 from dflash_bench.engine.errors import DFlashBenchError
 
 TARGET_KINDS = ("llama", "qwen3", "qwen3_5")
@@ -502,12 +503,7 @@ def write_random_like(drafter_dir: Path, out_dir: Path, seed: int = 0) -> Path:
             w.normal(name, shape, shape[-1] ** -0.5)
     tensors = w.sorted()
     if draft.quantization is not None:  # stored packed like the original (the shipped drafter is 8-bit)
-        group_size, bits = draft.quantization
-        for name in [k for k, v in tensors.items() if v.ndim == 2]:
-            module = name.removesuffix(".weight")
-            packed, scales, biases = mx.quantize(tensors[name].astype(mx.float32), group_size=group_size, bits=bits)
-            tensors |= {name: packed, f"{module}.scales": scales.astype(mx.float16),
-                        f"{module}.biases": biases.astype(mx.float16)}
+        tensors = quantize_packed(tensors, *draft.quantization)
     (out_dir / "config.json").write_bytes((Path(drafter_dir) / "config.json").read_bytes())
     mx.save_safetensors(str(out_dir / "model.safetensors"), dict(sorted(tensors.items())), metadata={"format": "pt"})
     return out_dir

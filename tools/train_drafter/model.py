@@ -27,7 +27,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from dflash_bench.engine.checkpoint import dequantize_packed
+from dflash_bench.engine.checkpoint import dequantize_packed, quantize_packed
 from dflash_bench.engine.draft_config import DraftConfig, parse_draft_config
 from dflash_bench.engine.target_config import TargetConfig
 
@@ -203,21 +203,14 @@ def block_mask(anchors: mx.array, context: int, block: int, window: int | None, 
 
 def export(model: Drafter, config: dict, out_dir: Path) -> Path:
     """config.json + model.safetensors in the z-lab layout, what `load_drafter` reads: bf16, or with
-    config.json's `quantization` block every matrix packed by `mx.quantize` (scales and biases
-    float16: bf16 would add up to half a step of error at 8 bits)."""
+    config.json's `quantization` block every matrix packed (`checkpoint.quantize_packed`)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    quant = config.get("quantization")
-    weights = {}
-    for name, value in tree_flatten(model.parameters()):
-        if quant and value.ndim == 2:
-            module = name.removesuffix(".weight")
-            packed, scales, biases = mx.quantize(value, group_size=quant["group_size"], bits=quant["bits"])
-            weights |= {name: packed, f"{module}.scales": scales.astype(mx.float16),
-                        f"{module}.biases": biases.astype(mx.float16)}
-        else:
-            weights[name] = value.astype(mx.bfloat16)
+    weights = dict(tree_flatten(model.parameters()))
+    if quant := config.get("quantization"):  # packed from the float32 weights
+        weights = quantize_packed(weights, quant["group_size"], quant["bits"])
+    weights = {k: v.astype(mx.bfloat16) if v.dtype == mx.float32 else v for k, v in weights.items()}
     mx.save_safetensors(str(out_dir / "model.safetensors"), dict(sorted(weights.items())), metadata={"format": "pt"})
     return out_dir
 
