@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import mlx.core as mx
+import numpy as np
 
 from dflash_bench.engine.checkpoint import load_target
 from dflash_bench.engine.draft_config import parse_draft_config
@@ -199,3 +200,40 @@ def test_default_model_ships_its_drafter() -> None:
     check_pair(read_target_config("default"), read_draft_config(path))
     assert sum(f.stat().st_size for f in path.iterdir()) <= 16_000_000
     assert default_drafter_for("/some/other/model") is None
+
+
+def test_tap_store_batches_carry_each_sequences_own_taps(fixture_target) -> None:
+    """Length-sorted chunks, each as wide as its longest row: a batch drawn across chunks gives
+    every sequence its own taps (to bf16 rounding), tokens and length, padded to the full width."""
+    from train_drafter.data import Sequences, TapStore
+
+    trainer = TrainTarget(fixture_target)
+    rng = np.random.default_rng(3)
+    lengths = np.array([30, 12, 25, 18, 40, 9, 33])
+    tokens = np.zeros((len(lengths), 40), dtype=np.int32)
+    for i, n in enumerate(lengths):
+        tokens[i, :n] = rng.integers(8, 512, n)
+    seqs = Sequences(tokens, np.full(len(lengths), 4, dtype=np.int32), lengths.astype(np.int32), ["x"] * 7,
+                     np.zeros(7, dtype=np.float32))
+    store = TapStore(trainer, seqs, (1, 3, 5), chunk=3, batch=2, log=lambda _: None)
+    assert [p.shape[1] for p in store.planes] == [18, 33, 40]  # not 40 each
+    taps, toks, anchors, length = store.batch(np.random.default_rng(0), 6, 2)
+    assert taps.shape == (6, 40, 3 * 64) and taps.dtype == mx.float32
+    for r in range(6):
+        n = int(length[r].item())
+        i = int(np.flatnonzero(lengths == n)[0])
+        assert np.array_equal(np.array(toks[r]), tokens[i])
+        ref = trainer.taps(mx.array(tokens[i : i + 1, :n]), (1, 3, 5))[0]
+        assert mx.abs(taps[r, :n] - ref).max().item() <= 1e-2 * mx.abs(ref).max().item()
+        assert int(anchors[r].min().item()) >= 4 and int(anchors[r].max().item()) < n - 1
+
+
+def test_bf16_generation_leaves_the_taps_float32(fixture_target) -> None:
+    """gen_dtype: replies come from a bf16 copy; taps, embedding and head stay the float32 model's."""
+    plain, fast = TrainTarget(fixture_target), TrainTarget(fixture_target, gen_dtype=mx.bfloat16)
+    assert fast.gen_model.model.layers[0].mlp.up_proj.weight.dtype == mx.bfloat16
+    assert fast.embed.dtype == mx.float32 and fast.model.model.layers[0].mlp.up_proj.weight.dtype == mx.float32
+    tokens = mx.array([list(range(20, 60))])
+    assert mx.array_equal(fast.taps(tokens, (1, 3, 5)), plain.taps(tokens, (1, 3, 5)))
+    replies = fast.generate([[5, 40, 41], [9, 100, 200, 7]], 6, [0.0, 0.7], seed=1)
+    assert replies.shape == (2, 6) and replies.min() >= 0 and replies.max() < fixture_target.config.vocab_size

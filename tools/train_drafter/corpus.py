@@ -43,6 +43,58 @@ TOPICS = (
     "the human heart", "the brain", "dreams", "memory", "friendship", "kindness", "a library", "a museum",
     "a city park", "a village market", "a rainy afternoon", "an old clock", "a lost key", "a robot",
     "a dragon", "a small boat", "a mountain hike", "a winter morning", "the ocean", "a forest at night",
+    # v5: a wider spread, since a drafter learns the phrases of what it was shown
+    "a CPU", "computer memory", "a hard drive", "a solid state drive", "a keyboard", "a computer mouse",
+    "a touch screen", "a smartphone", "a laptop battery", "Wi-Fi", "Bluetooth", "a router", "fiber optic cables",
+    "cloud computing", "a data center", "virtual machines", "containers", "open source software", "cybersecurity",
+    "a firewall", "computer viruses", "a programming language", "JavaScript", "SQL databases", "an API",
+    "a web server", "a mobile app", "video streaming", "video compression", "digital photos", "pixels",
+    "a 3D printer", "robots in factories", "self-driving cars", "drones", "artificial intelligence",
+    "a chatbot", "speech recognition", "a calculator", "a barcode scanner", "QR codes", "credit cards",
+    "online shopping", "social media", "a podcast", "a video game", "virtual reality", "a smartwatch",
+    "a spaceship", "the International Space Station", "Mars", "Jupiter", "the Sun", "comets", "stars",
+    "galaxies", "the Big Bang", "a rocket engine", "jet engines", "a car engine", "hybrid cars", "bicycles",
+    "a submarine", "sailing ships", "canals", "dams", "hydroelectric power", "a power grid", "light bulbs",
+    "LED lights", "a microwave oven", "a washing machine", "an air conditioner", "a thermostat", "a toaster",
+    "a vacuum cleaner", "plumbing", "a water filter", "concrete", "steel", "glass", "plastic", "paper",
+    "cotton", "wool", "silk", "leather", "rubber", "wood", "bricks", "clay pottery", "a sewing machine",
+    "a loom", "the wheel", "the compass", "the telescope's invention", "the telephone", "the radio",
+    "television", "the camera's invention", "the steam engine", "the light bulb's invention", "penicillin",
+    "the human eye", "the lungs", "the stomach", "the kidneys", "the liver", "bones", "muscles", "blood",
+    "the nervous system", "hormones", "viruses", "bacteria", "fungi", "cells", "proteins", "enzymes",
+    "genes", "mutations", "allergies", "the common cold", "fever", "a first aid kit", "hand washing",
+    "hydration", "vitamins", "sugar", "caffeine", "chocolate", "tea", "cheese", "yogurt", "pasta", "pizza",
+    "soup", "salad", "spices", "a kitchen knife", "a cast iron pan", "fermentation", "a farmers market",
+    "farming", "irrigation", "tractors", "wheat", "corn", "rice paddies", "apple trees", "seeds", "soil",
+    "earthworms", "butterflies", "spiders", "frogs", "snakes", "turtles", "penguins", "elephants", "lions",
+    "wolves", "dogs", "cats", "horses", "cows", "chickens", "owls", "eagles", "sharks", "dolphins",
+    "jellyfish", "salmon", "dinosaurs", "fossils", "mountains", "rivers", "lakes", "caves", "islands",
+    "hurricanes", "tornadoes", "floods", "droughts", "wildfires", "the seasons", "clouds", "fog", "wind",
+    "air pollution", "plastic in the ocean", "endangered species", "national parks", "city planning",
+    "public transport", "a subway system", "airports", "a post office", "a hospital", "a fire station",
+    "a school", "a university", "homework", "exams", "a science fair", "a debate club", "a spelling bee",
+    "a book club", "a newspaper", "journalism", "advertising", "marketing", "a brand", "customer service",
+    "a restaurant", "a hotel", "tourism", "a road trip", "camping", "packing for a trip", "jet lag",
+    "a passport", "foreign currency", "taxes", "banks", "loans", "credit scores", "insurance", "a pension",
+    "investing", "the economy", "unemployment", "trade", "globalization", "the United Nations", "elections",
+    "a constitution", "the courts", "human rights", "philosophy", "ethics", "logic", "critical thinking",
+    "creativity", "curiosity", "motivation", "habits", "stress", "happiness", "gratitude", "patience",
+    "leadership", "negotiation", "giving feedback", "remote work", "a resume", "a cover letter",
+    "networking", "volunteering", "parenting", "grandparents", "a birthday party", "a wedding", "holidays",
+    "New Year's resolutions", "a marathon", "swimming", "yoga", "tennis", "basketball", "cycling",
+    "skiing", "rock climbing", "a chess opening", "card games", "board games", "puzzles", "magic tricks",
+    "jazz", "classical music", "a guitar", "drums", "singing", "dance", "theater", "movies", "animation",
+    "comic books", "poetry", "Shakespeare", "mythology", "fairy tales", "the Renaissance", "the Middle Ages",
+    "castles", "knights", "the Vikings", "ancient Greece", "ancient China", "the Aztecs", "the Moon landing",
+    "the Great Wall of China", "the French Revolution", "World War I", "the Cold War", "the printing of money",
+    "algebra", "multiplication tables", "negative numbers", "percentages", "graphs", "averages", "infinity",
+    "the number zero", "pi", "symmetry", "triangles", "circles", "measuring time", "the metric system",
+    "temperature", "energy", "heat", "light", "mirrors", "lenses", "color", "magnetism", "static electricity",
+    "circuits", "transistors", "semiconductors", "computer chips", "multitasking",
+    "binary numbers", "logic gates", "algorithms", "data structures", "big O notation", "debugging",
+    "code review", "software testing", "agile development", "a text editor", "the command line", "Linux",
+    "file systems", "compression", "caching", "queues", "stacks", "trees", "graphs in computer science",
+    "sorting", "random numbers", "simulations", "weather models", "spreadsheet formulas", "data visualization",
 )
 
 QUESTION_TEMPLATES = (
@@ -53,6 +105,9 @@ QUESTION_TEMPLATES = (
     "Give me five tips about {t}.", "Compare {t} with {u}.", "What is the difference between {t} and {u}?",
     "How are {t} and {u} related?", "Can you tell me something interesting about {t}?",
     "List the steps to learn about {t}.", "What questions should I ask about {t}?",
+    "How does {t} work?", "Explain in simple terms why {t} matters.", "What happens inside {t}?",
+    "Explain {t} step by step.", "Why do people care about {t}?", "How has {t} changed over time?",
+    "What would happen without {t}?", "Explain the science behind {t}.", "Teach me the basics of {t}.",
 )
 
 WRITING_TEMPLATES = (
@@ -88,13 +143,20 @@ CLASSIC_TASKS = (
     "returns the intersection of two lists", "rotates a list by k positions", "computes compound interest",
 )
 
-SELF_QUESTION = "Write one question a curious student might ask about {t}. Reply with the question only."
+SELF_QUESTIONS = (  # sampled (T 0.8), so one template and topic gives many different questions
+    "Write one question a curious student might ask about {t}. Reply with the question only.",
+    "Write a request someone might send to an AI assistant about {t}. Reply with the request only.",
+    "Ask one question about {t} that needs a detailed answer. Reply with the question only.",
+)
 
 CODE_CHAT_TEMPLATES = (
     "Write a Python function that {c}.", "How do I write a function that {c} in Python?",
     "Implement a Python function `{n}` that {c}.", "Can you show me Python code that {c}?",
     "Write a Python function that {c}. Include a docstring and an example.",
     "Write a function in Python which {c}, and explain how it works.",
+    "Write Python code that {c}.", "I need a Python function that {c}.", "Create a Python function that {c}.",
+    "Show me how to write a Python function that {c}.", "Write a short Python function that {c}. Keep it simple.",
+    "Write a Python function that {c}, with type hints.",
 )
 
 CODE_RAW_TEMPLATES = (
@@ -228,7 +290,7 @@ def build_prompts(
             t = topic()
             return Prompt(kind, rng.choice(PROSE_OPENERS).format(t=t, T=t[:1].upper() + t[1:]), False)
         if kind == "self-question":  # the first pass asks the target for a question; see data.py
-            return Prompt(kind, SELF_QUESTION.format(t=topic()), True)
+            return Prompt(kind, rng.choice(SELF_QUESTIONS).format(t=topic()), True)
         raise ValueError(f"unknown prompt kind {kind!r}")
 
     kinds = sorted(mix)
@@ -237,7 +299,7 @@ def build_prompts(
     seen: set[str] = set()
     while len(prompts) < count:
         p = one(rng.choices(kinds, weights)[0])
-        if p.text in seen or any(word in p.text.lower() for word in held_out):
+        if any(word in p.text.lower() for word in held_out) or (p.text in seen and p.kind != "self-question"):
             continue
         seen.add(p.text)
         prompts.append(p)

@@ -111,40 +111,49 @@ def _replies(target: TrainTarget, encoded: list[list[int]], new_tokens: int, tem
 class TapStore:
     """The tap planes of every training sequence, computed once (float32 target) and kept in chunks.
 
-    Chunks hold sequences in a shuffled order, so a training batch drawn inside one chunk is a
-    random mix of kinds; storing bf16 halves the memory (the drafter sees float32 taps when serving,
-    which differ from these by bf16 rounding only).
+    Chunks hold sequences of similar length (sorted by length), each as wide as its longest row,
+    so memory follows the tokens there are rather than the longest prompt (a third less than one
+    common width on the v4 data). A training batch is drawn from all chunks at random and padded
+    to one width (the compiled step keeps one shape). Storing bf16 halves the memory (the drafter
+    sees float32 taps when serving, which differ from these by bf16 rounding only).
     """
 
     def __init__(self, target: TrainTarget, seqs: Sequences, taps: tuple[int, ...], chunk: int, batch: int,
-                 seed: int, dtype: mx.Dtype = mx.bfloat16, log=print):
+                 dtype: mx.Dtype = mx.bfloat16, log=print):
         self.seqs = seqs
         self.width = seqs.tokens.shape[1]
-        order = np.random.default_rng(seed).permutation(len(seqs.length))
+        order = np.argsort(seqs.length, kind="stable")
         self.chunks = [order[i : i + chunk] for i in range(0, len(order), chunk)]
+        self.home = np.empty((len(order), 2), dtype=np.int64)  # sequence -> (chunk, row in it)
         self.planes: list[mx.array] = []
         start = time.perf_counter()
-        for rows in self.chunks:
+        for c, rows in enumerate(self.chunks):
+            self.home[rows, 0], self.home[rows, 1] = c, np.arange(len(rows))
+            width = int(seqs.length[rows].max())
             parts = []
             for i in range(0, len(rows), batch):
-                ids = mx.array(seqs.tokens[rows[i : i + batch]])
+                ids = mx.array(seqs.tokens[rows[i : i + batch], :width])
                 parts.append(target.taps(ids, taps).astype(dtype))
                 mx.eval(parts[-1])
             self.planes.append(mx.concatenate(parts) if len(parts) > 1 else parts[0])
             mx.eval(self.planes[-1])
-        log(f"tap planes of {len(order)} sequences x {self.width} rows in {time.perf_counter() - start:.0f} s")
+        gib = sum(p.nbytes for p in self.planes) / 2**30
+        log(f"tap planes of {len(order)} sequences ({gib:.1f} GiB) in {time.perf_counter() - start:.0f} s")
 
     def batch(self, rng: np.random.Generator, size: int, anchors: int) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-        """taps, tokens, anchors and lengths of `size` sequences of one random chunk."""
-        c = int(rng.integers(len(self.chunks)))
-        rows = self.chunks[c]
-        pick = rng.choice(len(rows), size=size, replace=len(rows) < size)
-        seq_rows = rows[pick]
-        starts = self.seqs.prompt_len[seq_rows]
-        ends = self.seqs.length[seq_rows] - 1  # an anchor needs at least one token after it
+        """taps, tokens, anchors and lengths of `size` random sequences (taps padded to the full width)."""
+        picked = rng.choice(len(self.seqs.length), size=size, replace=len(self.seqs.length) < size)
+        picked = picked[np.argsort(self.home[picked, 0], kind="stable")]  # grouped by chunk: one gather each
+        parts = []
+        for c in np.unique(self.home[picked, 0]):
+            rows = self.home[picked[self.home[picked, 0] == c], 1]
+            plane = self.planes[c][mx.array(rows)]
+            parts.append(mx.pad(plane, [(0, 0), (0, self.width - plane.shape[1]), (0, 0)]))
+        starts = self.seqs.prompt_len[picked]
+        ends = self.seqs.length[picked] - 1  # an anchor needs at least one token after it
         chosen = np.stack([
             np.sort(rng.choice(np.arange(s, e), size=anchors, replace=(e - s) < anchors)) for s, e in zip(starts, ends)
         ])
-        taps = self.planes[c][mx.array(pick)].astype(mx.float32)
-        return (taps, mx.array(self.seqs.tokens[seq_rows]), mx.array(chosen.astype(np.int32)),
-                mx.array(self.seqs.length[seq_rows].astype(np.int32)))
+        taps = mx.concatenate(parts).astype(mx.float32)
+        return (taps, mx.array(self.seqs.tokens[picked]), mx.array(chosen.astype(np.int32)),
+                mx.array(self.seqs.length[picked].astype(np.int32)))

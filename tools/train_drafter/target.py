@@ -18,40 +18,40 @@ from dflash_bench.engine.checkpoint import LoadedTarget
 
 
 class TrainTarget:
-    """A llama target that generates replies in batches and returns tap planes of sequences."""
+    """A llama target that generates replies in batches and returns tap planes of sequences.
 
-    def __init__(self, loaded: LoadedTarget, dtype: mx.Dtype = mx.float32):
+    Taps (and the drafter's frozen embedding and head) come from the float32 model, as the engine
+    serves it on a CPU. Replies may come from a second copy in bf16 (`gen_dtype`): on a GPU it
+    generates several times faster, and its greedy replies leave the float32 ones only at near-ties.
+    """
+
+    def __init__(self, loaded: LoadedTarget, dtype: mx.Dtype = mx.float32, gen_dtype: mx.Dtype | None = None):
         c = loaded.config
         if c.family != "llama":
             raise ValueError(f"the training tool builds drafters for llama targets; this target is {c.family!r}")
-        args = llama.ModelArgs(
-            model_type="llama", hidden_size=c.hidden_size, num_hidden_layers=c.num_layers,
-            intermediate_size=c.intermediate_size, num_attention_heads=c.num_heads, rms_norm_eps=c.rms_norm_eps,
-            vocab_size=c.vocab_size, head_dim=c.head_dim, num_key_value_heads=c.num_kv_heads,
-            rope_theta=c.rope_theta, tie_word_embeddings=c.tie_word_embeddings,
-            max_position_embeddings=c.max_position_embeddings,
-        )
         self.config = c
-        self.model = llama.Model(args)
-        weights = [(f"model.{k}" if k != "lm_head.weight" else k, v.astype(dtype)) for k, v in loaded.weights.items()]
-        self.model.load_weights(weights)
-        self.model.freeze()
+        self.model = _llama(loaded, dtype)
+        self.gen_model = self.model if gen_dtype is None or gen_dtype == dtype else _llama(loaded, gen_dtype)
         self.embed = self.model.model.embed_tokens.weight  # the drafter's frozen embedding and (tied) head
         self.head = self.embed if c.tie_word_embeddings else self.model.lm_head.weight
-        mx.eval(self.model.parameters())
 
-    def hidden(self, ids: mx.array, mask, caches=None, taps: tuple[int, ...] = ()) -> tuple[mx.array, list[mx.array]]:
-        """Run the layers; the final hidden state and the outputs of the tap layers."""
-        h = self.model.model.embed_tokens(ids)
+    def hidden(self, ids: mx.array, mask, caches=None, taps: tuple[int, ...] = (),
+               model: llama.Model | None = None) -> tuple[mx.array, list[mx.array]]:
+        """Run the layers (of `model`, the float32 one by default); the final hidden state and the
+        outputs of the tap layers."""
+        model = model or self.model
+        h = model.model.embed_tokens(ids)
         planes = []
-        for i, layer in enumerate(self.model.model.layers):
+        for i, layer in enumerate(model.model.layers):
             h = layer(h, mask, caches[i] if caches else None)
             if i in taps:
                 planes.append(h)
         return h, [planes[sorted(taps).index(t)] for t in taps]
 
-    def logits(self, h: mx.array) -> mx.array:
-        return self.model.model.norm(h) @ self.head.T
+    def logits(self, h: mx.array, model: llama.Model | None = None) -> mx.array:
+        model = model or self.model
+        head = model.model.embed_tokens.weight if self.config.tie_word_embeddings else model.lm_head.weight
+        return model.model.norm(h) @ head.T
 
     def taps(self, tokens: mx.array, taps: tuple[int, ...]) -> mx.array:
         """(S, T) token ids (right-padded) -> (S, T, taps * hidden): each row's tap planes side by side."""
@@ -68,15 +68,16 @@ class TrainTarget:
         pad = mx.array([width - len(p) for p in prompts], dtype=mx.int32)
         ids = mx.array([[0] * (width - len(p)) + list(p) for p in prompts], dtype=mx.int32)
         temp = mx.array(temperatures, dtype=mx.float32)[:, None]
-        caches = [KVCache() for _ in self.model.model.layers]
+        gen = self.gen_model
+        caches = [KVCache() for _ in gen.model.layers]
         q = mx.arange(width)[:, None]
         k = mx.arange(width)[None]
         mask = ((k <= q) & (k >= pad[:, None, None, None])) | (k == q)
-        h, _ = self.hidden(ids, mask, caches)
+        h, _ = self.hidden(ids, mask, caches, model=gen)
         key = mx.random.key(seed)
         out = []
         for step in range(new_tokens):
-            logits = self.logits(h[:, -1, :]).astype(mx.float32)
+            logits = self.logits(h[:, -1, :], gen).astype(mx.float32)
             key, sub = mx.random.split(key)
             gumbel = -mx.log(-mx.log(mx.random.uniform(low=1e-20, high=1.0, shape=logits.shape, key=sub)))
             sampled = mx.argmax(logits / mx.maximum(temp, 1e-6) + gumbel, axis=-1)
@@ -86,6 +87,23 @@ class TrainTarget:
                 break
             keys = width + step + 1
             mask = mx.arange(keys)[None, None, None, :] >= pad[:, None, None, None]
-            h, _ = self.hidden(token[:, None], mask, caches)
+            h, _ = self.hidden(token[:, None], mask, caches, model=gen)
             mx.eval(h, token)
         return np.array(mx.stack(out, axis=1))
+
+
+def _llama(loaded: LoadedTarget, dtype: mx.Dtype) -> llama.Model:
+    """mlx-lm's llama holding the target's canonical weights in `dtype`, frozen and evaluated."""
+    c = loaded.config
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=c.hidden_size, num_hidden_layers=c.num_layers,
+        intermediate_size=c.intermediate_size, num_attention_heads=c.num_heads, rms_norm_eps=c.rms_norm_eps,
+        vocab_size=c.vocab_size, head_dim=c.head_dim, num_key_value_heads=c.num_kv_heads,
+        rope_theta=c.rope_theta, tie_word_embeddings=c.tie_word_embeddings,
+        max_position_embeddings=c.max_position_embeddings,
+    )
+    model = llama.Model(args)
+    model.load_weights([(f"model.{k}" if k != "lm_head.weight" else k, v.astype(dtype)) for k, v in loaded.weights.items()])
+    model.freeze()
+    mx.eval(model.parameters())
+    return model
