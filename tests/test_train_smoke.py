@@ -237,3 +237,19 @@ def test_bf16_generation_leaves_the_taps_float32(fixture_target) -> None:
     assert mx.array_equal(fast.taps(tokens, (1, 3, 5)), plain.taps(tokens, (1, 3, 5)))
     replies = fast.generate([[5, 40, 41], [9, 100, 200, 7]], 6, [0.0, 0.7], seed=1)
     assert replies.shape == (2, 6) and replies.min() >= 0 and replies.max() < fixture_target.config.vocab_size
+
+
+def test_held_out_rows_follow_the_data_not_the_run_seed() -> None:
+    """A drafter continued from another on the same data (another --seed) holds out the same rows."""
+    from train_drafter.__main__ import split
+    from train_drafter.data import Sequences
+
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 512, (40, 30)).astype(np.int32)
+    seqs = Sequences(tokens, np.full(40, 5, dtype=np.int32), np.full(40, 30, dtype=np.int32), ["x"] * 40,
+                     np.where(np.arange(40) % 4 == 0, 0.7, 0.0).astype(np.float32))
+    train_a, held_a = split(seqs, 6)
+    train_b, held_b = split(seqs, 6)
+    assert np.array_equal(held_a.tokens, held_b.tokens) and len(train_a.length) == 34
+    assert (held_a.temperature == 0).all()
+    assert not {r.tobytes() for r in held_a.tokens} & {r.tobytes() for r in train_a.tokens}

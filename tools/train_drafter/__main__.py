@@ -77,9 +77,14 @@ def cmd_data(args: argparse.Namespace, recipe: Recipe, target: TrainTarget, load
     return seqs, summary
 
 
-def split(seqs: Sequences, held_out: int, seed: int) -> tuple[Sequences, Sequences]:
-    """Held-out rows: greedy replies (the probes are greedy), drawn at random; the rest train."""
-    rng = np.random.default_rng(seed + 7)
+def split(seqs: Sequences, held_out: int) -> tuple[Sequences, Sequences]:
+    """Held-out rows: greedy replies (the probes are greedy), drawn at random; the rest train.
+
+    The draw is seeded by the data itself (its tokens), not by the run's seed: two runs on one
+    data set (a drafter continued from another) hold out the same rows, so neither trains on the
+    other's held-out replies.
+    """
+    rng = np.random.default_rng(int(hashlib.sha256(seqs.tokens.tobytes()).hexdigest()[:16], 16))
     greedy = np.flatnonzero(seqs.temperature == 0)
     held = np.sort(rng.choice(greedy, size=min(held_out, len(greedy)), replace=False))
     rest = np.setdiff1d(np.arange(len(seqs.length)), held)
@@ -92,7 +97,7 @@ def cmd_train(args, recipe: Recipe, target: TrainTarget, loaded, seqs: Sequences
     draft_cfg = parse_draft_config(config)
     if recipe.shape.block > recipe.shape.window:
         raise ValueError("the block must fit inside the sliding window")
-    train_set, held = split(seqs, recipe.held_out, recipe.seed)
+    train_set, held = split(seqs, recipe.held_out)
     store = TapStore(target, train_set, draft_cfg.taps, recipe.tap_chunk, recipe.tap_batch, log=log)
     mx.random.seed(recipe.seed)
     model = Drafter(draft_cfg)
