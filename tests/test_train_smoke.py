@@ -217,14 +217,15 @@ def test_tap_store_batches_carry_each_sequences_own_taps(fixture_target) -> None
                      np.zeros(7, dtype=np.float32))
     store = TapStore(trainer, seqs, (1, 3, 5), chunk=3, batch=2, log=lambda _: None)
     assert [p.shape[1] for p in store.planes] == [18, 33, 40]  # not 40 each
-    taps, toks, anchors, length = store.batch(np.random.default_rng(0), 6, 2)
+    taps, toks, targets, anchors, length = store.batch(np.random.default_rng(0), 6, 2)
     assert taps.shape == (6, 40, 3 * 64) and taps.dtype == mx.float32
     for r in range(6):
         n = int(length[r].item())
         i = int(np.flatnonzero(lengths == n)[0])
         assert np.array_equal(np.array(toks[r]), tokens[i])
-        ref = trainer.taps(mx.array(tokens[i : i + 1, :n]), (1, 3, 5))[0]
-        assert mx.abs(taps[r, :n] - ref).max().item() <= 1e-2 * mx.abs(ref).max().item()
+        ref, choices = trainer.taps_and_choices(mx.array(tokens[i : i + 1, :n]), (1, 3, 5))
+        assert mx.abs(taps[r, :n] - ref[0]).max().item() <= 1e-2 * mx.abs(ref).max().item()
+        assert np.array_equal(np.array(targets[r, :n]), np.array(choices[0]))  # the target's own choices
         assert int(anchors[r].min().item()) >= 4 and int(anchors[r].max().item()) < n - 1
 
 
@@ -253,3 +254,19 @@ def test_held_out_rows_follow_the_data_not_the_run_seed() -> None:
     assert np.array_equal(held_a.tokens, held_b.tokens) and len(train_a.length) == 34
     assert (held_a.temperature == 0).all()
     assert not {r.tobytes() for r in held_a.tokens} & {r.tobytes() for r in train_a.tokens}
+
+
+def test_choices_are_the_float32_targets_greedy_tokens(fixture_target) -> None:
+    """taps_and_choices: position t holds the float32 target's argmax given tokens < t, so on a
+    float32 greedy reply the choices are the reply itself, and on a bf16 reply they are what
+    greedy verification would accept."""
+    plain, fast = TrainTarget(fixture_target), TrainTarget(fixture_target, gen_dtype=mx.bfloat16)
+    prompt = [5, 40, 41, 42, 43, 44]
+    reply = plain.generate([prompt], 20, [0.0], seed=0)[0].tolist()
+    taps, choices = plain.taps_and_choices(mx.array([prompt + reply]), (1, 3, 5))
+    assert mx.array_equal(taps, plain.taps(mx.array([prompt + reply]), (1, 3, 5)))
+    assert np.array(choices[0, len(prompt):]).tolist() == reply
+    other = prompt + fast.generate([prompt], 20, [0.0], seed=0)[0].tolist()
+    _, picks = plain.taps_and_choices(mx.array([other]), (1, 3, 5))
+    h, _ = plain.hidden(mx.array([other]), "causal")
+    assert np.array(picks[0, 1:]).tolist() == np.array(mx.argmax(plain.logits(h[:, :-1]), axis=-1)[0]).tolist()

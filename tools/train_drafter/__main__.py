@@ -40,7 +40,8 @@ def log(msg: str) -> None:
 def recipe_from(args: argparse.Namespace) -> Recipe:
     return with_overrides(RECIPES[args.recipe], prompts=args.prompts, steps=args.steps, batch=args.batch,
                           gen_batch=args.gen_batch, seed=args.seed, held_out=args.held_out,
-                          new_tokens=args.new_tokens, lr=args.lr, gen_dtype=args.gen_dtype)
+                          new_tokens=args.new_tokens, lr=args.lr, gen_dtype=args.gen_dtype,
+                          labels=args.labels)
 
 
 def cmd_data(args: argparse.Namespace, recipe: Recipe, target: TrainTarget, loaded) -> tuple[Sequences, dict]:
@@ -98,7 +99,7 @@ def cmd_train(args, recipe: Recipe, target: TrainTarget, loaded, seqs: Sequences
     if recipe.shape.block > recipe.shape.window:
         raise ValueError("the block must fit inside the sliding window")
     train_set, held = split(seqs, recipe.held_out)
-    store = TapStore(target, train_set, draft_cfg.taps, recipe.tap_chunk, recipe.tap_batch, log=log)
+    store = TapStore(target, train_set, draft_cfg.taps, recipe.tap_chunk, recipe.tap_batch, recipe.labels, log=log)
     mx.random.seed(recipe.seed)
     model = Drafter(draft_cfg)
     model.init(recipe.seed)
@@ -118,7 +119,7 @@ def cmd_train(args, recipe: Recipe, target: TrainTarget, loaded, seqs: Sequences
     del store
     drafter_dir = export(model, config, out / "drafter")
     log("evaluating the export (as stored: quantized when the recipe says so) on held-out replies")
-    held_eval = evaluate(load(drafter_dir), target, held, draft_cfg.taps, recipe.gamma)
+    held_eval = evaluate(load(drafter_dir), target, held, draft_cfg.taps, recipe.gamma, recipe.labels)
     log(f"held-out: {json.dumps(held_eval)}")
     files = {f.name: {"bytes": f.stat().st_size, "sha256": hashlib.sha256(f.read_bytes()).hexdigest()}
              for f in sorted(drafter_dir.iterdir())}
@@ -200,6 +201,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--new-tokens", type=int, help="reply tokens a prompt")
     ap.add_argument("--lr", type=float, help="peak learning rate (lower when continuing a trained drafter)")
     ap.add_argument("--gen-dtype", choices=("float32", "bfloat16"), help="dtype the replies are generated in")
+    ap.add_argument("--labels", choices=("target", "replies"),
+                    help="train on the float32 target's own choices (default) or on the reply tokens")
     ap.add_argument("--time-budget", type=float, help="seconds of training; steps shrink to fit")
     ap.add_argument("--deadline", type=float, help="seconds the whole command may take (sets the training budget)")
     ap.add_argument("--no-compile", action="store_true", help="train without mx.compile")

@@ -116,11 +116,17 @@ class TapStore:
     common width on the v4 data). A training batch is drawn from all chunks at random and padded
     to one width (the compiled step keeps one shape). Storing bf16 halves the memory (the drafter
     sees float32 taps when serving, which differ from these by bf16 rounding only).
+
+    `targets` are the labels: with labels="target", the float32 target's own greedy choice at each
+    position (from the same pass as the taps); with "replies", the reply tokens (v1-v7).
     """
 
     def __init__(self, target: TrainTarget, seqs: Sequences, taps: tuple[int, ...], chunk: int, batch: int,
-                 dtype: mx.Dtype = mx.bfloat16, log=print):
+                 labels: str = "target", dtype: mx.Dtype = mx.bfloat16, log=print):
+        if labels not in ("target", "replies"):
+            raise ValueError(f"labels must be 'target' or 'replies', not {labels!r}")
         self.seqs = seqs
+        self.targets = seqs.tokens.copy()
         self.width = seqs.tokens.shape[1]
         order = np.argsort(seqs.length, kind="stable")
         self.chunks = [order[i : i + chunk] for i in range(0, len(order), chunk)]
@@ -133,15 +139,21 @@ class TapStore:
             parts = []
             for i in range(0, len(rows), batch):
                 ids = mx.array(seqs.tokens[rows[i : i + batch], :width])
-                parts.append(target.taps(ids, taps).astype(dtype))
+                if labels == "target":
+                    planes, choices = target.taps_and_choices(ids, taps)
+                    self.targets[rows[i : i + batch], :width] = np.array(choices)
+                else:
+                    planes = target.taps(ids, taps)
+                parts.append(planes.astype(dtype))
                 mx.eval(parts[-1])
             self.planes.append(mx.concatenate(parts) if len(parts) > 1 else parts[0])
             mx.eval(self.planes[-1])
         gib = sum(p.nbytes for p in self.planes) / 2**30
         log(f"tap planes of {len(order)} sequences ({gib:.1f} GiB) in {time.perf_counter() - start:.0f} s")
 
-    def batch(self, rng: np.random.Generator, size: int, anchors: int) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-        """taps, tokens, anchors and lengths of `size` random sequences (taps padded to the full width)."""
+    def batch(self, rng: np.random.Generator, size: int, anchors: int) -> tuple[mx.array, ...]:
+        """taps, tokens, targets, anchors and lengths of `size` random sequences (taps padded to the
+        full width)."""
         picked = rng.choice(len(self.seqs.length), size=size, replace=len(self.seqs.length) < size)
         picked = picked[np.argsort(self.home[picked, 0], kind="stable")]  # grouped by chunk: one gather each
         parts = []
@@ -155,5 +167,5 @@ class TapStore:
             np.sort(rng.choice(np.arange(s, e), size=anchors, replace=(e - s) < anchors)) for s, e in zip(starts, ends)
         ])
         taps = mx.concatenate(parts).astype(mx.float32)
-        return (taps, mx.array(self.seqs.tokens[picked]), mx.array(chosen.astype(np.int32)),
+        return (taps, mx.array(self.seqs.tokens[picked]), mx.array(self.targets[picked]), mx.array(chosen.astype(np.int32)),
                 mx.array(self.seqs.length[picked].astype(np.int32)))

@@ -54,20 +54,21 @@ class TrainLog:
     steps_planned: int = 0
 
 
-def labels_and_weights(tokens: mx.array, anchors: mx.array, length: mx.array, block: int, gamma: float):
-    """Targets of rows 1..B-1 of each block and their loss weights (0 past the sequence's end)."""
+def labels_and_weights(targets: mx.array, anchors: mx.array, length: mx.array, block: int, gamma: float):
+    """Labels of rows 1..B-1 of each block (from `targets`, aligned with the tokens) and their loss
+    weights (0 past the sequence's end)."""
     j = mx.arange(1, block)
     pos = anchors[:, :, None] + j[None, None, :]
     valid = pos < length[:, None, None]
-    labels = mx.take_along_axis(tokens[:, None, :], mx.minimum(pos, tokens.shape[1] - 1), axis=2)
+    labels = mx.take_along_axis(targets[:, None, :], mx.minimum(pos, targets.shape[1] - 1), axis=2)
     decay = mx.exp(-(j.astype(mx.float32) - 1) / gamma)
     return labels, decay[None, None, :] * valid.astype(mx.float32)
 
 
-def block_loss(model: Drafter, taps, tokens, anchors, length, embed, head, gamma: float) -> mx.array:
+def block_loss(model: Drafter, taps, tokens, targets, anchors, length, embed, head, gamma: float) -> mx.array:
     hidden = model(taps, tokens, anchors, embed)
     logits = model.logits(hidden, head)
-    labels, weights = labels_and_weights(tokens, anchors, length, model.config.block_size, gamma)
+    labels, weights = labels_and_weights(targets, anchors, length, model.config.block_size, gamma)
     ce = nn.losses.cross_entropy(logits, labels, reduction="none")
     return (ce * weights).sum() / mx.maximum(weights.sum(), 1e-6)
 
@@ -88,8 +89,8 @@ def train(model: Drafter, target: TrainTarget, store: TapStore, s: Schedule, log
     loss_and_grad = nn.value_and_grad(model, partial(block_loss, embed=target.embed, head=target.head, gamma=s.gamma))
     state = [model.state, opt.state]
 
-    def step(taps, tokens, anchors, length):
-        loss, grads = loss_and_grad(model, taps, tokens, anchors, length)
+    def step(taps, tokens, targets, anchors, length):
+        loss, grads = loss_and_grad(model, taps, tokens, targets, anchors, length)
         grads, norm = optim.clip_grad_norm(grads, s.clip)
         opt.update(model, grads)
         return loss, norm
@@ -127,10 +128,10 @@ def train(model: Drafter, target: TrainTarget, store: TapStore, s: Schedule, log
     return result
 
 
-def accepted_lengths(model: Drafter, target: TrainTarget, taps: mx.array, tokens: mx.array, length: int,
-                     first: int, chunk: int = 64) -> np.ndarray:
-    """For one sequence: drafts of the block at every anchor in [first, length - 2] that match the
-    sequence from anchor + 1 on (greedy acceptance against these tokens)."""
+def accepted_lengths(model: Drafter, target: TrainTarget, taps: mx.array, tokens: mx.array, targets: mx.array,
+                     length: int, first: int, chunk: int = 64) -> np.ndarray:
+    """For one sequence: drafts of the block at every anchor in [first, length - 2] that match
+    `targets` from anchor + 1 on (greedy acceptance against them)."""
     block = model.config.block_size
     anchors = np.arange(first, length - 1)
     out = []
@@ -138,7 +139,7 @@ def accepted_lengths(model: Drafter, target: TrainTarget, taps: mx.array, tokens
         part = anchors[i : i + chunk]
         a = mx.array(np.pad(part, (0, chunk - len(part)), mode="edge")[None].astype(np.int32))
         drafts = mx.argmax(model.logits(model(taps, tokens, a, target.embed), target.head), axis=-1)
-        labels, weights = labels_and_weights(tokens, a, mx.array([length]), block, 1.0)
+        labels, weights = labels_and_weights(targets, a, mx.array([length]), block, 1.0)
         match = (drafts == labels) & (weights > 0)
         run = mx.cumprod(match.astype(mx.int32), axis=-1).sum(axis=-1)
         out.append(np.array(run[0, : len(part)]))
@@ -156,24 +157,28 @@ def tokens_per_round(accepted: np.ndarray, first: int, length: int, budget: int)
     return emitted - 1, rounds
 
 
-def evaluate(model: Drafter, target: TrainTarget, seqs: Sequences, taps: tuple[int, ...], gamma: float) -> dict:
-    """Held-out loss, acceptance by block row, and tokens per round by prompt kind."""
+def evaluate(model: Drafter, target: TrainTarget, seqs: Sequences, taps: tuple[int, ...], gamma: float,
+             labels: str = "target") -> dict:
+    """Held-out loss, acceptance by block row, and tokens per round by prompt kind, against the
+    float32 target's own choices (labels="target") or the reply tokens ("replies")."""
     by_kind: dict[str, list[tuple[int, int]]] = {}
     row_hits = np.zeros(model.config.block_size - 1)
     row_seen = np.zeros(model.config.block_size - 1)
     losses = []
     for i in range(len(seqs.length)):
         tokens = mx.array(seqs.tokens[i : i + 1])
-        planes = target.taps(tokens, taps)
+        planes, choices = target.taps_and_choices(tokens, taps)
+        targets = choices if labels == "target" else tokens
         first, length = int(seqs.prompt_len[i]), int(seqs.length[i])
-        acc = accepted_lengths(model, target, planes, tokens, length, first)
+        acc = accepted_lengths(model, target, planes, tokens, targets, length, first)
         got, rounds = tokens_per_round(acc, first, length, length - first)
         by_kind.setdefault(seqs.kind[i], []).append((got, rounds))
         for k in range(len(row_hits)):
             row_seen[k] += np.sum(acc >= k)
             row_hits[k] += np.sum(acc >= k + 1)
         a = mx.array(np.arange(first, length - 1, 8, dtype=np.int32)[None])
-        losses.append(block_loss(model, planes, tokens, a, mx.array([length]), target.embed, target.head, gamma).item())
+        losses.append(block_loss(model, planes, tokens, targets, a, mx.array([length]), target.embed, target.head,
+                                 gamma).item())
     kinds = {k: round(sum(g for g, _ in v) / max(sum(r for _, r in v), 1), 3) for k, v in sorted(by_kind.items())}
     every = [x for v in by_kind.values() for x in v]
     return {
