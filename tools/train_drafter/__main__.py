@@ -216,7 +216,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     recipe = recipe_from(args)
     loaded = load_target(args.target)
-    target = TrainTarget(loaded, gen_dtype=getattr(mx, recipe.gen_dtype))
+    generates = args.command in ("data", "all")  # `train` reads replies: no generation copy to build
+    target = TrainTarget(loaded, gen_dtype=getattr(mx, recipe.gen_dtype) if generates else None)
     log(f"target {loaded.path.name} on {mx.default_device()}")
     if args.command in ("data", "all"):
         seqs, summary = cmd_data(args, recipe, target, loaded)

@@ -126,7 +126,7 @@ class TapStore:
         if labels not in ("target", "replies"):
             raise ValueError(f"labels must be 'target' or 'replies', not {labels!r}")
         self.seqs = seqs
-        self.targets = seqs.tokens.copy()
+        self.targets = seqs.tokens.copy() if labels == "target" else seqs.tokens  # filled below for "target"
         self.width = seqs.tokens.shape[1]
         order = np.argsort(seqs.length, kind="stable")
         self.chunks = [order[i : i + chunk] for i in range(0, len(order), chunk)]

@@ -34,7 +34,7 @@ class TrainTarget:
         self.model = _llama(loaded, dtype)
         self.gen_model = self.model if gen_dtype is None or gen_dtype == dtype else _llama(loaded, gen_dtype)
         self.embed = self.model.model.embed_tokens.weight  # the drafter's frozen embedding and (tied) head
-        self.head = self.embed if c.tie_word_embeddings else self.model.lm_head.weight
+        self.head = _head(self.model)
 
     def hidden(self, ids: mx.array, mask, caches=None, taps: tuple[int, ...] = (),
                model: llama.Model | None = None) -> tuple[mx.array, list[mx.array]]:
@@ -51,8 +51,7 @@ class TrainTarget:
 
     def logits(self, h: mx.array, model: llama.Model | None = None) -> mx.array:
         model = model or self.model
-        head = model.model.embed_tokens.weight if self.config.tie_word_embeddings else model.lm_head.weight
-        return model.model.norm(h) @ head.T
+        return model.model.norm(h) @ _head(model).T
 
     def taps(self, tokens: mx.array, taps: tuple[int, ...]) -> mx.array:
         """(S, T) token ids (right-padded) -> (S, T, taps * hidden): each row's tap planes side by side."""
@@ -119,3 +118,8 @@ def _llama(loaded: LoadedTarget, dtype: mx.Dtype) -> llama.Model:
     model.freeze()
     mx.eval(model.parameters())
     return model
+
+
+def _head(model: llama.Model) -> mx.array:
+    """The output projection: the embedding when tied."""
+    return model.model.embed_tokens.weight if model.args.tie_word_embeddings else model.lm_head.weight
