@@ -30,7 +30,7 @@ from dflash_bench.engine.targets import Segment, build_target
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 
 from train_drafter.__main__ import main as train_main  # noqa: E402
-from train_drafter.model import Drafter, Shape, drafter_config, export, load, start_from  # noqa: E402
+from train_drafter.model import Drafter, Shape, drafter_config, export, load, read_weights, start_from  # noqa: E402
 from train_drafter.target import TrainTarget  # noqa: E402
 
 SHAPE = Shape(taps=(1, 3, 5), block=8, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=64, window=12,
@@ -180,11 +180,55 @@ def test_smoke_run_trains_exports_and_serves(tmp_path) -> None:
                 "--data", str(tmp_path / "data.npz"), "--init", str(out / "drafter"), "--steps", "2"])
     assert json.loads((again / "receipt.json").read_text())["init"] == {"from": str(out / "drafter"),
                                                                           "how": "same architecture"}
-    engine = Engine(target_dir, out / "drafter")
-    prompt = engine.tokenizer.encode("def fibonacci(n):")
-    drafted = engine.generate(Request(prompt, max_tokens=20, ignore_eos=True))
-    plain = engine.generate(Request(prompt, max_tokens=20, ignore_eos=True, draft=False))
-    assert drafted.tokens == plain.tokens and drafted.stats.rounds > 0
+    for drafter in (out / "drafter", grown_from_two_data_files(target_dir, tmp_path, out / "drafter")):
+        engine = Engine(target_dir, drafter)
+        prompt = engine.tokenizer.encode("def fibonacci(n):")
+        drafted = engine.generate(Request(prompt, max_tokens=20, ignore_eos=True))
+        plain = engine.generate(Request(prompt, max_tokens=20, ignore_eos=True, draft=False))
+        assert drafted.tokens == plain.tokens and drafted.stats.rounds > 0
+
+
+def grown_from_two_data_files(target_dir: Path, tmp_path: Path, source: Path) -> Path:
+    """`train --data A B --init <2 layers> --layers 3 --bits 6`: both files train (less the held-out
+    rows), the drafter grows by a layer, and it is stored in 6 bits."""
+    train_main(["data", "--recipe", "smoke", "--target", str(target_dir), "--seed", "1",
+                "--data", str(tmp_path / "data1.npz")])
+    out = tmp_path / "grown"
+    train_main(["train", "--recipe", "smoke", "--target", str(target_dir), "--out", str(out), "--steps", "2",
+                "--data", str(tmp_path / "data.npz"), str(tmp_path / "data1.npz"), "--init", str(source),
+                "--layers", "3", "--bits", "6"])
+    receipt = json.loads((out / "receipt.json").read_text())
+    assert [f["file"] for f in receipt["data"]["files"]] == ["data.npz", "data1.npz"]
+    assert receipt["data"]["train_sequences"] == 2 * 12 - 2 and receipt["data"]["reply_tokens"] == 2 * 12 * 24
+    assert receipt["architecture"]["layers"] == 3 and receipt["init"]["how"].startswith("grown from 2 to 3")
+    assert json.loads((out / "drafter" / "config.json").read_text())["quantization"]["bits"] == 6
+    return out / "drafter"
+
+
+def test_average_is_the_mean_of_the_sources_weights(tmp_path) -> None:
+    """`average`: the mean of the float32 weights, stored as the sources are (bf16 here); a drafter
+    averaged with itself is itself; drafters of other configs are refused by name."""
+    target = load_target(write_fixture("llama", tmp_path / "target"))
+    exports = []
+    for seed in (1, 2):
+        model = Drafter(parse_draft_config(drafter_config(SHAPE, target.config)))
+        model.init(seed)
+        exports.append(export(model, drafter_config(SHAPE, target.config), tmp_path / f"d{seed}"))
+    train_main(["average", "--out", str(tmp_path / "avg"), "--drafter", *map(str, exports)])
+    _, a = read_weights(exports[0])
+    _, b = read_weights(exports[1])
+    _, mean = read_weights(tmp_path / "avg" / "drafter")
+    assert all(mx.array_equal(mean[k], ((a[k] + b[k]) / 2).astype(mx.bfloat16).astype(mx.float32)) for k in a)
+    assert any(not mx.array_equal(mean[k], a[k]) for k in a)
+    receipt = json.loads((tmp_path / "avg" / "receipt.json").read_text())
+    assert [s["path"] for s in receipt["sources"]] == list(map(str, exports))
+    train_main(["average", "--out", str(tmp_path / "self"), "--drafter", str(exports[0]), str(exports[0])])
+    _, same = read_weights(tmp_path / "self" / "drafter")
+    assert all(mx.array_equal(same[k], a[k]) for k in a)
+    other = export(Drafter(parse_draft_config(drafter_config(Shape(**{**SHAPE.__dict__, "layers": 3}), target.config))),
+                   drafter_config(Shape(**{**SHAPE.__dict__, "layers": 3}), target.config), tmp_path / "d3")
+    with pytest.raises(ValueError, match="d3"):
+        train_main(["average", "--out", str(tmp_path / "bad"), "--drafter", str(exports[0]), str(other)])
 
 
 def test_default_model_ships_its_drafter() -> None:

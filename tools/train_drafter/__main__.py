@@ -1,4 +1,4 @@
-"""python -m train_drafter {data,train,all,probe}: see README.md beside this file for the exact runs."""
+"""python -m train_drafter {data,train,all,probe,average}: see README.md beside this file for the exact runs."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from dflash_bench.engine.checkpoint import load_target
 from dflash_bench.engine.draft_config import parse_draft_config
 from train_drafter import corpus
 from train_drafter.data import Sequences, TapStore, generate_all
-from train_drafter.model import GROUP_SIZE, Drafter, drafter_config, export, load, start_from
+from train_drafter.model import GROUP_SIZE, Drafter, average, drafter_config, export, load, start_from
 from train_drafter.recipe import RECIPES, Recipe, with_overrides
 from train_drafter.target import TrainTarget
 from train_drafter.train import Schedule, evaluate, train
@@ -41,7 +41,7 @@ def recipe_from(args: argparse.Namespace) -> Recipe:
     return with_overrides(RECIPES[args.recipe], prompts=args.prompts, steps=args.steps, batch=args.batch,
                           gen_batch=args.gen_batch, seed=args.seed, held_out=args.held_out,
                           new_tokens=args.new_tokens, lr=args.lr, gen_dtype=args.gen_dtype,
-                          labels=args.labels)
+                          labels=args.labels, layers=args.layers, bits=args.bits)
 
 
 def cmd_data(args: argparse.Namespace, recipe: Recipe, target: TrainTarget, loaded) -> tuple[Sequences, dict]:
@@ -71,11 +71,25 @@ def cmd_data(args: argparse.Namespace, recipe: Recipe, target: TrainTarget, load
         "tokens_sha256": hashlib.sha256(seqs.tokens.tobytes()).hexdigest(),
     }
     if args.data:
-        Path(args.data).parent.mkdir(parents=True, exist_ok=True)
-        seqs.save(args.data)
-        Path(args.data).with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
+        path = Path(args.data[0])
+        path.parent.mkdir(parents=True, exist_ok=True)
+        seqs.save(path)
+        path.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
     log(f"data: {summary['prompts']} prompts, {summary['prompt_tokens']} prompt + {summary['reply_tokens']} reply tokens")
     return seqs, summary
+
+
+def load_data(paths: list[str]) -> tuple[Sequences, dict]:
+    """One or more data files (each with its summary beside it) as one training set."""
+    parts = [Sequences.load(p) for p in paths]
+    summaries = [json.loads(Path(p).with_suffix(".json").read_text()) for p in paths]
+    if len(parts) == 1:
+        return parts[0], summaries[0]
+    seqs = Sequences.concat(parts)
+    totals = {k: sum(s[k] for s in summaries) for k in ("prompts", "prompt_tokens", "reply_tokens",
+                                                         "greedy_replies", "sampled_replies")}
+    return seqs, {**totals, "tokens_sha256": hashlib.sha256(seqs.tokens.tobytes()).hexdigest(),
+                  "files": [{"file": Path(p).name, **s} for p, s in zip(paths, summaries)]}
 
 
 def split(seqs: Sequences, held_out: int) -> tuple[Sequences, Sequences]:
@@ -121,8 +135,6 @@ def cmd_train(args, recipe: Recipe, target: TrainTarget, loaded, seqs: Sequences
     log("evaluating the export (as stored: quantized when the recipe says so) on held-out replies")
     held_eval = evaluate(load(drafter_dir), target, held, draft_cfg.taps, recipe.gamma, recipe.labels)
     log(f"held-out: {json.dumps(held_eval)}")
-    files = {f.name: {"bytes": f.stat().st_size, "sha256": hashlib.sha256(f.read_bytes()).hexdigest()}
-             for f in sorted(drafter_dir.iterdir())}
     return {
         "schema": 1,
         "what": "training receipt of a DFlash v1 drafter (tools/train_drafter)",
@@ -148,8 +160,13 @@ def cmd_train(args, recipe: Recipe, target: TrainTarget, loaded, seqs: Sequences
                      "seconds": round(trained.seconds, 1), "time_budget_s": budget,
                      "blocks_per_step": recipe.batch * recipe.anchors, "loss_curve": trained.curve},
         "held_out": held_eval,
-        "files": files,
+        "files": _files(drafter_dir),
     }
+
+
+def _files(folder: Path) -> dict:
+    return {f.name: {"bytes": f.stat().st_size, "sha256": hashlib.sha256(f.read_bytes()).hexdigest()}
+            for f in sorted(folder.iterdir())}
 
 
 def _git_revision() -> str | None:
@@ -162,10 +179,18 @@ def _git_revision() -> str | None:
 def cmd_probe(args) -> None:
     """Tokens per round (and CPU speed) of the decode probes with the engine, drafted and plain."""
     from dflash_bench.engine.engine import Engine
-    from dflash_bench.engine.request import Request
 
     probes = json.loads(Path(args.probes).read_text())["probes"]
-    engine = Engine(args.target, args.drafter)
+    for drafter in args.drafter:
+        engine = Engine(args.target, drafter)
+        for row in _probe_rows(engine, probes, args.tokens):
+            print(json.dumps({"drafter": drafter, **row}), flush=True)
+
+
+def _probe_rows(engine, probes: list[dict], tokens: int):
+    """One row a probe: tokens a round, speed and token hash, drafted and plain (which must be equal)."""
+    from dflash_bench.engine.request import Request
+
     tok = engine.tokenizer
     for p in probes:
         text = p["text"]
@@ -175,22 +200,39 @@ def cmd_probe(args) -> None:
         row = {"probe": p["id"]}
         for mode, draft in (("drafted", True), ("plain", False)):
             t0 = time.perf_counter()
-            res = engine.generate(Request(ids, max_tokens=args.tokens, draft=draft, ignore_eos=True))
+            res = engine.generate(Request(ids, max_tokens=tokens, draft=draft, ignore_eos=True))
             row[mode] = {"tokens_per_round": round(res.stats.tokens_per_round, 3),
                          "decode_tok_s": round(res.stats.decode_tokens / max(res.stats.decode_seconds, 1e-9), 1),
                          "seconds": round(time.perf_counter() - t0, 1), "token_sha": res.token_sha}
         row["speedup"] = round(row["drafted"]["decode_tok_s"] / row["plain"]["decode_tok_s"], 2)
         row["equal"] = row["drafted"]["token_sha"] == row["plain"]["token_sha"]
-        print(json.dumps(row), flush=True)
+        yield row
+
+
+def cmd_average(args) -> None:
+    """The mean of several exported drafters (`average`), with a receipt naming its sources."""
+    out = Path(args.out)
+    drafter_dir = average([Path(d) for d in args.drafter], out / "drafter")
+    receipt = {
+        "schema": 1,
+        "what": "mean of exported DFlash v1 drafters' float32 weights (tools/train_drafter average)",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["python -m train_drafter", *sys.argv[1:]]),
+        "git_revision": _git_revision(),
+        "sources": [{"path": d, "files": _files(Path(d))} for d in args.drafter],
+        "files": _files(drafter_dir),
+    }
+    (out / "receipt.json").write_text(json.dumps(receipt, indent=2, sort_keys=True) + "\n")
+    log(f"wrote {out / 'receipt.json'} and {drafter_dir}")
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m train_drafter", description=__doc__)
-    ap.add_argument("command", choices=("data", "train", "all", "probe"))
+    ap.add_argument("command", choices=("data", "train", "all", "probe", "average"))
     ap.add_argument("--recipe", choices=sorted(RECIPES), default="smollm2")
     ap.add_argument("--target", default="default", help="'default' or a checkpoint path (llama)")
     ap.add_argument("--out", default="out/train-drafter", help="folder for drafter/ and receipt.json")
-    ap.add_argument("--data", help="sequences .npz: written by data/all, read by train")
+    ap.add_argument("--data", nargs="+", help="sequences .npz: written by data/all (one), read by train (one or more)")
     ap.add_argument("--stdlib", help="Python standard library folder for prompts (default: this Python's)")
     ap.add_argument("--prompts", type=int)
     ap.add_argument("--steps", type=int)
@@ -199,6 +241,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int)
     ap.add_argument("--held-out", type=int, help="greedy sequences kept out of training")
     ap.add_argument("--new-tokens", type=int, help="reply tokens a prompt")
+    ap.add_argument("--layers", type=int, help="drafter layers (more than --init's: grown from it)")
+    ap.add_argument("--bits", type=int, choices=(0, 4, 5, 6, 8), help="stored bits of the matrices (0: bf16)")
     ap.add_argument("--lr", type=float, help="peak learning rate (lower when continuing a trained drafter)")
     ap.add_argument("--gen-dtype", choices=("float32", "bfloat16"), help="dtype the replies are generated in")
     ap.add_argument("--labels", choices=("target", "replies"),
@@ -207,13 +251,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--deadline", type=float, help="seconds the whole command may take (sets the training budget)")
     ap.add_argument("--no-compile", action="store_true", help="train without mx.compile")
     ap.add_argument("--init", help="train: start from this exported drafter (this recipe's, or one with fewer layers, grown) instead of random weights")
-    ap.add_argument("--drafter", help="probe: drafter folder")
+    ap.add_argument("--drafter", nargs="+", help="probe: drafter folders, each probed in turn; average: those to average")
     ap.add_argument("--probes", default="prompts/probes.json", help="probe: prompt set")
     ap.add_argument("--tokens", type=int, default=256, help="probe: tokens a reply")
     args = ap.parse_args(argv)
-    if args.command == "probe":
-        cmd_probe(args)
+    if args.command in ("probe", "average"):
+        if not args.drafter:
+            ap.error(f"{args.command} needs --drafter")
+        (cmd_probe if args.command == "probe" else cmd_average)(args)
         return
+    if args.command in ("data", "all") and args.data and len(args.data) > 1:
+        ap.error(f"{args.command} writes one --data file, not {len(args.data)}")
     recipe = recipe_from(args)
     loaded = load_target(args.target)
     generates = args.command in ("data", "all")  # `train` reads replies: no generation copy to build
@@ -224,8 +272,9 @@ def main(argv: list[str] | None = None) -> None:
         if args.command == "data":
             return
     else:
-        seqs = Sequences.load(args.data)
-        summary = json.loads(Path(args.data).with_suffix(".json").read_text())
+        if not args.data:
+            ap.error("train needs --data")
+        seqs, summary = load_data(args.data)
     receipt = cmd_train(args, recipe, target, loaded, seqs, summary)
     path = Path(args.out) / "receipt.json"
     path.write_text(json.dumps(receipt, indent=2, sort_keys=True) + "\n")

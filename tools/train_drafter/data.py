@@ -41,6 +41,15 @@ class Sequences:
         z = np.load(path)
         return cls(z["tokens"], z["prompt_len"], z["length"], [str(k) for k in z["kind"]], z["temperature"])
 
+    @classmethod
+    def concat(cls, parts: list["Sequences"]) -> "Sequences":
+        """Several data files as one (they share a width: max_prompt_tokens + new_tokens)."""
+        if len({p.tokens.shape[1] for p in parts}) > 1:
+            raise ValueError(f"data files differ in width: {[p.tokens.shape[1] for p in parts]}")
+        return cls(np.concatenate([p.tokens for p in parts]), np.concatenate([p.prompt_len for p in parts]),
+                   np.concatenate([p.length for p in parts]), [k for p in parts for k in p.kind],
+                   np.concatenate([p.temperature for p in parts]))
+
     def take(self, rows: np.ndarray) -> "Sequences":
         return Sequences(self.tokens[rows], self.prompt_len[rows], self.length[rows],
                          [self.kind[i] for i in rows], self.temperature[rows])

@@ -70,5 +70,13 @@ SMOKE = Recipe(
 RECIPES = {"smollm2": SMOLLM2, "smoke": SMOKE}
 
 
-def with_overrides(recipe: Recipe, **changes) -> Recipe:
-    return replace(recipe, **{k: v for k, v in changes.items() if v is not None})
+def with_overrides(recipe: Recipe, layers: int | None = None, bits: int | None = None, **changes) -> Recipe:
+    """The recipe with the given fields replaced (None keeps a field); `layers` and `bits` change its
+    shape (a deeper drafter grows from a shallower one with `--init`; `bits` 0 stores bf16). A new
+    layer count takes the default layer kinds: all sliding but the last."""
+    shape = recipe.shape
+    if layers is not None:
+        shape = replace(shape, layers=layers, layer_types=())
+    if bits is not None:
+        shape = replace(shape, bits=bits)
+    return replace(recipe, shape=shape, **{k: v for k, v in changes.items() if v is not None})
