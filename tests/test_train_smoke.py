@@ -10,6 +10,7 @@ both compute the same function, so the logits agree to float32 rounding and the 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -203,6 +204,25 @@ def grown_from_two_data_files(target_dir: Path, tmp_path: Path, source: Path) ->
     assert receipt["architecture"]["layers"] == 3 and receipt["init"]["how"].startswith("grown from 2 to 3")
     assert json.loads((out / "drafter" / "config.json").read_text())["quantization"]["bits"] == 6
     return out / "drafter"
+
+
+def test_receipts_name_the_tools_code_by_hash(tmp_path) -> None:
+    """A receipt's tool_sha256 follows the training tool's sources, wherever the tree was copied
+    (a copied tree's .git can name an older commit than the code that ran)."""
+    import shutil
+    import subprocess
+
+    tools = Path(__file__).resolve().parents[1] / "tools" / "train_drafter"
+    for copy in ("same", "changed"):
+        shutil.copytree(tools, tmp_path / copy / "train_drafter", ignore=shutil.ignore_patterns("__pycache__"))
+    recipe = tmp_path / "changed" / "train_drafter" / "recipe.py"
+    recipe.write_text(recipe.read_text() + "\n# changed\n")
+    probe = "import json; from train_drafter.__main__ import _source; print(json.dumps(_source()))"
+    here, same, changed = (
+        json.loads(subprocess.run([sys.executable, "-c", probe], cwd=cwd, capture_output=True, text=True, check=True,
+                                  env={**os.environ, "PYTHONPATH": str(cwd)}).stdout)["tool_sha256"]
+        for cwd in (tools.parent, tmp_path / "same", tmp_path / "changed"))
+    assert here == same != changed and len(here) == 64
 
 
 def test_average_is_the_mean_of_the_sources_weights(tmp_path) -> None:

@@ -140,7 +140,7 @@ def cmd_train(args, recipe: Recipe, target: TrainTarget, loaded, seqs: Sequences
         "what": "training receipt of a DFlash v1 drafter (tools/train_drafter)",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["python -m train_drafter", *sys.argv[1:]]),
-        "git_revision": _git_revision(),
+        **_source(),
         "environment": {"python": platform.python_version(), "mlx": mx.__version__,
                         "device": str(mx.default_device()), "machine": platform.machine()},
         "target": {"path": loaded.path.name, "weights_sha256": loaded.weights_sha256, "taps_dtype": "float32",
@@ -169,11 +169,24 @@ def _files(folder: Path) -> dict:
             for f in sorted(folder.iterdir())}
 
 
-def _git_revision() -> str | None:
+def _source() -> dict:
+    """What code ran: the tool's own sources by hash (right wherever the tree was copied), and git's
+    view, which a copied tree can get wrong (a stale .git): `git_dirty` then says it differs."""
+    tool = hashlib.sha256()
+    for f in sorted(Path(__file__).parent.glob("*.py")):
+        tool.update(f.name.encode() + b"\0" + f.read_bytes())
+    out = {"tool_sha256": tool.hexdigest(), "git_revision": None, "git_dirty": None}
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).parent).stdout.strip()
+
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+        out["git_revision"] = git("rev-parse", "HEAD")
+        out["git_dirty"] = bool(git("status", "--porcelain", "--untracked-files=no"))
     except (OSError, subprocess.CalledProcessError):
-        return None
+        pass
+    return out
 
 
 def cmd_probe(args) -> None:
@@ -218,7 +231,7 @@ def cmd_average(args) -> None:
         "what": "mean of exported DFlash v1 drafters' float32 weights (tools/train_drafter average)",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["python -m train_drafter", *sys.argv[1:]]),
-        "git_revision": _git_revision(),
+        **_source(),
         "sources": [{"path": d, "files": _files(Path(d))} for d in args.drafter],
         "files": _files(drafter_dir),
     }
