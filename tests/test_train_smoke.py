@@ -179,8 +179,16 @@ def test_smoke_run_trains_exports_and_serves(tmp_path) -> None:
     again = tmp_path / "again"
     train_main(["train", "--recipe", "smoke", "--target", str(target_dir), "--out", str(again),
                 "--data", str(tmp_path / "data.npz"), "--init", str(out / "drafter"), "--steps", "2"])
-    assert json.loads((again / "receipt.json").read_text())["init"] == {"from": str(out / "drafter"),
-                                                                          "how": "same architecture"}
+    continued = json.loads((again / "receipt.json").read_text())
+    assert continued["init"] == {"from": str(out / "drafter"), "how": "same architecture"}
+    mean = tmp_path / "mean"
+    train_main(["average", "--recipe", "smoke", "--target", str(target_dir), "--out", str(mean), "--data",
+                str(tmp_path / "data.npz"), "--drafter", str(out / "drafter"), str(again / "drafter"),
+                "--receipts", str(again / "receipt.json")])
+    averaged = json.loads((mean / "receipt.json").read_text())
+    assert averaged["held_out"]["drafters"][str(again / "drafter")] == continued["held_out"]  # same rows, same figures
+    assert set(averaged["held_out"]["drafters"]) == {"mean", str(out / "drafter"), str(again / "drafter")}
+    assert averaged["source_receipts"][str(again / "receipt.json")] == continued
     for drafter in (out / "drafter", grown_from_two_data_files(target_dir, tmp_path, out / "drafter")):
         engine = Engine(target_dir, drafter)
         prompt = engine.tokenizer.encode("def fibonacci(n):")

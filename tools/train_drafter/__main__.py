@@ -133,7 +133,7 @@ def cmd_train(args, recipe: Recipe, target: TrainTarget, loaded, seqs: Sequences
     del store
     drafter_dir = export(model, config, out / "drafter")
     log("evaluating the export (as stored: quantized when the recipe says so) on held-out replies")
-    held_eval = evaluate(load(drafter_dir), target, held, draft_cfg.taps, recipe.gamma, recipe.labels)
+    held_eval = evaluate({"export": load(drafter_dir)}, target, held, draft_cfg.taps, recipe.gamma, recipe.labels)["export"]
     log(f"held-out: {json.dumps(held_eval)}")
     return {
         "schema": 1,
@@ -222,10 +222,23 @@ def _probe_rows(engine, probes: list[dict], tokens: int):
         yield row
 
 
-def cmd_average(args) -> None:
-    """The mean of several exported drafters (`average`), with a receipt naming its sources."""
+def cmd_average(args, recipe: Recipe) -> None:
+    """The mean of several exported drafters (`average`), with a receipt naming its sources (and
+    embedding their training receipts, `--receipts`); with `--data`, the mean and each source are
+    scored on that data's held-out rows (the first `--eval-rows` of them: a CPU takes seconds a row)."""
     out = Path(args.out)
     drafter_dir = average([Path(d) for d in args.drafter], out / "drafter")
+    held_out = None
+    if args.data:
+        loaded = load_target(args.target)
+        _, held = split(load_data(args.data)[0], recipe.held_out)
+        held = held.take(np.arange(min(args.eval_rows or len(held.length), len(held.length))))
+        models = {"mean": load(drafter_dir)} | {d: load(Path(d)) for d in args.drafter}
+        taps = models["mean"].config.taps
+        log(f"held-out: {len(held.length)} rows, {len(models)} drafters")
+        held_out = {"data": args.data, "rows": f"the first {len(held.length)} of {recipe.held_out} held-out rows",
+                    "labels": recipe.labels,
+                    "drafters": evaluate(models, TrainTarget(loaded), held, taps, recipe.gamma, recipe.labels)}
     receipt = {
         "schema": 1,
         "what": "mean of exported DFlash v1 drafters' float32 weights (tools/train_drafter average)",
@@ -233,6 +246,8 @@ def cmd_average(args) -> None:
         "command": " ".join(["python -m train_drafter", *sys.argv[1:]]),
         **_source(),
         "sources": [{"path": d, "files": _files(Path(d))} for d in args.drafter],
+        "source_receipts": {r: json.loads(Path(r).read_text()) for r in args.receipts or []},
+        "held_out": held_out,
         "files": _files(drafter_dir),
     }
     (out / "receipt.json").write_text(json.dumps(receipt, indent=2, sort_keys=True) + "\n")
@@ -266,12 +281,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--init", help="train: start from this exported drafter (this recipe's, or one with fewer layers, grown) instead of random weights")
     ap.add_argument("--drafter", nargs="+", help="probe: drafter folders, each probed in turn; average: those to average")
     ap.add_argument("--probes", default="prompts/probes.json", help="probe: prompt set")
+    ap.add_argument("--eval-rows", type=int, help="average: score on only the first N held-out rows of --data")
+    ap.add_argument("--receipts", nargs="+", help="average: the sources' training receipts, embedded in its receipt")
     ap.add_argument("--tokens", type=int, default=256, help="probe: tokens a reply")
     args = ap.parse_args(argv)
     if args.command in ("probe", "average"):
         if not args.drafter:
             ap.error(f"{args.command} needs --drafter")
-        (cmd_probe if args.command == "probe" else cmd_average)(args)
+        if args.command == "probe":
+            cmd_probe(args)
+        else:
+            cmd_average(args, recipe_from(args))
         return
     if args.command in ("data", "all") and args.data and len(args.data) > 1:
         ap.error(f"{args.command} writes one --data file, not {len(args.data)}")

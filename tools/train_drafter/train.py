@@ -157,34 +157,51 @@ def tokens_per_round(accepted: np.ndarray, first: int, length: int, budget: int)
     return emitted - 1, rounds
 
 
-def evaluate(model: Drafter, target: TrainTarget, seqs: Sequences, taps: tuple[int, ...], gamma: float,
-             labels: str = "target") -> dict:
-    """Held-out loss, acceptance by block row, and tokens per round by prompt kind, against the
-    float32 target's own choices (labels="target") or the reply tokens ("replies")."""
-    by_kind: dict[str, list[tuple[int, int]]] = {}
-    row_hits = np.zeros(model.config.block_size - 1)
-    row_seen = np.zeros(model.config.block_size - 1)
-    losses = []
+def evaluate(models: dict[str, Drafter], target: TrainTarget, seqs: Sequences, taps: tuple[int, ...], gamma: float,
+             labels: str = "target") -> dict[str, dict]:
+    """Per drafter (all of one tap set, each row's taps computed once): held-out loss, acceptance by
+    block row, and tokens per round by prompt kind, against the float32 target's own choices
+    (labels="target") or the reply tokens ("replies")."""
+    tallies = {name: _Tally(m.config.block_size) for name, m in models.items()}
     for i in range(len(seqs.length)):
         tokens = mx.array(seqs.tokens[i : i + 1])
         planes, choices = target.taps_and_choices(tokens, taps)
         targets = choices if labels == "target" else tokens
         first, length = int(seqs.prompt_len[i]), int(seqs.length[i])
-        acc = accepted_lengths(model, target, planes, tokens, targets, length, first)
-        got, rounds = tokens_per_round(acc, first, length, length - first)
-        by_kind.setdefault(seqs.kind[i], []).append((got, rounds))
-        for k in range(len(row_hits)):
-            row_seen[k] += np.sum(acc >= k)
-            row_hits[k] += np.sum(acc >= k + 1)
         a = mx.array(np.arange(first, length - 1, 8, dtype=np.int32)[None])
-        losses.append(block_loss(model, planes, tokens, targets, a, mx.array([length]), target.embed, target.head,
-                                 gamma).item())
-    kinds = {k: round(sum(g for g, _ in v) / max(sum(r for _, r in v), 1), 3) for k, v in sorted(by_kind.items())}
-    every = [x for v in by_kind.values() for x in v]
-    return {
-        "sequences": len(seqs.length),
-        "loss": round(float(np.mean(losses)), 4),
-        "tokens_per_round": round(sum(g for g, _ in every) / max(sum(r for _, r in every), 1), 3),
-        "tokens_per_round_by_kind": kinds,
-        "acceptance_by_row": [round(h / max(n, 1), 4) for h, n in zip(row_hits, row_seen)],
-    }
+        for name, model in models.items():
+            acc = accepted_lengths(model, target, planes, tokens, targets, length, first)
+            loss = block_loss(model, planes, tokens, targets, a, mx.array([length]), target.embed, target.head, gamma)
+            tallies[name].add(seqs.kind[i], acc, tokens_per_round(acc, first, length, length - first), loss.item())
+    return {name: t.summary() for name, t in tallies.items()}
+
+
+def _rate(pairs: list[tuple[int, int]]) -> float:
+    """Tokens per round over (tokens, rounds) pairs."""
+    return round(sum(g for g, _ in pairs) / max(sum(r for _, r in pairs), 1), 3)
+
+
+class _Tally:
+    """One drafter's held-out figures, row by row."""
+
+    def __init__(self, block: int):
+        self.by_kind: dict[str, list[tuple[int, int]]] = {}
+        self.row_hits = np.zeros(block - 1)
+        self.row_seen = np.zeros(block - 1)
+        self.losses: list[float] = []
+
+    def add(self, kind: str, accepted: np.ndarray, got_rounds: tuple[int, int], loss: float) -> None:
+        self.by_kind.setdefault(kind, []).append(got_rounds)
+        for k in range(len(self.row_hits)):
+            self.row_seen[k] += np.sum(accepted >= k)
+            self.row_hits[k] += np.sum(accepted >= k + 1)
+        self.losses.append(loss)
+
+    def summary(self) -> dict:
+        return {
+            "sequences": len(self.losses),
+            "loss": round(float(np.mean(self.losses)), 4),
+            "tokens_per_round": _rate([x for v in self.by_kind.values() for x in v]),
+            "tokens_per_round_by_kind": {k: _rate(v) for k, v in sorted(self.by_kind.items())},
+            "acceptance_by_row": [round(h / max(n, 1), 4) for h, n in zip(self.row_hits, self.row_seen)],
+        }
