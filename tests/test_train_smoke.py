@@ -253,8 +253,8 @@ def test_average_is_the_mean_of_the_sources_weights(tmp_path) -> None:
     train_main(["average", "--out", str(tmp_path / "self"), "--drafter", str(exports[0]), str(exports[0])])
     _, same = read_weights(tmp_path / "self" / "drafter")
     assert all(mx.array_equal(same[k], a[k]) for k in a)
-    other = export(Drafter(parse_draft_config(drafter_config(Shape(**{**SHAPE.__dict__, "layers": 3}), target.config))),
-                   drafter_config(Shape(**{**SHAPE.__dict__, "layers": 3}), target.config), tmp_path / "d3")
+    deeper = drafter_config(Shape(**{**SHAPE.__dict__, "layers": 3}), target.config)
+    other = export(Drafter(parse_draft_config(deeper)), deeper, tmp_path / "d3")
     with pytest.raises(ValueError, match="d3"):
         train_main(["average", "--out", str(tmp_path / "bad"), "--drafter", str(exports[0]), str(other)])
 
