@@ -178,9 +178,11 @@ def test_smoke_run_trains_exports_and_serves(tmp_path) -> None:
     assert set(receipt["files"]) == {"config.json", "model.safetensors"}
     again = tmp_path / "again"
     train_main(["train", "--recipe", "smoke", "--target", str(target_dir), "--out", str(again),
-                "--data", str(tmp_path / "data.npz"), "--init", str(out / "drafter"), "--steps", "2"])
+                "--data", str(tmp_path / "data.npz"), "--init", str(out / "drafter"), "--steps", "2",
+                "--logits-dtype", "bfloat16"])
     continued = json.loads((again / "receipt.json").read_text())
     assert continued["init"] == {"from": str(out / "drafter"), "how": "same architecture"}
+    assert continued["recipe"]["logits_dtype"] == "bfloat16" and receipt["recipe"]["logits_dtype"] == "float32"
     mean = tmp_path / "mean"
     train_main(["average", "--recipe", "smoke", "--target", str(target_dir), "--out", str(mean), "--data",
                 str(tmp_path / "data.npz"), "--drafter", str(out / "drafter"), str(again / "drafter"),
@@ -299,6 +301,35 @@ def test_tap_store_batches_carry_each_sequences_own_taps(fixture_target) -> None
         assert mx.abs(taps[r, :n] - ref[0]).max().item() <= 1e-2 * mx.abs(ref).max().item()
         assert np.array_equal(np.array(targets[r, :n]), np.array(choices[0]))  # the target's own choices
         assert int(anchors[r].min().item()) >= 4 and int(anchors[r].max().item()) < n - 1
+
+
+def test_bf16_logits_train_what_float32_logits_train(fixture_target) -> None:
+    """A bf16 lm_head product (`--logits-dtype bfloat16`) gives the float32 loss and gradient to bf16
+    rounding: same loss to 1e-3, gradients pointing the same way; the softmax itself stays float32."""
+    from functools import partial
+
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    from train_drafter.train import block_loss
+
+    trainer = TrainTarget(fixture_target)
+    config = parse_draft_config(drafter_config(SHAPE, fixture_target.config))
+    model = Drafter(config)
+    model.init(5)
+    rng = np.random.default_rng(5)
+    tokens = mx.array(rng.integers(8, 512, (2, 30)).astype(np.int32))
+    taps, targets = trainer.taps_and_choices(tokens, SHAPE.taps)
+    anchors, length = mx.array([[4, 11, 20], [6, 9, 25]], dtype=mx.int32), mx.array([30, 28], dtype=mx.int32)
+    results = []
+    for dtype in (mx.float32, mx.bfloat16):
+        f = nn.value_and_grad(model, partial(block_loss, embed=trainer.embed, head=trainer.head.astype(dtype), gamma=7.0))
+        loss, grads = f(model, taps, tokens, targets, anchors, length)
+        assert loss.dtype == mx.float32
+        results.append((loss.item(), np.concatenate([np.array(g).ravel() for _, g in tree_flatten(grads)])))
+    (l32, g32), (l16, g16) = results
+    assert abs(l16 - l32) <= 1e-3 * abs(l32) and l16 != l32  # bf16 did run: not the float32 numbers
+    assert g32 @ g16 / (np.linalg.norm(g32) * np.linalg.norm(g16)) > 0.999
 
 
 def test_bf16_generation_leaves_the_taps_float32(fixture_target) -> None:

@@ -41,7 +41,7 @@ def recipe_from(args: argparse.Namespace) -> Recipe:
     return with_overrides(RECIPES[args.recipe], prompts=args.prompts, steps=args.steps, batch=args.batch,
                           gen_batch=args.gen_batch, seed=args.seed, held_out=args.held_out,
                           new_tokens=args.new_tokens, lr=args.lr, gen_dtype=args.gen_dtype,
-                          labels=args.labels, layers=args.layers, bits=args.bits)
+                          labels=args.labels, logits_dtype=args.logits_dtype, layers=args.layers, bits=args.bits)
 
 
 def cmd_data(args: argparse.Namespace, recipe: Recipe, target: TrainTarget, loaded) -> tuple[Sequences, dict]:
@@ -128,7 +128,7 @@ def cmd_train(args, recipe: Recipe, target: TrainTarget, loaded, seqs: Sequences
         budget = max(30.0, args.deadline - (time.perf_counter() - STARTED) - EVAL_RESERVE_S)
     sched = Schedule(steps=recipe.steps, batch=recipe.batch, anchors=recipe.anchors, lr=recipe.lr,
                      warmup=recipe.warmup, gamma=recipe.gamma, seed=recipe.seed, time_budget_s=budget,
-                     compile=not args.no_compile)
+                     compile=not args.no_compile, logits_dtype=recipe.logits_dtype)
     trained = train(model, target, store, sched, log=log, checkpoint=lambda step: export(model, config, out / "drafter"))
     del store
     drafter_dir = export(model, config, out / "drafter")
@@ -275,6 +275,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--gen-dtype", choices=("float32", "bfloat16"), help="dtype the replies are generated in")
     ap.add_argument("--labels", choices=("target", "replies"),
                     help="train on the float32 target's own choices (default) or on the reply tokens")
+    ap.add_argument("--logits-dtype", choices=("float32", "bfloat16"),
+                    help="dtype of training's lm_head product (the softmax stays float32); evaluation is float32")
     ap.add_argument("--time-budget", type=float, help="seconds of training; steps shrink to fit")
     ap.add_argument("--deadline", type=float, help="seconds the whole command may take (sets the training budget)")
     ap.add_argument("--no-compile", action="store_true", help="train without mx.compile")

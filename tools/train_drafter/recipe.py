@@ -39,6 +39,7 @@ class Recipe:
     temperatures: tuple[float, ...] = (0.7, 1.0)
     gen_dtype: str = "float32"  # the replies' dtype (taps are always float32): bf16 generates faster
     labels: str = "target"  # the float32 target's own greedy choices; "replies": the reply tokens (v1-v7)
+    logits_dtype: str = "float32"  # training's lm_head product; "bfloat16" on a GPU (v11): about half a step's FLOPs
     seed: int = 0
     held_out_words: tuple[str, ...] = HELD_OUT
     mix: dict[str, float] = field(default_factory=lambda: dict(MIX))

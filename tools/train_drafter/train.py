@@ -44,6 +44,7 @@ class Schedule:
     time_budget_s: float | None = None  # when set, steps shrink to what fits (measured after 10 steps)
     log_every: int = 25
     compile: bool = True
+    logits_dtype: str = "float32"  # the lm_head product's dtype in training steps (bfloat16: ~half a step's FLOPs at bf16 rate)
 
 
 @dataclass
@@ -66,8 +67,11 @@ def labels_and_weights(targets: mx.array, anchors: mx.array, length: mx.array, b
 
 
 def block_loss(model: Drafter, taps, tokens, targets, anchors, length, embed, head, gamma: float) -> mx.array:
+    """Weighted cross-entropy of the blocks' rows 1..B-1. The lm_head product runs in `head`'s dtype
+    (a bf16 head halves its cost, the largest of a step: B-1 rows a block times the whole vocabulary);
+    the softmax is always float32."""
     hidden = model(taps, tokens, anchors, embed)
-    logits = model.logits(hidden, head)
+    logits = model.logits(hidden.astype(head.dtype), head).astype(mx.float32)
     labels, weights = labels_and_weights(targets, anchors, length, model.config.block_size, gamma)
     ce = nn.losses.cross_entropy(logits, labels, reduction="none")
     return (ce * weights).sum() / mx.maximum(weights.sum(), 1e-6)
@@ -86,7 +90,8 @@ def train(model: Drafter, target: TrainTarget, store: TapStore, s: Schedule, log
         return s.lr * warm * (s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
     opt = optim.AdamW(learning_rate=s.lr, weight_decay=s.weight_decay)
-    loss_and_grad = nn.value_and_grad(model, partial(block_loss, embed=target.embed, head=target.head, gamma=s.gamma))
+    head = target.head.astype(getattr(mx, s.logits_dtype))
+    loss_and_grad = nn.value_and_grad(model, partial(block_loss, embed=target.embed, head=head, gamma=s.gamma))
     state = [model.state, opt.state]
 
     def step(taps, tokens, targets, anchors, length):
