@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 from dataclasses import replace
 
 import mlx.core as mx
@@ -316,3 +319,44 @@ def test_plan_command_refuses_a_drafter_for_another_target_in_one_line():
     assert result.exit_code == 1
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("DraftForAnotherTarget: ")
+
+
+def test_plan_of_the_default_model_prices_its_shipped_drafter_as_serve_loads_it():
+    """`plan default` prices what `serve default` runs (the shipped drafter); --no-drafter and
+    --drafter none price the target alone."""
+    def planned(*extra: str) -> dict:
+        result = CliRunner().invoke(app, ["plan", "default", "--context", "2048", "--json", *extra])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.output)
+
+    drafted = planned()
+    assert drafted["drafter"] == "DFlash" and any(t["drafter"] for t in drafted["terms"])
+    for alone in (planned("--no-drafter"), planned("--drafter", "none")):
+        assert alone["drafter"] is None and not any(t["drafter"] for t in alone["terms"])
+        assert alone["total_bytes"] == drafted["total_bytes"] - drafted["drafter_added_bytes"]
+
+
+PEAK_PROBE = """
+from dflash_bench.checks.memory import peak_rss_bytes, release_freed_heap, reset_peak_rss, rss_bytes
+MB = 2**20
+before = rss_bytes()
+blocks = [bytearray(b"x" * 4000) for _ in range(50_000)]  # 190 MB of small heap blocks, touched
+kept = blocks[::16]  # live blocks between the freed ones: free() alone gives nothing back
+assert peak_rss_bytes() >= before + 150 * MB
+del blocks
+assert rss_bytes() >= before + 150 * MB, "freed blocks left the heap without a trim"
+release_freed_heap()
+assert rss_bytes() < before + 50 * MB, "the trim gave the freed blocks back"
+assert reset_peak_rss()
+assert peak_rss_bytes() < before + 50 * MB, "the peak mark starts from now"
+print(len(kept))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="the peak-RSS mark resets on Linux only")
+def test_plan_check_measures_the_serving_peak_not_loadings_freed_buffers():
+    """What loading touched and freed (a packed drafter's dequantization buffers) neither counts as
+    held beside MLX (the heap is trimmed) nor as the peak (the mark is reset once loaded). In a fresh
+    interpreter: a long test process's heap already holds freed pages of its own."""
+    done = subprocess.run([sys.executable, "-c", PEAK_PROBE], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "3125", done.stderr

@@ -13,7 +13,7 @@ from dflash_bench.checks import engine_speed
 from dflash_bench.checks.receipt import Receipt, canonical_json, exit_code
 from dflash_bench.cli import app
 from dflash_bench.cli.checks import Json, Out, default_out, ints, numbers
-from dflash_bench.engine.defaults import default_drafter_for
+from dflash_bench.engine.defaults import chosen_drafter
 from dflash_bench.engine.errors import DFlashBenchError
 
 
@@ -51,7 +51,7 @@ def engine_speed_cmd(
     """Plain and drafted decode at each level in one process, and mlx-lm on the same weights (ratios)."""
     bits = numbers(drafter_bits, "--drafter-bits", int, 0)
     settings = engine_speed.SpeedSettings(
-        target=target, drafter=drafter or (str(p) if (p := default_drafter_for(target)) else None),
+        target=target, drafter=chosen_drafter(target, drafter),
         levels=ints(levels, "--levels"), tokens=tokens, reps=reps, drafter_bits=bits, mlx_lm=mlx_lm,
     )
     receipt = Receipt.new("engine-speed", sys.argv, settings.__dict__)

@@ -24,6 +24,7 @@ from dflash_bench.checks.receipt import Receipt, canonical_json, exit_code, utc_
 from dflash_bench.checks.runner import make_progress
 from dflash_bench.cli import app
 from dflash_bench.engine import backend as backends
+from dflash_bench.engine.defaults import chosen_drafter
 from dflash_bench.engine.errors import DFlashBenchError
 from dflash_bench.engine.planner import (
     GIB,
@@ -74,7 +75,9 @@ def plan_table(p: Plan) -> Group:
 @app.command("plan", rich_help_panel="Checks")
 def plan_command(
     target: Annotated[str, typer.Argument(help="A checkpoint folder, a .gguf, a config.json, or 'default'.")] = "default",
-    drafter: Annotated[Optional[str], typer.Option(help="Drafter folder (or its config.json).")] = None,
+    drafter: Annotated[Optional[str], typer.Option(help="Drafter folder or its config.json (default: the target's "
+                                                        "shipped drafter, if any, as serve loads; 'none': no drafter).")] = None,
+    no_drafter: Annotated[bool, typer.Option("--no-drafter", help="Price the target alone.")] = False,
     parallel: Annotated[int, typer.Option(min=1, help="Streams served at once.")] = 1,
     context: Annotated[int, typer.Option(min=2, help="Tokens a stream holds (prompt plus reply).")] = 4096,
     prompt_cache_gib: Annotated[float, typer.Option("--prompt-cache-gib", min=0, help="Prompt cache budget.")] = 0.0,
@@ -92,6 +95,7 @@ def plan_command(
     out: Annotated[Optional[Path], typer.Option(help="--check receipt path (default receipts/plan-<UTC stamp>.json).")] = None,
 ):
     """Price serving N streams of C tokens from config.json files alone; --check measures it."""
+    drafter = chosen_drafter(target, drafter, no_drafter)
     try:
         mode = backends.resolve(backend)
         tcfg, dcfg = read_configs(target, drafter)

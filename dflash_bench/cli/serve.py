@@ -21,7 +21,7 @@ import uvicorn
 
 from dflash_bench.cli import app
 from dflash_bench.engine import backend as backends
-from dflash_bench.engine.defaults import default_drafter_for
+from dflash_bench.engine.defaults import chosen_drafter
 from dflash_bench.engine.engine import Engine, Settings
 from dflash_bench.engine.errors import DFlashBenchError
 from dflash_bench.engine.planner import PlanInputs, admit, read_configs
@@ -46,12 +46,7 @@ def serve(
 ) -> None:
     """Serve TARGET (and its drafter) with an OpenAI-compatible API: /v1/completions, /v1/chat/completions,
     /health, /metrics, /tokenize, /detokenize."""
-    if drafter == "none":
-        drafter, no_drafter = None, True
-    if drafter is None and not no_drafter:
-        drafter = str(p) if (p := default_drafter_for(target)) else None
-    elif no_drafter:
-        drafter = None
+    drafter = chosen_drafter(target, drafter, no_drafter)
     try:  # the pre-load refusals and the memory plan, from the config files alone
         mode = backends.resolve(backend)
         tcfg, dcfg = read_configs(target, drafter)

@@ -20,3 +20,15 @@ def default_drafter_for(target: str | Path) -> Path | None:
         return None
     path = DRAFTERS / name
     return path if (path / "config.json").is_file() else None
+
+
+def chosen_drafter(target: str | Path, drafter: str | None, no_drafter: bool = False) -> str | None:
+    """The drafter a command runs TARGET with: the one named; none for `--no-drafter` or `--drafter
+    none`; else the target's shipped drafter. `serve`, `plan` and `engine-speed` share it, so a plan
+    prices what `serve` with the same arguments would load."""
+    if no_drafter or drafter == "none":
+        return None
+    if drafter is not None:
+        return drafter
+    shipped = default_drafter_for(target)
+    return str(shipped) if shipped else None
