@@ -263,15 +263,18 @@ def test_average_is_the_mean_of_the_sources_weights(tmp_path) -> None:
 
 def test_default_model_ships_its_drafter() -> None:
     """The default target's default drafter is the shipped one: it passes the pre-load checks against
-    the default model, fits the 16 MB budget, and other targets get none."""
+    the default model, is what the SmolLM2 recipe describes, fits the 16 MB budget, and other
+    targets get none."""
     from dflash_bench.engine.checkpoint import read_target_config
     from dflash_bench.engine.defaults import default_drafter_for
     from dflash_bench.engine.draft_config import read_draft_config
     from dflash_bench.engine.preload import check_pair
+    from train_drafter.recipe import SMOLLM2
 
     path = default_drafter_for("default")
     assert path is not None and path.name == "smollm2-135m-dflash"
     check_pair(read_target_config("default"), read_draft_config(path))
+    assert json.loads((path / "config.json").read_text()) == drafter_config(SMOLLM2.shape, read_target_config("default"))
     assert sum(f.stat().st_size for f in path.iterdir()) <= 16_000_000
     assert default_drafter_for("/some/other/model") is None
 
