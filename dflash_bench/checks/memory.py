@@ -11,9 +11,10 @@ loaded (interpreter, libraries, tokenizer, BLAS buffers: measured, not priced), 
 also catches MLX's buffer cache growing. Loading frees its own buffers (a packed drafter's
 dequantization: about 160 MB), which glibc keeps in the heap and later hands to MLX: so the heap is
 trimmed before the measure beside MLX, and on Linux the peak-RSS mark is reset then
-(`/proc/self/clear_refs`), else both would count those buffers. On a GPU, MLX's arrays are device memory and RSS is the host's
-(the CUDA context, libraries, and during the load whatever host pages the weights pass through), so
-the verdict there is MLX's peak alone; the RSS figures are recorded beside it, not judged.
+(`/proc/self/clear_refs`), else both would count those buffers. On a GPU, MLX's arrays are device
+memory and RSS is the host's (the CUDA context, libraries, and during the load whatever host pages
+the weights pass through), so the verdict there is MLX's peak alone; the RSS figures are recorded
+beside it, not judged.
 
 Beside the totals it records what was held, measured from the arrays themselves: the target's and
 the drafter's weights and the largest per-stream target and drafter states, next to the plan's terms

@@ -502,7 +502,7 @@ def write_random_like(drafter_dir: Path, out_dir: Path, seed: int = 0) -> Path:
         else:
             w.normal(name, shape, shape[-1] ** -0.5)
     tensors = w.sorted()
-    if draft.quantization is not None:  # stored packed like the original (the shipped drafter is 8-bit)
+    if draft.quantization is not None:  # stored packed like the original (the shipped drafter is 6-bit)
         tensors = quantize_packed(tensors, *draft.quantization)
     (out_dir / "config.json").write_bytes((Path(drafter_dir) / "config.json").read_bytes())
     mx.save_safetensors(str(out_dir / "model.safetensors"), dict(sorted(tensors.items())), metadata={"format": "pt"})

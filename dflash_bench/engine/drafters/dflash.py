@@ -195,7 +195,7 @@ class DFlashDrafter:
 
 def load_drafter(path: str | Path, target: Target, bits: int = 0, dtype: mx.Dtype = mx.float32) -> DFlashDrafter:
     """Read a DFlash drafter directory (config.json + model.safetensors) for `target`: float weights,
-    or mlx-lm's affine-quantized layout (a small drafter ships in 8 bits), dequantized here; in `dtype`
+    or mlx-lm's affine-quantized layout (the shipped drafter is stored in 6 bits), dequantized here; in `dtype`
     (the engine's activation dtype) before any `bits` quantization."""
     path = Path(path)
     config = read_draft_config(path)
