@@ -6,8 +6,8 @@ import json
 import math
 import subprocess
 import sys
-from pathlib import Path
 from dataclasses import replace
+from pathlib import Path
 
 import mlx.core as mx
 import pytest

@@ -44,7 +44,7 @@ class Schedule:
     time_budget_s: float | None = None  # when set, steps shrink to what fits (measured after 10 steps)
     log_every: int = 25
     compile: bool = True
-    logits_dtype: str = "float32"  # the lm_head product's dtype in training steps (bfloat16: ~half a step's FLOPs at bf16 rate)
+    logits_dtype: str = "float32"  # the lm_head product's dtype in training steps (see block_loss)
 
 
 @dataclass
@@ -68,8 +68,8 @@ def labels_and_weights(targets: mx.array, anchors: mx.array, length: mx.array, b
 
 def block_loss(model: Drafter, taps, tokens, targets, anchors, length, embed, head, gamma: float) -> mx.array:
     """Weighted cross-entropy of the blocks' rows 1..B-1. The lm_head product runs in `head`'s dtype
-    (a bf16 head halves its cost, the largest of a step: B-1 rows a block times the whole vocabulary);
-    the softmax is always float32."""
+    (a bf16 head puts the largest product of a step, B-1 rows a block times the whole vocabulary, at
+    bf16 rate); the softmax is always float32."""
     hidden = model(taps, tokens, anchors, embed)
     logits = model.logits(hidden.astype(head.dtype), head).astype(mx.float32)
     labels, weights = labels_and_weights(targets, anchors, length, model.config.block_size, gamma)
