@@ -14,7 +14,9 @@ hidden 64 and at SmolLM2's 576:
 from __future__ import annotations
 
 import pytest
-from test_rows import SIZES, assert_same_state, cache_arrays, differing_rows, prefilled, random_tokens, target_for
+from test_rows import (
+    SIZES, assert_same_state, cache_arrays, count_dependent, differing_rows, prefilled, random_tokens, target_for,
+)
 from tiny_targets import FAMILIES, tiny_target
 
 import mlx.core as mx
@@ -119,14 +121,17 @@ def test_resumed_prompt_equals_fresh(family: str, size: str) -> None:
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_the_resume_check_can_fail_when_a_chunk_boundary_moves(family: str) -> None:
-    """Prompt rows depend on the chunk they sit in: the same prompt resumed from position 200 (not
-    a boundary; the lanes never do it) leaves keys that change the later chunks' rows. (The hidden-64
-    qwen3_5 fixture's only attention layer is its last, fed by recurrences that are bit-equal to
-    single steps on CPU, so its keys, and its later chunks, do not move.)"""
+def test_the_resume_check_can_fail_when_a_chunk_boundary_moves(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompt rows depend on the chunk they sit in: with a matmul whose bits follow the call's row
+    count (made here, not left to the BLAS), the same prompt resumed from position 200 (not a
+    boundary; the lanes never do it) computes rows 200-255 in a call of another size, and the keys
+    they leave change the later chunks' rows. (The hidden-64 qwen3_5 fixture's only attention layer
+    is its last, so its keys do not reach later chunks' rows.)"""
+    count_dependent(monkeypatch)
     target = target_for(family, "small")
     prompt = random_tokens(600, 40)
     fresh = prefill(target, target.new_state(), prompt)
+    assert differences(prefill(target, target.new_state(), prompt), fresh, family) == [], "not deterministic"
     moved = prefill(target, prefilled_chunked(target, prompt[:200]).snapshot(200), prompt, start=200)
     assert differences(moved[1:], fresh[1:], family), "every row after the moved boundary still matched"
 

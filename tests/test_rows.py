@@ -7,7 +7,8 @@ SmolLM2's hidden 576 / intermediate 1536 (16-row tiles):
 - rolling a window back to every acceptance length leaves the state of feeding the kept rows one
   by one, and the next forward from it is the same (keep);
 under OpenBLAS (in-process, the default) and under the wheel's reference BLAS (a subprocess).
-The last tests show the checks can fail: with one tile size for every product, rows differ.
+The last tests show the checks can fail: a matmul whose bits follow a row's place in its call, or
+the call's row count (made by the tests themselves, never left to the BLAS's kernel choice).
 """
 
 from __future__ import annotations
@@ -204,25 +205,41 @@ def test_rows_are_exact_under_the_reference_blas(family: str) -> None:
     assert passed and int(passed.group(1)) == 7 and "skipped" not in summary, summary
 
 
-def needs_openblas() -> None:
-    if blas.choice().kind != "openblas":
-        pytest.skip(f"the shape-dependent kernels this relies on are OpenBLAS's; this run uses {blas.choice().kind}")
+def position_dependent(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every matmul call adds 2^-6 times each row's place in the call to that row: a kernel whose bits
+    follow a row's position, made here rather than hoped for from the BLAS."""
+    tile = tiles.Weight.tile
+
+    def shifted(self: tiles.Weight, x: mx.array) -> mx.array:
+        out = tile(self, x)
+        return out + (mx.arange(x.shape[0], dtype=out.dtype) * 2**-6)[:, None]
+
+    monkeypatch.setattr(tiles.Weight, "tile", shifted)
 
 
-def test_the_row_checks_can_fail_with_16_row_tiles_for_small_products(monkeypatch: pytest.MonkeyPatch) -> None:
-    """OpenBLAS's small-product kernel at 16 rows makes a row's bits depend on its place in the
-    tile: both the packed-vs-alone and the window-vs-steps checks catch it at hidden 64."""
-    needs_openblas()
-    monkeypatch.setattr(tiles, "row_tile", lambda in_features, out_features: tiles.ROW_TILE)
+def count_dependent(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every matmul call adds 2^-10 times its row count to every row: a kernel whose bits follow how
+    many rows share the call (as a BLAS picking its kernel by shape can), made here by construction."""
+    tile = tiles.Weight.tile
+    monkeypatch.setattr(tiles.Weight, "tile", lambda self, x: tile(self, x) + x.shape[0] * 2**-10)
+
+
+def test_the_row_checks_can_fail_with_a_position_dependent_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both the packed-vs-alone and the window-vs-steps checks catch a row whose bits follow its
+    place in its matmul call."""
+    position_dependent(monkeypatch)
     target = target_for("qwen3_5", "small")
     assert packed_vs_alone(target, [0, 1, 2, 3]), "every packed row still matched its row alone"
     assert window_vs_steps(target, 16), "every window row still matched its single step"
 
 
 def test_the_packed_check_can_fail_with_one_matmul_over_all_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One matmul call over all of a forward's rows lets the kernel depend on how many rows share the
-    forward: the packed-vs-alone check catches it at hidden 576 (a window of at most 16 rows is one
-    padded tile either way, so only a forward of more than 16 rows can show it)."""
-    needs_openblas()
+    """One matmul call over all of a forward's rows, with a kernel whose bits follow the call's row
+    count: the packed-vs-alone check catches it (a forward of several streams has more rows than
+    each alone). The fixed tiles are what protect the engine from such a kernel: with them the same
+    kernel passes, since every call has the same row count."""
+    count_dependent(monkeypatch)
+    target = target_for("qwen3_5", "smol")
+    assert packed_vs_alone(target, [0, 1, 2, 3]) == [], "fixed tiles should hide a row-count-dependent kernel"
     monkeypatch.setattr(tiles, "row_tile", lambda in_features, out_features: 1 << 30)
-    assert packed_vs_alone(target_for("qwen3_5", "smol"), [0, 1, 2, 3]), "every packed row still matched its row alone"
+    assert packed_vs_alone(target, [0, 1, 2, 3]), "every packed row still matched its row alone"
