@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import dflash_bench  # noqa: F401
+
+# The engine caches its self-check verdicts (engine/selfcheck.py): the tests start from none and
+# leave none behind in the user's cache (servers they start inherit this).
+os.environ["DFLASH_BENCH_CACHE"] = tempfile.mkdtemp(prefix="dflash-bench-test-cache-")
+atexit.register(shutil.rmtree, os.environ["DFLASH_BENCH_CACHE"], True)
 
 # Verbatim copies of ../shared/fixtures/published (see tests/data/published/SOURCES.md).
 PUBLISHED = Path(__file__).parent / "data" / "published"

@@ -85,7 +85,7 @@ def check(command: str, url: str, tmp_path, *extra: str) -> tuple[int, dict, str
     server = data["server"]
     assert (server["managed"], server["health"], server["model"]) == (False, {"status": "ok"}, None)
     assert server["capabilities"] | {"probe_error": None} == {
-        "dflash": False, "token_ids": False, "cached_tokens": True, "drafter": None, "probe_error": None}
+        "dflash": False, "token_ids": False, "cached_tokens": True, "drafter": None, "probe_error": None, "refused": None}
     return res.exit_code, data, res.output
 
 

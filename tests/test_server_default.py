@@ -103,6 +103,7 @@ def test_startup_line_names_target_drafter_kind_streams_and_context_once(served)
     assert len(startup) == 1
     assert startup[0].startswith(f"serving SmolLM2-135M-Instruct: no drafter, 2 streams of 1024 tokens, "
                                  f"prompt cache 0.25 GiB, at {served.url}; plan: 2 streams of 1024 tokens: ")
+    assert "; self-check passed on cpu (" in startup[0] and "window == steps" in startup[0]
 
 
 def test_openai_completions_streamed_and_not(served, client: openai.OpenAI) -> None:

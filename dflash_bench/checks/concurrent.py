@@ -39,10 +39,10 @@ def run(ctx: Context, s: ConcurrentSettings) -> None:
     draft = True if caps.dflash else None
     if s.alone and not caps.hashes:
         ctx.receipt.skip("concurrent_equals_solo", NO_HASH)
-    if s.serial and not (caps.dflash and caps.hashes):
+    if s.serial and not caps.refused and not (caps.dflash and caps.hashes):  # a refusal is filed once, by capabilities()
         ctx.receipt.skip("solo_drafted_equals_plain", NO_DFLASH if not caps.dflash else NO_HASH)
     alone = s.alone and caps.hashes
-    serial = s.serial and caps.dflash and caps.hashes
+    serial = s.serial and caps.drafts and caps.hashes
     widest = max(s.levels)
     solo_count = widest * len(s.temperatures) * ((alone or serial) + serial)
     advance = ctx.task("concurrent", solo_count + sum(s.levels) * s.reps * len(s.temperatures))

@@ -27,8 +27,10 @@ class DecodeSettings:
 
 def run(ctx: Context, s: DecodeSettings) -> None:
     caps = ctx.capabilities()
-    modes = {"drafted": True, "plain": False} if caps.dflash else {"plain": None}
-    if not caps.dflash:
+    modes = {"drafted": True, "plain": False} if caps.drafts else {"plain": None}
+    if caps.refused:
+        pass  # capabilities() filed the refusal as not run: drafted decode would be plain decode
+    elif not caps.dflash:
         ctx.receipt.skip("decode_drafted", NO_DFLASH)
     probes = prompt_sets.probes()
     advance = ctx.task("decode", len(probes) * sum(s.levels) * s.reps * len(modes))

@@ -95,7 +95,10 @@ def run(s: SpeedSettings, receipt: Receipt, progress=lambda msg: None) -> None:
     top = max(s.levels)
     plain = Engine(model=target, settings=Settings(parallel=top, context=4096), eos_ids=eos)
     modes.append(("plain", plain, False))
-    if s.drafter:
+    receipt.environment["selfcheck"] = plain.selfcheck.as_dict()
+    if s.drafter and not plain.selfcheck.passed:  # drafted figures on a path that failed would not be exact
+        receipt.skip("drafted", f"drafting is off: {plain.selfcheck.line()}")
+    elif s.drafter:
         for bits in s.drafter_bits:
             drafter = load_drafter(s.drafter, target, bits=bits)
             engine = Engine(model=target, draft_model=drafter, settings=Settings(parallel=top, context=4096), eos_ids=eos)

@@ -31,8 +31,10 @@ def prompt_list(s: ExactnessSettings) -> list[tuple[prompt_sets.Prompt, int]]:
 
 def run(ctx: Context, s: ExactnessSettings) -> None:
     caps = ctx.capabilities()
-    compare = caps.dflash and caps.hashes
-    if not caps.dflash:
+    compare = caps.drafts and caps.hashes
+    if caps.refused:
+        pass  # capabilities() filed the refusal as not run
+    elif not caps.dflash:
         ctx.receipt.skip(CHECK, NO_DFLASH)
     elif not caps.hashes:
         ctx.receipt.skip(CHECK, NO_HASH)

@@ -118,6 +118,7 @@ def run(plan: Plan, target: str, drafter: str | None, s: CheckSettings, receipt:
     engine = Engine(target, drafter, Settings(i.parallel, i.context, i.prompt_cache_gib, i.drafter_bits, i.chunk,
                                               backend=i.backend.name))
     load_seconds = time.perf_counter() - started
+    receipt.environment["selfcheck"] = engine.selfcheck.as_dict() if engine.selfcheck else None
     load_peak = mx.get_peak_memory()
     release_freed_heap()
     beside_mlx = rss_bytes() - mx.get_active_memory() - mx.get_cache_memory()  # interpreter, libraries, tokenizer

@@ -38,10 +38,16 @@ class Capabilities:
     cached_tokens: bool
     drafter: str | None
     probe_error: str | None = None
+    refused: str | None = None  # why the server will not draft (its self-check failed), from /health
 
     @property
     def hashes(self) -> bool:
         return self.dflash or self.token_ids
+
+    @property
+    def drafts(self) -> bool:
+        """Whether `draft: true` can make the server draft, so drafted-vs-plain means something."""
+        return self.dflash and self.refused is None
 
 
 @dataclass
@@ -89,11 +95,14 @@ class Context:
         """Probes once with a tiny drafted request asking for token ids, and records what came back."""
         if self.caps is None:
             rec = self.send(Request("capability-probe", prompt="Hello", max_tokens=4, draft=True), step="probe")
+            refused = (getattr(self.server, "health", None) or {}).get("drafting_refused")
             self.caps = Capabilities(dflash=rec.has_dflash, token_ids=rec.token_ids is not None,
                                      cached_tokens=rec.cached_tokens is not None, drafter=rec.drafter,
-                                     probe_error=None if rec.ok else rec.error)
+                                     probe_error=None if rec.ok else rec.error, refused=refused)
             self.receipt.server["capabilities"] = vars(self.caps)
-            if self.caps.dflash and self.caps.drafter is None and rec.ok:
+            if refused:  # drafted requests decode plainly: no drafted-vs-plain comparison may pass
+                self.receipt.skip("drafting", f"the server refused to draft: {refused}")
+            elif self.caps.dflash and self.caps.drafter is None and rec.ok:
                 self.receipt.warn("drafter", "server", "the server reports no drafter (dflash.drafter is null): "
                                   "drafted requests decode plainly, so drafted-vs-plain comparisons are trivial")
         return self.caps
@@ -162,6 +171,8 @@ def run_check(spec: RunSpec, settings: dict, body: Callable[[Context], None],
                                   **{k: v for k, v in health.items() if k.endswith("sha256")})  # weight hashes
             if health.get("startup_line"):
                 receipt.server["startup_line"] = health["startup_line"]
+            if "selfcheck" in health:  # the serving machine's proof of the row rule (engine/selfcheck.py)
+                receipt.environment["selfcheck"] = health["selfcheck"]
             client = Client(server.url, spec.request_timeout)
             try:
                 client.pick_model(health)

@@ -175,6 +175,16 @@ def plan(r: Receipt) -> Table:
 BY_KIND["plan"] = plan
 
 
+def selfcheck(r: Receipt) -> Table:
+    """selfcheck receipts: their table lives with the check."""
+    from dflash_bench.checks import selfcheck as check
+
+    return check.table(r)
+
+
+BY_KIND["selfcheck"] = selfcheck
+
+
 def render(r: Receipt) -> Group:
     """The receipt's header, its kind's table and its verdict."""
     parts = [header(r)]

@@ -29,6 +29,7 @@ from dflash_bench.cli import checks as _checks  # noqa: E402,F401
 from dflash_bench.cli import serve as _serve  # noqa: E402,F401
 from dflash_bench.cli import engine_speed as _engine_speed  # noqa: E402,F401
 from dflash_bench.cli import plan as _plan  # noqa: E402,F401
+from dflash_bench.cli import selfcheck as _selfcheck  # noqa: E402,F401
 
 
 def main() -> None:

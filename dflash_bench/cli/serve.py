@@ -81,7 +81,7 @@ def serve(
         while not server.started and not server.should_exit:
             time.sleep(0.01)
         web.state.served.attach(engine)
-        typer.echo(f"{engine.startup_line()}, at {url}; {decision.line()}")
+        typer.echo(engine.startup_line(f", at {url}; {decision.line()}"))
 
     threading.Thread(target=load, name="dflash-load", daemon=True).start()
     server.run()

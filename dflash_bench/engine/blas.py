@@ -27,11 +27,18 @@ CANDIDATES = (
 
 @dataclass(frozen=True)
 class BlasChoice:
-    """What was loaded, for receipts: `kind` is openblas, reference or platform (macOS Accelerate)."""
+    """What was loaded, for receipts: `kind` is openblas, reference or platform (macOS Accelerate).
+
+    `core` and `config` are OpenBLAS's own words for the kernels it picked on this processor
+    (`openblas_get_corename`, `openblas_get_config`): two machines that both call themselves
+    "AMD EPYC" can run different kernels, and a row's bits follow the kernel.
+    """
 
     kind: str
     path: str | None
     reason: str
+    core: str | None = None
+    config: str | None = None
 
 
 _choice: BlasChoice | None = None
@@ -55,8 +62,8 @@ def load() -> BlasChoice:
     paths = (wanted,) if wanted else CANDIDATES
     for path in paths:
         if os.path.exists(path):
-            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-            _choice = BlasChoice("openblas", path, "loaded before mlx.core")
+            lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            _choice = BlasChoice("openblas", path, "loaded before mlx.core", *_openblas_words(lib))
             return _choice
     _choice = BlasChoice("reference", None, "no libopenblas.so.0 found")
     print(
@@ -65,6 +72,19 @@ def load() -> BlasChoice:
         file=sys.stderr,
     )
     return _choice
+
+
+def _openblas_words(lib: ctypes.CDLL) -> tuple[str | None, str | None]:
+    """OpenBLAS's core name and build configuration, where the library exports them."""
+    words = []
+    for name in ("openblas_get_corename", "openblas_get_config"):
+        fn = getattr(lib, name, None)
+        if fn is None:
+            words.append(None)
+            continue
+        fn.restype = ctypes.c_char_p
+        words.append(fn().decode(errors="replace").strip())
+    return words[0], words[1]
 
 
 def choice() -> BlasChoice:

@@ -4,6 +4,11 @@ The server and the tests use this API. `submit` returns a Handle whose events ca
 new tokens and, last, the finish reason and the per-request stats. With `start()` a background
 thread runs rounds while there is work; without it, `step()` / `run()` drive rounds in the caller's
 thread (deterministic, for tests and benchmarks).
+
+Before it serves, a loaded target passes the self-check of the row rule on this machine
+(selfcheck.py), which also sets the tiles and attention path each weight and layer then runs. A
+target that fails it is served without drafting: `drafting_refused` says why, and the drafter
+(when one was asked for) is not loaded.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from dflash_bench.engine import backend as backends
+from dflash_bench.engine import selfcheck
 from dflash_bench.engine.checkpoint import LoadedTarget, load_target, read_target_config
 from dflash_bench.engine.drafters.dflash import DFlashDrafter, load_drafter
 from dflash_bench.engine.lanes import CHUNK, Lanes
@@ -37,6 +43,7 @@ class Settings:
     drafter_bits: int = 0  # 0 keeps the drafter float (on CPU measured faster than 4-bit)
     chunk: int = CHUNK
     backend: str | None = None  # the numeric mode (backend.py): 'cpu', 'gpu', or None for the device's
+    fresh_selfcheck: bool = False  # run the self-check even where a cached verdict exists
 
 
 def preload(target: str, drafter: str | None) -> None:
@@ -57,7 +64,8 @@ class Engine:
         eos_ids: tuple[int, ...] | None = None,
     ):
         """Load `target` (and `drafter`) from disk in the settings' mode, or take ready-made models
-        (tests' doubles, built in whatever mode they were built in)."""
+        (tests' doubles, built in whatever mode they were built in). A real target (a `Target`) is
+        self-checked either way; a double that is not one has no rows to check."""
         self.settings = settings
         self.backend = backends.resolve(settings.backend)
         self.loaded: LoadedTarget | None = None
@@ -66,9 +74,14 @@ class Engine:
             dtype = self.backend.dtype
             self.loaded = load_target(target, dtype, packed=not self.backend.dequantizes)
             model = build_target(self.loaded.config, self.loaded.weights, dtype)
-            if drafter is not None:
-                draft_model = load_drafter(drafter, model, bits=settings.drafter_bits, dtype=dtype)
             eos_ids = self.loaded.config.eos_token_ids or self.loaded.tokenizer.eos_ids
+        self.selfcheck = selfcheck.check(model, fresh=settings.fresh_selfcheck) if isinstance(model, Target) else None
+        self.drafting_refused: str | None = None
+        if self.selfcheck is not None and not self.selfcheck.passed and (drafter is not None or draft_model is not None):
+            self.drafting_refused = f"drafting is off: {self.selfcheck.line()}"
+            drafter = draft_model = None
+        if drafter is not None:
+            draft_model = load_drafter(drafter, model, bits=settings.drafter_bits, dtype=self.backend.dtype)
         self.target = model
         self.drafter = draft_model
         self.tokenizer = self.loaded.tokenizer if self.loaded else None
@@ -100,12 +113,15 @@ class Engine:
             return "test-double"
         return self.loaded.config.name or self.loaded.path.name
 
-    def startup_line(self) -> str:
+    def startup_line(self, where: str = "") -> str:
+        """Target, drafter kind, streams and context, mode, then `where` (the server's URL and plan), then
+        the self-check's verdict (or why drafting is off)."""
         drafts = f"{self.drafter_kind} drafts" if self.drafter else "no drafter"
         s = self.settings
         cache = f", prompt cache {s.prompt_cache_gib:g} GiB" if s.prompt_cache_gib else ""
         mode = ", gpu mode (packed weights, bf16)" if self.backend.name == "gpu" else ""
-        return f"serving {self.model_name}: {drafts}, {s.parallel} streams of {s.context} tokens{cache}{mode}"
+        proof = f"; {self.drafting_refused or self.selfcheck.line()}" if self.selfcheck else ""
+        return f"serving {self.model_name}: {drafts}, {s.parallel} streams of {s.context} tokens{cache}{mode}{where}{proof}"
 
     # -- requests ------------------------------------------------------------------------------
     def submit(self, request: Request) -> Handle:

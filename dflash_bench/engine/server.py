@@ -368,7 +368,10 @@ def create_app(engine: Engine | None = None) -> FastAPI:
                              "prompt_cache_gib": s.prompt_cache_gib, "startup_line": e.startup_line(),
                              # the weights served, for receipts (checks copy every *sha256 key)
                              "target_sha256": e.loaded.weights_sha256 if e.loaded else None,
-                             "drafter_sha256": getattr(e.drafter, "weights_sha256", None)})
+                             "drafter_sha256": getattr(e.drafter, "weights_sha256", None),
+                             # the row rule proven on this machine, and why drafts are off if they are
+                             "selfcheck": e.selfcheck.as_dict() if e.selfcheck else None,
+                             "drafting_refused": e.drafting_refused})
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:

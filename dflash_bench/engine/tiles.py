@@ -21,10 +21,12 @@ tests/test_rows.py):
 - attention multiplies `QUERY_TILE` queries by `KEY_TILE` keys at absolute key positions, masks with
   exact zeros, and reduces over key tiles in a fixed order, so trailing masked tiles add exact zeros.
 
-OpenBLAS sends products of at most 64^3 multiply-adds to a "small matrix" kernel in which, at 16
-rows, a row's bits depend on its position in the tile (rows 6-15 of a 16x64x64 product differ from
-the same row placed first); at 8 rows they do not. So a product that small runs in tiles of 8 rows,
-and attention (64-key tiles, head dims of 64-256) always does.
+On one processor OpenBLAS sent products of at most 64^3 multiply-adds to a "small matrix" kernel in
+which, at 16 rows, a row's bits depended on its position in the tile; at 8 rows they did not. So
+`row_tile`'s default runs a product that small in tiles of 8 rows, and attention (64-key tiles,
+head dims of 64-256) always does. That rule was measured on one machine: another core type, BLAS
+build or device can break it, so the engine proves it where it runs (selfcheck.py) and sets each
+weight's `tile_rows` and each attention layer's path to what passed there.
 MLX's own CPU ops (rms_norm, rope, softmax, exp, sums, elementwise) are row-wise and bit-stable.
 """
 
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import mlx.core as mx
 
@@ -40,6 +43,7 @@ SMALL_TILE = 8
 QUERY_TILE = SMALL_TILE
 SMALL_PRODUCT = 64**3
 KEY_TILE = 64
+AttentionPath = Literal["tiled", "elementwise"]  # `attention`'s two ways of multiplying a tile
 
 
 def pad_rows(x: mx.array, multiple: int = ROW_TILE) -> mx.array:
@@ -55,7 +59,11 @@ class Weight:
 
     `Weight(w, bits)` quantizes a float matrix (the drafter's `--drafter-bits`); `Weight.packed`
     keeps a checkpoint's own packed triple (the engine's gpu mode), so nothing is dequantized.
+    `tile_rows` is the row count of each decode matmul call against it: None takes `row_tile`'s
+    default; the engine's self-check sets what it proved on this machine (selfcheck.py).
     """
+
+    tile_rows: int | None = None
 
     def __init__(self, w: mx.array, bits: int = 0, group_size: int = 64):
         self.out_features, self.in_features = w.shape
@@ -104,12 +112,24 @@ class Weight:
         return self.out_features, self.in_features
 
     @property
+    def kind(self) -> str:
+        """What decides the kernel besides the shape: the input dtype, and the packing if any."""
+        dtype = str((self.scales if self.bits else self.w).dtype).removeprefix("mlx.core.")
+        return f"{self.bits}-bit/{self.group_size} {dtype}" if self.bits else dtype
+
+    @property
+    def rows_per_call(self) -> int:
+        """The row count of every decode matmul call against this weight."""
+        return self.tile_rows or row_tile(self.in_features, self.out_features)
+
+    @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays())
 
 
 def row_tile(in_features: int, out_features: int) -> int:
-    """The fixed row count of every matmul call against a weight of this shape."""
+    """The default row count of every matmul call against a weight of this shape (the rule measured
+    on one processor; selfcheck.py proves or replaces it per weight)."""
     return ROW_TILE if ROW_TILE * in_features * out_features > SMALL_PRODUCT else SMALL_TILE
 
 
@@ -169,7 +189,7 @@ def linear(x: mx.array, weight: Weight | mx.array, layout: Layout | None = None)
     rows = x.shape[0]
     if rows % ROW_TILE:
         raise ValueError(f"linear takes a multiple of {ROW_TILE} rows, got {rows}")
-    tile = row_tile(weight.in_features, weight.out_features)
+    tile = weight.rows_per_call
     calls = layout.calls(tile) if layout is not None else [(a, a + tile) for a in range(0, rows, tile)]
     if len(calls) == 1:
         return weight.tile(x)
@@ -196,11 +216,16 @@ def key_mask(
     return seen
 
 
-def attention(q: mx.array, k: mx.array, v: mx.array, seen: mx.array, *, scale: float) -> mx.array:
+def attention(
+    q: mx.array, k: mx.array, v: mx.array, seen: mx.array, *, scale: float, path: AttentionPath = "tiled"
+) -> mx.array:
     """Attention of one stream's query rows over its keys, row-independent by construction.
 
     q: (Hq, Rq, d) with Rq a multiple of QUERY_TILE; k, v: (Hkv, Lk, d) with Lk a multiple of
-    KEY_TILE; `seen` from `key_mask`. Returns (Hq, Rq, d).
+    KEY_TILE; `seen` from `key_mask`. Returns (Hq, Rq, d). The `tiled` path multiplies each
+    (query tile, key tile) pair with one fixed-shape batched matmul; `elementwise` forms the same
+    products with MLX's own broadcast multiply and sum (no BLAS or GEMM kernel to pick a shape-
+    dependent algorithm), for a machine where the self-check finds the tiled path row-dependent.
     """
     hq, rq, d = q.shape
     hkv, lk, _ = k.shape
@@ -211,12 +236,17 @@ def attention(q: mx.array, k: mx.array, v: mx.array, seen: mx.array, *, scale: f
     qt = (q * scale).reshape(hkv, group, nq, 1, QUERY_TILE, d)
     kt = k.reshape(hkv, 1, 1, nk, KEY_TILE, d).swapaxes(-1, -2)
     vt = v.reshape(hkv, 1, 1, nk, KEY_TILE, d)
-    scores = mx.where(seen, qt @ kt, -math.inf)  # one fixed-shape gemm per (query tile, key tile)
+    if path == "tiled":
+        products = qt @ kt  # one fixed-shape gemm per (query tile, key tile)
+    else:
+        products = mx.sum(qt[..., :, None, :] * kt.swapaxes(-1, -2)[..., None, :, :], axis=-1)
+    scores = mx.where(seen, products, -math.inf)
     top = mx.max(mx.max(scores, axis=-1, keepdims=True), axis=3, keepdims=True)
     top = mx.maximum(top, -1e30)  # a padded query row with nothing to see stays finite
     e = mx.exp(scores - top)
     total = mx.sum(mx.sum(e, axis=-1, keepdims=True), axis=3)  # (hkv, group, nq, QUERY_TILE, 1)
-    out = mx.sum(e @ vt, axis=3)  # per key tile (QUERY_TILE x KEY_TILE) @ (KEY_TILE x d), summed in order
+    weighted = e @ vt if path == "tiled" else mx.sum(e[..., :, :, None] * vt[..., None, :, :], axis=-2)
+    out = mx.sum(weighted, axis=3)  # per key tile (QUERY_TILE x KEY_TILE) @ (KEY_TILE x d), summed in order
     out = out / mx.maximum(total, 1e-30)
     return out.reshape(hq, rq, d)
 

@@ -66,6 +66,7 @@ class Target:
     """
 
     config: TargetConfig
+    mlps: list[tuple[Weight, Weight, Weight]]  # each layer's gate, up and down projections
 
     def __init__(self, config: TargetConfig, weights: dict[str, mx.array | Weight], dtype: mx.Dtype = mx.float32):
         self.config = config
@@ -81,6 +82,18 @@ class Target:
 
     def layer(self, i: int, x: mx.array, segments: list[Segment], layout: Layout) -> mx.array:
         raise NotImplementedError
+
+    def mixer_layers(self) -> list:
+        """Each layer's token mixer (attention, or qwen3_5's GatedDeltaNet), in layer order."""
+        raise NotImplementedError
+
+    def projections(self) -> list[Weight]:
+        """Every weight a decode row is multiplied by, each once: what the self-check proves."""
+        found: dict[int, Weight] = {}
+        for w in [p for m in self.mixer_layers() for p in m.projections] + [w for mlp in self.mlps for w in mlp]:
+            found.setdefault(id(w), w)
+        found.setdefault(id(self.lm_head), self.lm_head)
+        return list(found.values())
 
     def embed_rows(self, tokens: list[int]) -> mx.array:
         """The embedding rows of `tokens`, in the activation dtype."""

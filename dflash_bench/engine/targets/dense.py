@@ -7,7 +7,7 @@ import mlx.core as mx
 from dflash_bench.engine.cache import AttentionCache, TargetState
 from dflash_bench.engine.target_config import TargetConfig
 from dflash_bench.engine.targets.base import Segment, Target, as_weight, per_segment
-from dflash_bench.engine.tiles import Layout, attention, linear, pad_queries
+from dflash_bench.engine.tiles import AttentionPath, Layout, Weight, attention, linear, pad_queries
 
 
 class SelfAttention:
@@ -29,6 +29,11 @@ class SelfAttention:
         self.rope_theta = config.rope_theta
         self.gated = gated
         self.scale = self.head_dim**-0.5
+        self.path: AttentionPath = "tiled"  # a decode window's tile products (set by the self-check)
+
+    @property
+    def projections(self) -> tuple[Weight, ...]:
+        return self.q, self.k, self.v, self.o
 
     def __call__(self, x: mx.array, segments: list[Segment], layout: Layout, layer: int) -> mx.array:
         q, k, v = linear(x, self.q, layout), linear(x, self.k, layout), linear(x, self.v, layout)
@@ -54,7 +59,8 @@ class SelfAttention:
                 o = self.prefill_attention(qs, cache, seg.start + n)
             else:
                 keys, values = cache.view(seg.start + n)
-                o = attention(pad_queries(qs), keys, values, seg.key_mask(keys.shape[1]), scale=self.scale)[:, :n]
+                o = attention(pad_queries(qs), keys, values, seg.key_mask(keys.shape[1]), scale=self.scale,
+                              path=self.path)[:, :n]
             o = o.transpose(1, 0, 2).reshape(n, self.heads * self.head_dim)
             if gate is not None:
                 o = o * mx.sigmoid(gate.reshape(n, -1))
@@ -97,6 +103,9 @@ class DenseTarget(Target):
     def new_state(self) -> TargetState:
         c = self.config
         return TargetState([AttentionCache(c.num_kv_heads, c.head_dim, self.dtype) for _ in range(c.num_layers)])
+
+    def mixer_layers(self) -> list[SelfAttention]:
+        return self.attn
 
     def layer(self, i: int, x: mx.array, segments: list[Segment], layout: Layout) -> mx.array:
         pre, post = self.norms[i]

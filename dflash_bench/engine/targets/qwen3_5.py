@@ -32,7 +32,7 @@ from dflash_bench.engine.target_config import TargetConfig
 from dflash_bench.engine.targets.base import Segment, Target, as_weight
 from dflash_bench.engine.targets.chunked_delta import chunked_gated_delta, log_gate
 from dflash_bench.engine.targets.dense import SelfAttention
-from dflash_bench.engine.tiles import Layout, linear
+from dflash_bench.engine.tiles import Layout, Weight, linear
 
 
 def silu(x: mx.array) -> mx.array:
@@ -60,6 +60,10 @@ class GatedDeltaNet:
         self.A_log = weights[f"{prefix}.A_log"]
         self.norm = weights[f"{prefix}.norm.weight"]
         self.eps = config.rms_norm_eps
+
+    @property
+    def projections(self) -> tuple[Weight, ...]:
+        return self.qkv, self.z, self.b, self.a, self.out
 
     def new_cache(self) -> LinearCache:
         return LinearCache(
@@ -153,6 +157,9 @@ class HybridTarget(Target):
                 for m in self.mixers
             ]
         )
+
+    def mixer_layers(self) -> list[GatedDeltaNet | SelfAttention]:
+        return self.mixers
 
     def layer(self, i: int, x: mx.array, segments: list[Segment], layout: Layout) -> mx.array:
         pre, post = self.norms[i]

@@ -1,0 +1,413 @@
+"""The row rule proven on the machine that serves, before it serves (SPEC.md section 2).
+
+Drafted == plain and concurrent == solo hold only if a decode row's bits do not depend on how many
+rows share its forward or where it sits (tiles.py). Whether a kernel keeps that depends on the
+BLAS build, the core type it picks, the thread count, the MLX version, the device and the dtype:
+a rule measured on one processor (16-row tiles, 8 for small products) failed on another, and
+float32 on CUDA broke drafted == plain. So at load the engine runs this check on the loaded
+target, on the device and dtype that will serve:
+
+- projections: every distinct weight (kind and shape) at its row tile: each row rolled through
+  every position of the tile, beside other rows, alone among zero rows, and the call repeated. A
+  tile that fails is halved (16, 8, 4, 2, 1 rows a call) until one passes: one row a call can only
+  fail by being non-deterministic;
+- decode attention, per attention shape: a 16-row window whose positions cross a key tile equals
+  the same queries fed one at a time; the tiled path first, else the elementwise one (tiles.py);
+- qwen3_5's conv and recurrence, per shape: a window equals single rows (no other path exists);
+- the model itself with those choices: a window of 16 tokens equals 16 single steps (logits and
+  the state after keeping all of it, or part of it), and a window packed beside another stream's
+  step equals each alone.
+
+A failure with no passing alternative makes the verdict fail, and the engine then serves without
+drafting (engine.py). A passing verdict is cached on disk, keyed by everything it depends on
+(`machine`, the shapes, the code), so a restart costs a file read; a failing one is run again at
+every load; `dflash-bench selfcheck` runs it fresh.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm.models.gated_delta import compute_g, gated_delta_ops
+
+from dflash_bench.engine import blas
+from dflash_bench.engine.cache import AttentionCache, TargetState, tiles_for
+from dflash_bench.engine.targets.base import Segment, Target
+from dflash_bench.engine.targets.dense import SelfAttention
+from dflash_bench.engine.targets.qwen3_5 import GatedDeltaNet
+from dflash_bench.engine.tiles import (
+    KEY_TILE, ROW_TILE, AttentionPath, Weight, attention, key_mask, pad_queries, query_positions, row_tile,
+)
+
+VERSION = 1
+WINDOW = ROW_TILE  # the widest decode window a stream feeds (a drafter's block of 16)
+PROMPT = KEY_TILE - WINDOW // 2  # so a window's positions cross a key tile boundary
+ATTENTION_PATHS: tuple[AttentionPath, ...] = ("tiled", "elementwise")
+
+
+@dataclass(frozen=True)
+class PathResult:
+    """One path's verdict: what was proven, the configuration chosen, and what differed if none passed."""
+
+    path: str
+    passed: bool
+    choice: str
+    detail: str = ""
+
+
+@dataclass
+class Verdict:
+    passed: bool
+    paths: list[PathResult]
+    tiles: dict[str, int]  # weight key -> rows a decode matmul call
+    attention: dict[str, str]  # attention key -> path
+    seconds: float
+    machine: dict
+    key: str
+    cached: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def failures(self) -> list[PathResult]:
+        return [p for p in self.paths if not p.passed]
+
+    def line(self) -> str:
+        """The startup line's clause: what passed with which tiles, or what failed."""
+        when = "cached" if self.cached else f"{self.seconds:.1f} s"
+        if not self.passed:
+            first = self.failures[0]
+            more = f" (+{len(self.failures) - 1} more)" if len(self.failures) > 1 else ""
+            why = first.detail.rsplit("; ", 1)[-1]  # the last configuration tried, the most conservative
+            return f"self-check FAILED on {self.machine['device']} {self.machine['dtype']}: {first.path}: {why}{more} ({when})"
+        tiles = "/".join(str(t) for t in sorted(set(self.tiles.values()), reverse=True))
+        paths = ", ".join(sorted(set(self.attention.values())))
+        return (f"self-check passed on {self.machine['device']} {self.machine['dtype']}: {len(self.tiles)} projection "
+                f"shapes in {tiles}-row tiles, {paths or 'no'} attention, window == steps ({when})")
+
+    def as_dict(self) -> dict:
+        return {"version": VERSION, "passed": self.passed, "line": self.line(), "seconds": self.seconds,
+                "cached": self.cached, "key": self.key, "machine": self.machine, "tiles": self.tiles,
+                "attention": self.attention, "paths": [asdict(p) for p in self.paths], "notes": self.notes}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Verdict":
+        return cls(passed=data["passed"], paths=[PathResult(**p) for p in data["paths"]], tiles=data["tiles"],
+                   attention=data["attention"], seconds=data["seconds"], machine=data["machine"], key=data["key"],
+                   notes=data.get("notes", []))
+
+
+# -- what the verdict depends on ---------------------------------------------------------------------
+def _cpu_signature() -> str:
+    """The processor as the kernels see it: family, model, stepping and feature flags (the model name
+    alone is often a bare "AMD EPYC" in a VM)."""
+    fields: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if not line.strip():
+                break  # the first processor is enough
+            name, _, value = line.partition(":")
+            if name.strip() in ("vendor_id", "cpu family", "model", "model name", "stepping", "flags", "Features", "CPU part"):
+                fields[name.strip()] = value.strip()
+    except OSError:
+        return platform.processor() or platform.machine()
+    flags = fields.pop("flags", fields.pop("Features", ""))
+    return " ".join(fields.values()) + f" flags:{hashlib.sha256(flags.encode()).hexdigest()[:12]}"
+
+
+def _code_hash() -> str:
+    """The sources whose arithmetic the verdict is about: a change to any of them re-runs the check."""
+    from dflash_bench.engine import cache, tiles
+    from dflash_bench.engine.targets import base, dense, qwen3_5
+
+    h = hashlib.sha256()
+    for module in (tiles, cache, base, dense, qwen3_5):
+        h.update(Path(module.__file__).read_bytes())
+    h.update(Path(__file__).read_bytes())
+    return h.hexdigest()[:16]
+
+
+def machine(dtype: mx.Dtype) -> dict:
+    """Everything a row's bits can depend on besides the shapes: device, BLAS and its core, threads, MLX."""
+    choice = blas.choice()
+    info = mx.device_info()
+    device = mx.default_device()
+    return {"device": f"{device.type.name} ({info.get('device_name') or 'unnamed'})",
+            "architecture": info.get("architecture"), "cpu": _cpu_signature(), "threads": os.cpu_count(),
+            "openblas_threads": os.environ.get("OPENBLAS_NUM_THREADS"), "blas": choice.kind, "blas_path": choice.path,
+            "blas_core": choice.core, "blas_config": choice.config, "mlx": mx.__version__,
+            "dtype": str(dtype).removeprefix("mlx.core."), "code": _code_hash()}
+
+
+def weight_key(w: Weight) -> str:
+    return f"{w.kind} {w.in_features}x{w.out_features}"
+
+
+def attention_key(a: SelfAttention) -> str:
+    return f"{a.heads}/{a.kv_heads} heads of {a.head_dim}"
+
+
+def recurrence_key(m: GatedDeltaNet) -> str:
+    return f"{m.hk}/{m.hv} heads of {m.dk}/{m.dv}, conv {m.kernel}x{m.conv_dim}"
+
+
+def shapes(target: Target) -> dict:
+    c = target.config
+    mixers = target.mixer_layers()
+    return {"family": c.family, "layers": c.num_layers, "vocab": c.vocab_size,
+            "weights": sorted({weight_key(w) for w in target.projections()}),
+            "attention": sorted({attention_key(m) for m in mixers if isinstance(m, SelfAttention)}),
+            "recurrence": sorted({recurrence_key(m) for m in mixers if isinstance(m, GatedDeltaNet)})}
+
+
+def cache_dir() -> Path:
+    if env := os.environ.get("DFLASH_BENCH_CACHE"):
+        return Path(env) / "selfcheck"
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dflash-bench" / "selfcheck"
+
+
+# -- the checks ---------------------------------------------------------------------------------------
+def _rand(shape: tuple[int, ...], seed: int, dtype: mx.Dtype) -> mx.array:
+    return mx.random.normal(shape, key=mx.random.key(seed)).astype(dtype)
+
+
+def _differing(got: mx.array, want: mx.array) -> list[int]:
+    """Rows (first axis) whose bits differ."""
+    same = mx.all(got == want, axis=tuple(range(1, got.ndim))) if got.ndim > 1 else got == want
+    return [i for i, ok in enumerate(same.tolist()) if not ok]
+
+
+def projection_fault(w: Weight, tile: int, dtype: mx.Dtype, seed: int = 0) -> str | None:
+    """What moves a row's bits in `tile`-row calls against `w`, or None: each row at every position of
+    the tile (rolled), row 0 beside other rows and alone among zeros, the call repeated."""
+    x = _rand((tile, w.in_features), seed, dtype)
+    ref = w.tile(x)
+    cases: list[tuple[str, mx.array, mx.array]] = [("the call repeated", w.tile(x), ref)]
+    for s in range(1, tile):
+        cases.append((f"rows rolled by {s}", w.tile(mx.roll(x, s, axis=0)), mx.roll(ref, s, axis=0)))
+    if tile > 1:
+        company = mx.concatenate([x[:1], _rand((tile - 1, w.in_features), seed + 1, dtype)])
+        alone = mx.concatenate([x[:1], mx.zeros((tile - 1, w.in_features), dtype=dtype)])
+        cases += [("row 0 beside other rows", w.tile(company)[:1], ref[:1]), ("row 0 alone", w.tile(alone)[:1], ref[:1])]
+    mx.eval([c[1] for c in cases], ref)
+    for what, got, want in cases:
+        if bad := _differing(got, want):
+            return f"{what}: rows {bad[:4]}{'...' if len(bad) > 4 else ''} differ"
+    return None
+
+
+def attention_fault(a: SelfAttention, dtype: mx.Dtype, path: AttentionPath, seed: int = 0) -> str | None:
+    """A WINDOW-row window at positions PROMPT.. against the engine's key view, beside the same
+    queries fed one at a time (each over its own, shorter, view): which rows differ."""
+    end = PROMPT + WINDOW
+    k = _rand((a.kv_heads, tiles_for(end), a.head_dim), seed, dtype)
+    v = _rand((a.kv_heads, tiles_for(end), a.head_dim), seed + 1, dtype)
+    q = _rand((a.heads, WINDOW, a.head_dim), seed + 2, dtype)
+
+    def rows(start: int, n: int) -> mx.array:
+        kr = tiles_for(start + n)
+        seen = key_mask(query_positions(start, n), 0, kr, start + n)
+        return attention(pad_queries(q[:, start - PROMPT : start - PROMPT + n]), k[:, :kr], v[:, :kr], seen,
+                         scale=a.scale, path=path)[:, :n]
+
+    window = rows(PROMPT, WINDOW)
+    steps = mx.concatenate([rows(PROMPT + t, 1) for t in range(WINDOW)], axis=1)
+    mx.eval(window, steps)
+    if bad := _differing(window.swapaxes(0, 1), steps.swapaxes(0, 1)):
+        return f"window rows {bad[:4]}{'...' if len(bad) > 4 else ''} differ from single queries"
+    return None
+
+
+def recurrence_fault(m: GatedDeltaNet, seed: int = 0) -> str | None:
+    """qwen3_5's conv and gated delta rule over a WINDOW-row window beside the same rows one at a time."""
+    span = m.kernel - 1
+    inputs = _rand((span + WINDOW, m.conv_dim), seed, mx.float32)
+    q, k, v = m.mix(inputs, WINDOW)
+    stepped = [m.mix(inputs[t : t + span + 1], 1) for t in range(WINDOW)]
+    conv_bad = [t for t, (qs, ks, vs) in enumerate(stepped)
+                if not all(mx.array_equal(a[t : t + 1], b).item() for a, b in ((q, qs), (k, ks), (v, vs)))]
+    if conv_bad:
+        return f"conv rows {conv_bad[:4]} differ from single rows"
+    g = compute_g(m.A_log, _rand((WINDOW, m.hv), seed + 1, mx.float32), m.dt_bias)
+    beta = mx.sigmoid(_rand((WINDOW, m.hv), seed + 2, mx.float32))
+    state0 = _rand((1, m.hv, m.dv, m.dk), seed + 3, mx.float32) * 0.1
+    y, state = gated_delta_ops(q[None], k[None], v[None], g[None], beta[None], state0)
+    ys, s = [], state0
+    for t in range(WINDOW):
+        yt, s = gated_delta_ops(q[None, t : t + 1], k[None, t : t + 1], v[None, t : t + 1], g[None, t : t + 1],
+                                beta[None, t : t + 1], s)
+        ys.append(yt)
+    steps = mx.concatenate(ys, axis=1)
+    mx.eval(y, steps, state, s)
+    if bad := _differing(y[0], steps[0]):
+        return f"recurrence rows {bad[:4]} differ from single rows"
+    if not mx.array_equal(state, s).item():
+        return "the state after a window differs from the state after single rows"
+    return None
+
+
+def _state_arrays(state: TargetState) -> list[mx.array]:
+    out = []
+    for layer in state.layers:
+        if isinstance(layer, AttentionCache):
+            out += [layer.k[:, : layer.length], layer.v[:, : layer.length]]
+        else:
+            out += [layer.conv, layer.state]
+    return out
+
+
+def _same_state(a: TargetState, b: TargetState) -> bool:
+    xs, ys = _state_arrays(a), _state_arrays(b)
+    return len(xs) == len(ys) and all(x.shape == y.shape and mx.array_equal(x, y).item() for x, y in zip(xs, ys))
+
+
+def model_faults(target: Target, seed: int = 0) -> list[str]:
+    """The target with the chosen tiles and paths: window == single steps (logits, the state after keeping
+    all of it and after keeping half), and a window packed beside another stream's step == each alone."""
+    vocab = target.config.vocab_size
+
+    def tokens(n: int, s: int) -> list[int]:
+        return mx.random.randint(0, vocab, (n,), key=mx.random.key(seed * 100 + s)).tolist()
+
+    def prefilled(prompt: list[int]) -> TargetState:
+        state = target.new_state()
+        target.forward([Segment(prompt, 0, state, prefill=True)])
+        state.keep(len(prompt))
+        return state
+
+    def logits(state: TargetState, feed: list[int]) -> mx.array:
+        out = target.forward([Segment(feed, state.length, state, list(range(len(feed))))])[0].logits
+        mx.eval(out)
+        return out
+
+    faults = []
+    base, window_tokens = prefilled(tokens(PROMPT, 1)), tokens(WINDOW, 2)
+    stepped, after = base.snapshot(PROMPT), {}
+    steps = []
+    for t, tok in enumerate(window_tokens):
+        steps.append(logits(stepped, [tok]))
+        stepped.keep(stepped.length)
+        if t + 1 == WINDOW // 2:
+            after["half"] = stepped.snapshot(stepped.length)
+    steps = mx.concatenate(steps)
+    windowed = base.snapshot(PROMPT)
+    window = logits(windowed, window_tokens)
+    if bad := _differing(window, steps):
+        faults.append(f"a window's logits rows {bad[:4]} differ from single steps")
+    half = base.snapshot(PROMPT)
+    logits(half, window_tokens)
+    half.keep(PROMPT + WINDOW // 2)
+    windowed.keep(PROMPT + WINDOW)
+    if not _same_state(windowed, stepped):
+        faults.append("the state after keeping a whole window differs from single steps")
+    if not _same_state(half, after["half"]):
+        faults.append(f"the state after keeping {WINDOW // 2} of a window's rows differs from single steps")
+    other, other_token = prefilled(tokens(9, 3)), tokens(1, 4)
+    alone_step = logits(other.snapshot(9), other_token)
+    packed_window_state, packed_step_state = base.snapshot(PROMPT), other.snapshot(9)
+    outs = target.forward([Segment(other_token, 9, packed_step_state, [0]),
+                           Segment(window_tokens, PROMPT, packed_window_state, list(range(WINDOW)))])
+    mx.eval([o.logits for o in outs])
+    if _differing(outs[0].logits, alone_step) or _differing(outs[1].logits, window):
+        faults.append("rows packed with another stream's differ from the same rows alone")
+    return faults
+
+
+# -- choosing, applying, caching -------------------------------------------------------------------
+def tile_candidates(w: Weight) -> list[int]:
+    """The default tile, then halves of it down to one row a call (each divides ROW_TILE)."""
+    tile, out = row_tile(w.in_features, w.out_features), []
+    while tile >= 1:
+        out.append(tile)
+        tile //= 2
+    return out
+
+
+def _run(target: Target, key: str, mach: dict) -> Verdict:
+    start = time.perf_counter()
+    dtype = target.dtype
+    paths: list[PathResult] = []
+    tiles: dict[str, int] = {}
+    chosen_paths: dict[str, str] = {}
+    weights: dict[str, Weight] = {}
+    for w in target.projections():
+        weights.setdefault(weight_key(w), w)
+    for wkey, w in sorted(weights.items()):
+        tried = []
+        for tile in tile_candidates(w):
+            fault = projection_fault(w, tile, dtype)
+            if fault is None:
+                tiles[wkey] = tile
+                note = f"; {', '.join(tried)}" if tried else ""
+                paths.append(PathResult(f"projection {wkey}", True, f"{tile}-row tiles{note}"))
+                break
+            tried.append(f"{tile} rows: {fault}")
+        else:
+            paths.append(PathResult(f"projection {wkey}", False, "", "; ".join(tried)))
+    mixers = target.mixer_layers()
+    for akey, a in sorted({attention_key(m): m for m in mixers if isinstance(m, SelfAttention)}.items()):
+        tried = []
+        for path in ATTENTION_PATHS:
+            fault = attention_fault(a, dtype, path)
+            if fault is None:
+                chosen_paths[akey] = path
+                note = f"; {', '.join(tried)}" if tried else ""
+                paths.append(PathResult(f"attention {akey}", True, f"{path}{note}"))
+                break
+            tried.append(f"{path}: {fault}")
+        else:
+            paths.append(PathResult(f"attention {akey}", False, "", "; ".join(tried)))
+    for rkey, m in sorted({recurrence_key(m): m for m in mixers if isinstance(m, GatedDeltaNet)}.items()):
+        fault = recurrence_fault(m)
+        paths.append(PathResult(f"recurrence {rkey}", fault is None, "per-row loop" if fault is None else "", fault or ""))
+    verdict = Verdict(passed=False, paths=paths, tiles=tiles, attention=chosen_paths, seconds=0.0, machine=mach, key=key)
+    apply(target, verdict)
+    faults = model_faults(target)
+    paths.append(PathResult("model: window == steps, packed == alone", not faults, "" if faults else "exact", "; ".join(faults)))
+    verdict.passed = all(p.passed for p in paths)
+    verdict.seconds = time.perf_counter() - start
+    return verdict
+
+
+def apply(target: Target, verdict: Verdict) -> None:
+    """Set each weight's tile and each attention layer's path to the verdict's choices."""
+    for w in target.projections():
+        if (tile := verdict.tiles.get(weight_key(w))) is not None:
+            w.tile_rows = tile
+    for m in target.mixer_layers():
+        if isinstance(m, SelfAttention) and (path := verdict.attention.get(attention_key(m))) is not None:
+            m.path = path
+
+
+def check(target: Target, *, fresh: bool = False) -> Verdict:
+    """The verdict for `target` on this machine: from the cache unless `fresh`, else run (and cached).
+
+    The choices are applied to `target` either way."""
+    mach = machine(target.dtype)
+    key = hashlib.sha256(json.dumps({"v": VERSION, "machine": mach, "shapes": shapes(target)}, sort_keys=True).encode()).hexdigest()[:24]
+    path = cache_dir() / f"{key}.json"
+    if not fresh and path.exists():
+        try:
+            verdict = Verdict.from_dict(json.loads(path.read_text()))
+            verdict.cached = True
+            apply(target, verdict)
+            return verdict
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # an unreadable cache entry is run again
+    verdict = _run(target, key, mach)
+    if not verdict.passed:
+        return verdict  # a failure is proven again at the next load, never taken from the cache
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(verdict.as_dict(), sort_keys=True, indent=1))
+        tmp.replace(path)
+    except OSError as err:
+        verdict.notes.append(f"the verdict was not cached: {err}")
+    return verdict
