@@ -87,13 +87,16 @@ def test_refusal_needs_no_weights_and_reads_none(folders) -> None:
 
 
 def _header_only(path: Path, shapes: dict[str, tuple[int, ...]]) -> None:
-    """A safetensors header describing bf16 tensors, with none of their data."""
+    """A safetensors header describing bf16 tensors, their data a sparse hole of the right size (a
+    file shorter than its header says is refused as truncated; the hole takes no disk)."""
     header, offset = {}, 0
     for name, shape in shapes.items():
         header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + 2 * math.prod(shape)]}
         offset = header[name]["data_offsets"][1]
     raw = json.dumps(header).encode()
-    path.write_bytes(struct.pack("<Q", len(raw)) + raw)
+    with path.open("wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.truncate(8 + len(raw) + offset)
 
 
 def test_drafter_tensors_are_counted_from_the_header(folders) -> None:
