@@ -121,7 +121,7 @@ def test_drafter_header_that_misses_a_tensor_is_refused(folders) -> None:
     _header_only(drafter / "model.safetensors", shapes)
     result = invoke(str(target), "--drafter", str(drafter))
     assert result.exit_code == 1
-    assert result.stderr.startswith("CheckpointError: DFlash drafter checkpoint has no tensor 'norm.weight'")
+    assert result.stderr.startswith(f"CheckpointError: {drafter}: DFlash drafter checkpoint has no tensor 'norm.weight'")
 
 
 def test_malformed_drafter_config_is_one_line(folders) -> None:

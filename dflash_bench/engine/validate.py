@@ -127,7 +127,10 @@ def check_drafter(folder: str | Path, draft: DraftConfig) -> None:
             packed = leaf == "weight" and draft.quantization is not None and len(entry["shape"]) == 2
             _check_dtype(f, name, entry["dtype"], ("U32",) if packed else FLOATS)
             merged[name] = entry
-    check_inventory(draft, merged)
+    try:
+        check_inventory(draft, merged)
+    except CheckpointError as err:  # inventory.py judges headers wherever they come from: name the folder
+        raise CheckpointError(f"{folder}: {err}") from None
 
 
 def checked_entries(path: Path) -> dict[str, dict[str, Any]]:
@@ -267,5 +270,5 @@ def _check_gguf(path: Path, header: gguf.Header, cfg: TargetConfig) -> None:
     if missing:
         module, _, leaf = missing[0].rpartition(".")
         raise CheckpointError(
-            f"{path}: tensor {gguf.gguf_module(module)}.{leaf!s} is missing (the metadata gives shape {expected[missing[0]]})"
+            f"{path}: tensor {gguf.gguf_module(module) + '.' + leaf!r} is missing (the metadata gives shape {expected[missing[0]]})"
         )
