@@ -1,5 +1,5 @@
 """A corpus of broken checkpoints, made here from the fixture writers: `inspect` and `serve` each
-refuse every one with exit 1 and one line on stderr naming the file's field or tensor (issue 19).
+refuse every one with exit 1 and one line on stderr naming the file's field or tensor.
 
 Most are refused from configs and headers before any weight is read (engine/validate.py); NaN and
 infinite weights only as the weights load (checkpoint.all_finite), where serve's loader thread

@@ -407,7 +407,7 @@ def _check_and_cast(staged: dict, expected: dict[str, tuple[int, ...]], dtype: m
     biases) and evaluated one at a time, so each source tensor can be freed once converted. A_log
     stays float32, as mlx-lm keeps it: it sets the GatedDeltaNet's decay rates. Each is checked
     finite once evaluated (`all_finite`, one pass): a NaN weight would otherwise be served as
-    garbage tokens (issue 19). Checked after the cast: a value finite in float32 can overflow in bf16."""
+    garbage tokens (tests/test_broken_checkpoints.py). Checked after the cast: a value finite in float32 can overflow in bf16."""
     missing = [n for n in expected if n not in staged]
     if missing:
         raise CheckpointError(f"{path}: tensor {missing[0]!r} is missing (expected shape {expected[missing[0]]})")

@@ -40,15 +40,19 @@ _SCALARS = {
 _STRING, _ARRAY = 8, 9
 
 # ggml tensor types by id, for reports (the engine never decodes blocks itself: mx.load does).
-GGML_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 30: "BF16"}
+GGML_TYPES = {
+    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1", 10: "Q2_K", 11: "Q3_K",
+    12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 28: "F64", 30: "BF16",
+}
 
 
-# (elements a block, bytes a block) by ggml type id, from ggml's type traits: a tensor's byte size
-# follows from its shape, so a header's byte ranges can be checked against the file (validate.py).
+# (elements a block, bytes a block) of the float and quantized ggml types, from ggml's type traits: a
+# tensor's byte size follows from its shape, so a header's byte ranges can be checked against the file
+# (validate.py). Integer types (I8..I64) are left out: no weight the engine reads is one.
 GGML_BLOCKS = {
     0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 9: (32, 36),
     10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210), 15: (256, 292),
-    24: (1, 1), 25: (1, 2), 26: (1, 4), 27: (1, 8), 28: (1, 8), 30: (1, 2),
+    28: (1, 8), 30: (1, 2),
 }
 DEFAULT_ALIGNMENT = 32  # where `general.alignment` is absent
 

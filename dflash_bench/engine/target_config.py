@@ -73,8 +73,8 @@ class _Fields:
     """Typed reads of one config object, each refusal naming the file and the field.
 
     JSON gives strings, bools, NaN and Infinity wherever a number is expected, and Python's own
-    conversions accept them silently (`bool("false")` is True: issue 19's untied lm_head was
-    dropped that way), so every value the engine uses is read here with its type and range checked.
+    conversions accept them silently (`bool("false")` is True, which drops an untied lm_head), so
+    every value the engine uses is read here with its type and range checked.
     """
 
     def __init__(self, cfg: dict[str, Any], where: str = "", source: str = "config.json"):

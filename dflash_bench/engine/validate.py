@@ -1,11 +1,12 @@
 """Checkpoint validation before load: every tensor's name, shape, dtype and byte range.
 
-Issue 19 found broken checkpoints served: a header saying I16 over bf16 bytes, a truncated file, a
-missing tensor that only `inspect` let through. Everything here is answerable from the configs,
-the safetensors / GGUF headers and the file sizes (kilobytes read, no weight), so `inspect`, `serve`
-and the Engine ask it before any weight is loaded and refuse with one line naming the file and the
-tensor. What only the weights can tell (NaN or infinite values) is checked as they load
-(checkpoint.py's `_check_and_cast`, drafters/dflash.py's `load_drafter`).
+A broken checkpoint that loads is served as garbage (a header saying I16 over bf16 bytes loads as
+integers); one that fails inside `mx.load` or a matmul fails with no name. Everything here is
+answerable from the configs, the safetensors / GGUF headers and the file sizes (kilobytes read, no
+weight), so `inspect`, `serve` and the Engine ask it before any weight is loaded and refuse with one
+line naming the file and the tensor. What only the weights can tell (NaN or infinite values) is
+checked as they load (checkpoint.py's `_check_and_cast`, drafters/dflash.py's `load_drafter`).
+tests/test_broken_checkpoints.py holds the corpus of what is refused.
 
 Rules, the same for target and drafter:
 - byte ranges: each tensor's range lies inside the file, is exactly its shape times its dtype's
@@ -46,7 +47,6 @@ ITEM_BYTES = {
     "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
 }
 FLOATS = ("F32", "F16", "BF16")
-GGML_INTEGER_TYPES = (24, 25, 26, 27)  # I8, I16, I32, I64: never a weight the engine reads
 
 
 def check_checkpoints(target: str | Path, drafter: str | Path | None) -> tuple[TargetConfig, DraftConfig | None]:
@@ -123,8 +123,7 @@ def check_drafter(folder: str | Path, draft: DraftConfig) -> None:
         for name, entry in checked_entries(f).items():
             if name in merged:
                 raise CheckpointError(f"{f}: tensor {name!r} appears in more than one file of {folder}")
-            module, _, leaf = name.rpartition(".")
-            packed = leaf == "weight" and draft.quantization is not None and len(entry["shape"]) == 2
+            packed = name.endswith(".weight") and draft.quantization is not None and len(entry["shape"]) == 2
             _check_dtype(f, name, entry["dtype"], ("U32",) if packed else FLOATS)
             merged[name] = entry
     try:
@@ -242,8 +241,8 @@ def _check_gguf(path: Path, header: gguf.Header, cfg: TargetConfig) -> None:
     found: set[str] = set()
     ranges = []
     for info in header.tensors.values():
-        if info.ggml_type in GGML_INTEGER_TYPES or info.ggml_type not in gguf.GGML_BLOCKS:
-            raise CheckpointError(f"{path}: tensor {info.name!r} has ggml type {info.type_name}, not a weight type")
+        if info.ggml_type not in gguf.GGML_BLOCKS:
+            raise CheckpointError(f"{path}: tensor {info.name!r} has ggml type {info.type_name}, not a float or quantized type")
         block, block_bytes = gguf.GGML_BLOCKS[info.ggml_type]
         count = math.prod(info.shape)
         if not info.shape or info.shape[-1] % block:
@@ -251,7 +250,9 @@ def _check_gguf(path: Path, header: gguf.Header, cfg: TargetConfig) -> None:
         start = header.data_start + info.offset
         end = start + count // block * block_bytes
         if info.offset % alignment:
-            raise CheckpointError(f"{path}: tensor {info.name!r} starts at data offset {info.offset}, not on the {alignment}-byte alignment")
+            raise CheckpointError(
+                f"{path}: tensor {info.name!r} starts at data offset {info.offset}, off the {alignment}-byte alignment"
+            )
         if end > header.file_size:
             raise CheckpointError(
                 f"{path}: tensor {info.name!r} ends at byte {end}, the file holds {header.file_size} (truncated?)"
@@ -263,12 +264,13 @@ def _check_gguf(path: Path, header: gguf.Header, cfg: TargetConfig) -> None:
         if name not in expected:
             raise CheckpointError(f"{path}: tensor {info.name!r} is not part of this llama target")
         if info.shape != expected[name]:
-            raise CheckpointError(f"{path}: tensor {info.name!r} has shape {info.shape}, the metadata gives {expected[name]}")
+            raise CheckpointError(
+                f"{path}: tensor {info.name!r} has shape {info.shape}, the metadata gives {expected[name]}"
+            )
         found.add(name)
     _check_no_overlap(path, ranges)
     missing = [n for n in expected if n not in found]
     if missing:
         module, _, leaf = missing[0].rpartition(".")
-        raise CheckpointError(
-            f"{path}: tensor {gguf.gguf_module(module) + '.' + leaf!r} is missing (the metadata gives shape {expected[missing[0]]})"
-        )
+        name = f"{gguf.gguf_module(module)}.{leaf}"
+        raise CheckpointError(f"{path}: tensor {name!r} is missing (the metadata gives shape {expected[missing[0]]})")
