@@ -87,13 +87,16 @@ def test_refusal_needs_no_weights_and_reads_none(folders) -> None:
 
 
 def _header_only(path: Path, shapes: dict[str, tuple[int, ...]]) -> None:
-    """A safetensors header describing bf16 tensors, with none of their data."""
+    """A safetensors header describing bf16 tensors, their data a sparse hole of the right size (a
+    file shorter than its header says is refused as truncated; the hole takes no disk)."""
     header, offset = {}, 0
     for name, shape in shapes.items():
         header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + 2 * math.prod(shape)]}
         offset = header[name]["data_offsets"][1]
     raw = json.dumps(header).encode()
-    path.write_bytes(struct.pack("<Q", len(raw)) + raw)
+    with path.open("wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        f.truncate(8 + len(raw) + offset)
 
 
 def test_drafter_tensors_are_counted_from_the_header(folders) -> None:
@@ -118,7 +121,7 @@ def test_drafter_header_that_misses_a_tensor_is_refused(folders) -> None:
     _header_only(drafter / "model.safetensors", shapes)
     result = invoke(str(target), "--drafter", str(drafter))
     assert result.exit_code == 1
-    assert result.stderr.startswith("CheckpointError: DFlash drafter checkpoint has no tensor 'norm.weight'")
+    assert result.stderr.startswith(f"CheckpointError: {drafter}: DFlash drafter checkpoint has no tensor 'norm.weight'")
 
 
 def test_malformed_drafter_config_is_one_line(folders) -> None:

@@ -1,12 +1,12 @@
 """`dflash-bench inspect TARGET [--drafter DIR] [--json]`: what a target and drafter are, before loading.
 
 Everything shown comes from config.json files, GGUF metadata, safetensors headers and file sizes;
-no weight is read. A pair the engine would refuse is refused here the same way (one line, exit 1).
+no weight is read. A pair the engine would refuse, or a checkpoint whose tensors do not match its
+config (engine/validate.py), is refused here the same way as by `serve` (one line, exit 1).
 """
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
 import json
 from collections import Counter
@@ -21,7 +21,6 @@ from dflash_bench.cli import app
 from dflash_bench.engine.draft_config import DraftConfig, read_draft_config
 from dflash_bench.engine.errors import CheckpointError, DFlashBenchError
 from dflash_bench.engine.inventory import (
-    check_inventory,
     expected_inventory,
     read_folder_header,
     tensor_bytes,
@@ -29,6 +28,7 @@ from dflash_bench.engine.inventory import (
 )
 from dflash_bench.engine.preload import check_pair, read_target_json
 from dflash_bench.engine.target_config import TargetConfig
+from dflash_bench.engine.validate import check_drafter, check_target, check_target_files
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -41,31 +41,22 @@ def default_gguf_path() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / DEFAULT_GGUF
 
 
-def _read_gguf_target(path: Path) -> TargetConfig:
-    """GGUF metadata through the checkpoint loader, imported only when a GGUF is asked for."""
-    try:
-        checkpoint = importlib.import_module("dflash_bench.engine.checkpoint")
-    except ImportError:
-        checkpoint = None
-    reader = getattr(checkpoint, "read_target_config", None)
-    if reader is None:
-        raise CheckpointError(f"{path}: reading GGUF targets needs dflash_bench.engine.checkpoint.read_target_config")
-    return reader(path)
-
-
 def load_target(spec: str) -> tuple[TargetConfig, Path, int | None]:
     """The target's config, where it came from, and its weight bytes on disk (file sizes only, None
-    when the folder holds no weights)."""
+    when the folder holds no weights); the tensors, when there are any, checked against the config
+    from their headers as `serve` checks them (engine/validate.py)."""
     path = default_gguf_path() if spec == "default" else Path(spec)
     if path.suffix == ".gguf":
         if not path.is_file():
             raise CheckpointError(f"target GGUF {path} does not exist")
-        return _read_gguf_target(path), path, path.stat().st_size
+        return check_target(path), path, path.stat().st_size
     if not path.exists():
         raise CheckpointError(f"target {path} does not exist (expected a folder with config.json, a .gguf or 'default')")
     target = read_target_json(path)
     folder = path if path.is_dir() else path.parent
     files = weight_files(folder)
+    if files:
+        check_target_files(folder, target)
     return target, path, sum(f.stat().st_size for f in files) if files else None
 
 
@@ -131,8 +122,8 @@ def drafter_summary(draft: DraftConfig, folder: Path) -> dict[str, Any]:
         summary["selector"] = f"rank {draft.selector_rank}, top-k {draft.selector_top_k}"
         summary["conv"] = f"kernel {draft.conv_kernel_size}, group {draft.conv_group_size}"
     if weight_files(folder):
+        check_drafter(folder, draft)
         header = read_folder_header(folder)
-        check_inventory(draft, header)
         summary["tensors"] = len(header)
         summary["weight_bytes"] = tensor_bytes(header)
     return summary

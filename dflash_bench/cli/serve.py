@@ -1,11 +1,12 @@
 """`dflash-bench serve TARGET`: the bundled engine behind an OpenAI-compatible server (loopback by default).
 
-Startup order matters: the pre-load refusals run first, from the two config.json files alone, so a
-drafter for another target costs a one-line error and no weight is read. Then the server listens
-(GET /health answers "warming") while the weights load in a thread; once they are in, /health
-answers "ready" and one startup line names the target, the drafter kind, the streams and context,
-and the URL. Each reply then logs one line: id, prompt, cached, tokens, token_sha, finish, rounds,
-accepted/drafted.
+Startup order matters: the pre-load refusals run first, from the config files and the tensor headers
+alone (engine/validate.py), so a drafter for another target or a broken checkpoint costs a one-line
+error and no weight is read. Then the server listens (GET /health answers "warming") while the
+weights load in a thread; a weight found NaN or infinite there ends the server with its one line
+before any request is served. Once they are in, /health answers "ready" and one startup line names
+the target, the drafter kind, the streams and context, and the URL. Each reply then logs one line:
+id, prompt, cached, tokens, token_sha, finish, rounds, accepted/drafted.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from dflash_bench.engine import backend as backends
 from dflash_bench.engine.defaults import chosen_drafter
 from dflash_bench.engine.engine import Engine, Settings
 from dflash_bench.engine.errors import DFlashBenchError
-from dflash_bench.engine.planner import PlanInputs, admit, read_configs
+from dflash_bench.engine.planner import PlanInputs, admit
 from dflash_bench.engine.server import create_app, warm_up
+from dflash_bench.engine.validate import check_checkpoints
 
 SHUTDOWN_GRACE_SECONDS = 5
 
@@ -47,9 +49,9 @@ def serve(
     """Serve TARGET (and its drafter) with an OpenAI-compatible API: /v1/completions, /v1/chat/completions,
     /health, /metrics, /tokenize, /detokenize."""
     drafter = chosen_drafter(target, drafter, no_drafter)
-    try:  # the pre-load refusals and the memory plan, from the config files alone
+    try:  # the pre-load refusals and the memory plan, from the configs and tensor headers alone
         mode = backends.resolve(backend)
-        tcfg, dcfg = read_configs(target, drafter)
+        tcfg, dcfg = check_checkpoints(target, drafter)
         decision = admit(PlanInputs(tcfg, dcfg, parallel, context, prompt_cache_gib, drafter_bits if dcfg else 0,
                                     backend=mode))
     except (DFlashBenchError, ValueError) as err:

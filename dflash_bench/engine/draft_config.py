@@ -9,6 +9,7 @@ whether it fits a target and whether the engine runs it are `preload`'s question
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,7 +62,7 @@ class DraftConfig:
 
 
 def _field(cfg: dict[str, Any], key: str, where: str, kind: type = int, positive: bool = True) -> Any:
-    """One required field of `kind`; bools are not ints here, and sizes must be positive."""
+    """One required field of `kind`; bools are not ints here, floats are finite, and sizes must be positive."""
     if key not in cfg:
         raise BadDraftConfig(f"drafter config.json has no {where}{key}")
     value = cfg[key]
@@ -69,6 +70,8 @@ def _field(cfg: dict[str, Any], key: str, where: str, kind: type = int, positive
         value = float(value)
     if isinstance(value, bool) or not isinstance(value, kind):
         raise BadDraftConfig(f"drafter config.json {where}{key} is {value!r}, expected {kind.__name__}")
+    if kind is float and not math.isfinite(value):  # json reads NaN and Infinity as floats
+        raise BadDraftConfig(f"drafter config.json {where}{key} is {value!r}, expected a finite number")
     if positive and value <= 0:
         raise BadDraftConfig(f"drafter config.json {where}{key} is {value!r}, expected a positive number")
     return value
@@ -78,6 +81,16 @@ def _optional(cfg: dict[str, Any], key: str, where: str, kind: type, default: An
     if cfg.get(key) is None:
         return default
     return _field(cfg, key, where, kind)
+
+
+def _flag(cfg: dict[str, Any], key: str) -> bool:
+    """A true/false field, false when absent (`bool("false")` would be True)."""
+    value = cfg.get(key, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise BadDraftConfig(f"drafter config.json {key} is {value!r}, expected true or false")
+    return value
 
 
 def _variant(cfg: dict[str, Any]) -> str:
@@ -170,7 +183,7 @@ def parse_draft_config(cfg: dict[str, Any]) -> DraftConfig:
     is_causal, causal = _causality(cfg, layer_types)
     rope = cfg.get("rope_parameters") or {}
     rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0) if isinstance(rope, dict) else None)
-    if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)) or rope_theta <= 0:
+    if isinstance(rope_theta, bool) or not isinstance(rope_theta, (int, float)) or not 0 < rope_theta < math.inf:
         raise BadDraftConfig(f"drafter config.json rope_theta is {rope_theta!r}, expected a positive number")
     softcap = dflash.get("final_logit_softcapping", cfg.get("final_logit_softcapping"))
     if softcap is not None:
@@ -200,7 +213,7 @@ def parse_draft_config(cfg: dict[str, Any]) -> DraftConfig:
         sliding_window=window,
         is_causal=is_causal,
         num_target_layers=_optional(cfg, "num_target_layers", "", int, None),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        tie_word_embeddings=_flag(cfg, "tie_word_embeddings"),
         output_multiplier=_optional(dflash, "output_multiplier", d, float, 1.0),
         final_logit_softcapping=softcap,
         quantization=_quantization(cfg),

@@ -23,14 +23,14 @@ import mlx.core as mx
 
 from dflash_bench.engine import backend as backends
 from dflash_bench.engine import selfcheck
-from dflash_bench.engine.checkpoint import LoadedTarget, load_target, read_target_config
+from dflash_bench.engine.checkpoint import LoadedTarget, load_target
 from dflash_bench.engine.drafters.dflash import DFlashDrafter, load_drafter
 from dflash_bench.engine.lanes import CHUNK, Lanes
-from dflash_bench.engine.preload import check_dirs
 from dflash_bench.engine.prompt_cache import PromptCache
 from dflash_bench.engine.request import Handle, Request, Result
 from dflash_bench.engine.targets import Target, build_target
 from dflash_bench.engine.tiles import Weight
+from dflash_bench.engine.validate import check_checkpoints
 
 GIB = 1 << 30
 
@@ -47,9 +47,8 @@ class Settings:
 
 
 def preload(target: str, drafter: str | None) -> None:
-    """The pre-load checks from the two config files alone; raises the one-line refusal."""
-    if drafter is not None:
-        check_dirs(read_target_config(target), drafter)
+    """The pre-load checks from the configs and tensor headers (validate.py); raises the one-line refusal."""
+    check_checkpoints(target, drafter)
 
 
 class Engine:

@@ -40,7 +40,21 @@ _SCALARS = {
 _STRING, _ARRAY = 8, 9
 
 # ggml tensor types by id, for reports (the engine never decodes blocks itself: mx.load does).
-GGML_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 30: "BF16"}
+GGML_TYPES = {
+    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1", 10: "Q2_K", 11: "Q3_K",
+    12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 28: "F64", 30: "BF16",
+}
+
+
+# (elements a block, bytes a block) of the float and quantized ggml types, from ggml's type traits: a
+# tensor's byte size follows from its shape, so a header's byte ranges can be checked against the file
+# (validate.py). Integer types (I8..I64) are left out: no weight the engine reads is one.
+GGML_BLOCKS = {
+    0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 9: (32, 36),
+    10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210), 15: (256, 292),
+    28: (1, 8), 30: (1, 2),
+}
+DEFAULT_ALIGNMENT = 32  # where `general.alignment` is absent
 
 
 @dataclass(frozen=True)
@@ -48,6 +62,7 @@ class TensorInfo:
     name: str
     shape: tuple[int, ...]  # row-major (numpy) order: ggml's dims reversed
     ggml_type: int
+    offset: int = 0  # of its data, from the start of the data section
 
     @property
     def type_name(self) -> str:
@@ -59,6 +74,8 @@ class Header:
     version: int
     metadata: dict[str, Any]
     tensors: dict[str, TensorInfo]
+    data_start: int = 0  # the data section's offset in the file (aligned after the tensor infos)
+    file_size: int = 0
 
 
 class _Reader:
@@ -128,9 +145,14 @@ def read_header(path: str | Path) -> Header:
             name = r.string()
             dims = [r.scalar(10) for _ in range(r.scalar(4))]
             ggml_type = r.scalar(4)
-            r.scalar(10)  # data offset
-            tensors[name] = TensorInfo(name, tuple(reversed(dims)), ggml_type)
-    return Header(version, metadata, tensors)
+            if name in tensors:
+                raise CheckpointError(f"{path}: GGUF tensor {name!r} is listed twice")
+            tensors[name] = TensorInfo(name, tuple(reversed(dims)), ggml_type, r.scalar(10))
+        alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0:
+            raise CheckpointError(f"{path}: GGUF general.alignment is {alignment!r}, expected a positive integer")
+        data_start = -(-r.pos // alignment) * alignment
+        return Header(version, metadata, tensors, data_start, len(buf))
 
 
 # llama.cpp's llama tensor names -> canonical names (see docs/helpers-brief.md).

@@ -7,9 +7,11 @@ model nested in `text_config`). The planner, the pre-load checks and the models 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from dflash_bench.engine.draft_config import QUANT_BITS
 from dflash_bench.engine.errors import BadTargetConfig
 
 FAMILIES = ("llama", "qwen3", "qwen3_5")
@@ -67,15 +69,78 @@ class TargetConfig:
         return int(self.head_dim * self.partial_rotary_factor)
 
 
-def _need(cfg: dict[str, Any], key: str, kind: type | tuple[type, ...] = int) -> Any:
-    if key not in cfg:
-        raise BadTargetConfig(f"config.json has no {key!r}")
-    value = cfg[key]
-    if isinstance(value, bool) or not isinstance(value, kind):
-        raise BadTargetConfig(f"config.json {key!r} is {value!r}, expected {getattr(kind, '__name__', kind)}")
-    if isinstance(value, int) and value <= 0:
-        raise BadTargetConfig(f"config.json {key!r} is {value}, expected a positive number")
-    return value
+class _Fields:
+    """Typed reads of one config object, each refusal naming the file and the field.
+
+    JSON gives strings, bools, NaN and Infinity wherever a number is expected, and Python's own
+    conversions accept them silently (`bool("false")` is True, which drops an untied lm_head), so
+    every value the engine uses is read here with its type and range checked.
+    """
+
+    def __init__(self, cfg: dict[str, Any], where: str = "", source: str = "config.json"):
+        self.cfg, self.where, self.source = cfg, where, source
+
+    def refuse(self, key: str, value: Any, expected: str) -> BadTargetConfig:
+        return BadTargetConfig(f"{self.source} {self.where}{key} is {value!r}, expected {expected}")
+
+    def has(self, key: str) -> bool:
+        return self.cfg.get(key) is not None
+
+    def integer(self, key: str, default: int | None = None, minimum: int = 1) -> int:
+        """An integer >= `minimum` (bools are not integers here); required when `default` is None."""
+        value = self.cfg.get(key)
+        if value is None:
+            if default is None:
+                raise BadTargetConfig(f"{self.source} has no {self.where}{key}")
+            return default
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.refuse(key, value, "an integer")
+        if value < minimum:
+            raise self.refuse(key, value, f"an integer >= {minimum}")
+        return value
+
+    def number(self, key: str, default: float, maximum: float = math.inf) -> float:
+        """A finite number in (0, maximum]; integers are accepted as numbers."""
+        value = self.cfg.get(key)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise self.refuse(key, value, "a finite number")
+        if not 0 < value <= maximum:
+            raise self.refuse(key, value, f"a number in (0, {maximum:g}]")
+        return float(value)
+
+    def flag(self, key: str, default: bool) -> bool:
+        value = self.cfg.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise self.refuse(key, value, "true or false")
+        return value
+
+    def text(self, key: str) -> str | None:
+        value = self.cfg.get(key)
+        if value is not None and not isinstance(value, str):
+            raise self.refuse(key, value, "a string")
+        return value
+
+    def mapping(self, key: str) -> dict[str, Any]:
+        value = self.cfg.get(key)
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise self.refuse(key, value, "an object")
+        return value
+
+    def token_ids(self, key: str) -> tuple[int, ...] | None:
+        """A token id or a list of them (None when absent)."""
+        value = self.cfg.get(key)
+        if value is None:
+            return None
+        ids = value if isinstance(value, list) else [value]
+        if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+            raise self.refuse(key, value, "a token id or a list of token ids")
+        return tuple(ids)
 
 
 def family_of(cfg: dict[str, Any]) -> str:
@@ -88,71 +153,89 @@ def family_of(cfg: dict[str, Any]) -> str:
     raise BadTargetConfig(f"config.json model_type is {model_type!r}, expected one of {', '.join(FAMILIES)}")
 
 
-def parse_target_config(cfg: dict[str, Any], name: str = "") -> TargetConfig:
-    """Parse a target config.json (the text config of a qwen3_5 is read from `text_config`)."""
+def _quantization(cfg: dict[str, Any], source: str) -> dict[str, int] | None:
+    """mlx-lm's `quantization` block (or HF's `quantization_config`): bits and group size, checked
+    with every per-module override in it, since the loader unpacks by them (checkpoint.py)."""
+    key = "quantization" if cfg.get("quantization") is not None else "quantization_config"
+    quant = _Fields(cfg, source=source).mapping(key)
+    if not quant:
+        return None
+    blocks = {f"{key}.": quant} | {f"{key}.{name}.": v for name, v in quant.items() if isinstance(v, dict)}
+    for where, block in blocks.items():
+        fields = _Fields(block, where, source)
+        bits = fields.integer("bits")
+        if bits not in QUANT_BITS:
+            raise fields.refuse("bits", bits, f"one of {', '.join(map(str, QUANT_BITS))}")
+        fields.integer("group_size")
+    return {"bits": quant["bits"], "group_size": quant["group_size"]}
+
+
+def parse_target_config(cfg: dict[str, Any], name: str = "", source: str = "config.json") -> TargetConfig:
+    """Parse a target config.json (the text config of a qwen3_5 is read from `text_config`); `source`
+    names the file in refusals (a GGUF's metadata goes through here too)."""
     if not isinstance(cfg, dict):
-        raise BadTargetConfig("config.json is not a JSON object")
+        raise BadTargetConfig(f"{source} is not a JSON object")
     family = family_of(cfg)
-    text = cfg.get("text_config", cfg) if family == "qwen3_5" else cfg
-    if not isinstance(text, dict):
-        raise BadTargetConfig("config.json text_config is not an object")
-    layers = _need(text, "num_hidden_layers")
-    hidden = _need(text, "hidden_size")
-    heads = _need(text, "num_attention_heads")
-    kv_heads = text.get("num_key_value_heads", heads)
-    head_dim = text.get("head_dim") or hidden // heads
-    rope = text.get("rope_parameters") or text.get("rope_scaling") or {}
-    rope_theta = float(text.get("rope_theta", rope.get("rope_theta", 10000.0)))
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", None):
-        raise BadTargetConfig(f"config.json rope scaling {rope_type!r} is not supported, the engine runs plain RoPE ('default')")
-    layer_types: tuple[str, ...]
+    top = _Fields(cfg, source=source)
+    text = top.mapping("text_config") if family == "qwen3_5" and "text_config" in cfg else cfg
+    t = _Fields(text, "text_config." if text is not cfg else "", source)
+    layers = t.integer("num_hidden_layers")
+    hidden = t.integer("hidden_size")
+    heads = t.integer("num_attention_heads")
+    kv_heads = t.integer("num_key_value_heads", heads)
+    if heads % kv_heads:
+        raise t.refuse("num_key_value_heads", kv_heads, f"a divisor of num_attention_heads {heads}")
+    head_dim = t.integer("head_dim", hidden // heads)
+    rope = t.mapping("rope_parameters") if t.has("rope_parameters") else t.mapping("rope_scaling")
+    r = _Fields(rope, t.where + ("rope_parameters." if t.has("rope_parameters") else "rope_scaling."), source)
+    rope_theta = t.number("rope_theta", r.number("rope_theta", 10000.0))
+    rope_type = r.text("rope_type") or r.text("type") or "default"
+    if rope_type != "default":
+        raise BadTargetConfig(f"{source} rope scaling {rope_type!r} is not supported, the engine runs plain RoPE ('default')")
     linear = None
     if family == "qwen3_5":
-        layer_types = tuple(text.get("layer_types") or ())
-        if not layer_types:
-            interval = int(text.get("full_attention_interval", 4))
-            layer_types = tuple(
-                "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)
-            )
+        types = text.get("layer_types")
+        if types is None:
+            interval = t.integer("full_attention_interval", 4)
+            types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(layers)]
         linear = LinearAttention(
-            num_key_heads=_need(text, "linear_num_key_heads"),
-            num_value_heads=_need(text, "linear_num_value_heads"),
-            key_head_dim=_need(text, "linear_key_head_dim"),
-            value_head_dim=_need(text, "linear_value_head_dim"),
-            conv_kernel=_need(text, "linear_conv_kernel_dim"),
+            num_key_heads=t.integer("linear_num_key_heads"),
+            num_value_heads=t.integer("linear_num_value_heads"),
+            key_head_dim=t.integer("linear_key_head_dim"),
+            value_head_dim=t.integer("linear_value_head_dim"),
+            conv_kernel=t.integer("linear_conv_kernel_dim"),
         )
     else:
-        layer_types = ("full_attention",) * layers
-    if len(layer_types) != layers:
-        raise BadTargetConfig(f"config.json layer_types has {len(layer_types)} entries, num_hidden_layers is {layers}")
-    bad = set(layer_types) - {"full_attention", "linear_attention"}
+        types = ["full_attention"] * layers
+    if not isinstance(types, list) or len(types) != layers:
+        raise t.refuse("layer_types", types, f"a list of {layers} layer kinds (num_hidden_layers)")
+    bad = sorted({kind for kind in types if kind not in ("full_attention", "linear_attention")}, key=repr)
     if bad:
-        raise BadTargetConfig(f"config.json layer_types holds {sorted(bad)}, expected full_attention or linear_attention")
-    eos = text.get("eos_token_id", cfg.get("eos_token_id"))
-    eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
-    tie = cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
-    quant = cfg.get("quantization") or cfg.get("quantization_config")
+        raise BadTargetConfig(f"{source} {t.where}layer_types holds {bad}, expected full_attention or linear_attention")
+    eos = t.token_ids("eos_token_id") if t.has("eos_token_id") else top.token_ids("eos_token_id")
+    tie = top.flag("tie_word_embeddings", t.flag("tie_word_embeddings", False))
+    partial = r.number("partial_rotary_factor", t.number("partial_rotary_factor", 1.0, maximum=1.0), maximum=1.0)
+    dtype = t.text("dtype") or t.text("torch_dtype") or top.text("torch_dtype") or "bfloat16"
     return TargetConfig(
         family=family,
         num_layers=layers,
         hidden_size=hidden,
-        intermediate_size=_need(text, "intermediate_size"),
+        intermediate_size=t.integer("intermediate_size"),
         num_heads=heads,
-        num_kv_heads=int(kv_heads),
-        head_dim=int(head_dim),
-        vocab_size=_need(text, "vocab_size"),
-        rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        vocab_size=t.integer("vocab_size"),
+        rms_norm_eps=t.number("rms_norm_eps", 1e-6),
         rope_theta=rope_theta,
-        tie_word_embeddings=bool(tie),
-        layer_types=layer_types,
-        max_position_embeddings=int(text.get("max_position_embeddings", 8192)),
-        partial_rotary_factor=float(rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0))),
-        attn_output_gate=bool(text.get("attn_output_gate", family == "qwen3_5")),
+        tie_word_embeddings=tie,
+        layer_types=tuple(types),
+        max_position_embeddings=t.integer("max_position_embeddings", 8192),
+        partial_rotary_factor=partial,
+        attn_output_gate=t.flag("attn_output_gate", family == "qwen3_5"),
         linear=linear,
-        eos_token_ids=eos_ids,
+        eos_token_ids=eos or (),
         name=name,
-        dtype=str(text.get("dtype") or text.get("torch_dtype") or cfg.get("torch_dtype") or "bfloat16"),
-        quantization={"bits": int(quant["bits"]), "group_size": int(quant["group_size"])} if quant else None,
+        dtype=dtype,
+        quantization=_quantization(cfg, source),
         raw=cfg,
     )

@@ -16,13 +16,13 @@ from pathlib import Path
 import mlx.core as mx
 
 from dflash_bench.engine.cache import AttentionCache
-from dflash_bench.engine.checkpoint import dequantize_packed, files_sha256
+from dflash_bench.engine.checkpoint import all_finite, dequantize_packed, files_sha256
 from dflash_bench.engine.draft_config import DraftConfig, read_draft_config
 from dflash_bench.engine.errors import CheckpointError
-from dflash_bench.engine.inventory import check_inventory, read_folder_header
 from dflash_bench.engine.sampling import SamplingParams, choose
 from dflash_bench.engine.targets.base import Target, repack
 from dflash_bench.engine.tiles import KEY_TILE, Weight, attention, key_mask, linear, pad_queries, pad_rows, query_positions
+from dflash_bench.engine.validate import check_drafter
 
 
 class DrafterState:
@@ -204,13 +204,17 @@ def load_drafter(path: str | Path, target: Target, bits: int = 0, dtype: mx.Dtyp
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{path}: no *.safetensors weights beside config.json")
-    check_inventory(config, read_folder_header(path))  # a clear error before any weight is read
+    check_drafter(path, config)  # byte ranges, dtypes, names and shapes: one line before any weight is read
     weights: dict[str, mx.array] = {}
     for f in files:
         weights.update(mx.load(str(f)))
     if config.quantization is not None:  # stored packed (mlx-lm's layout): the engine computes in float
         weights = dequantize_packed(weights, *config.quantization)
     weights = {k: v.astype(dtype) for k, v in weights.items()}
+    mx.eval(list(weights.values()))
+    bad = [k for k, v in weights.items() if not all_finite([v])]
+    if bad:  # checked after the cast: a value finite in float32 can overflow to inf in bf16
+        raise CheckpointError(f"{path}: tensor {bad[0]!r} holds NaN or infinite values")
     drafter = DFlashDrafter(config, weights, target, bits=bits)
     drafter.weights_sha256 = files_sha256(files)
     return drafter
