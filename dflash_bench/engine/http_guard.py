@@ -29,6 +29,7 @@ BODY_FLOOR = MIB  # every body limit allows at least this much: short chats with
 BODY_BYTES_PER_TOKEN = 128  # a context token as JSON: a long token's text, escaped (\uXXXX), or an id and its comma
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 OPEN_PATHS = frozenset({"/health"})  # answered without the API key
+API_KEY_ENV = "DFLASH_BENCH_API_KEY"  # serve --api-key's default, and the key the checks send
 
 
 def default_body_limit(context: int) -> int:
