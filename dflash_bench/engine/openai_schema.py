@@ -24,7 +24,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-MAX_DEPTH = 32  # the deepest body OpenAI's fields need is 4 (messages[i].content[j].text); templates' kwargs a few more
+MAX_DEPTH = 32  # OpenAI's fields need 5 levels (messages[i].content[j].text); templates' kwargs a few more
 MAX_INT_DIGITS = 32  # seeds (below 2**64) have 20 digits; a longer integer fits no field
 MAX_STOP = 4  # OpenAI's limit on stop strings
 MAX_TOP_K = 1 << 20  # past any vocabulary this server loads (a larger top_k would filter nothing anyway)
@@ -92,7 +92,7 @@ class _Generation(_Strict):
     """The sampling and reply fields shared by completions and chat completions."""
 
     unsupported: ClassVar[dict[str, tuple[Any, ...]]] = UNSUPPORTED
-    model: str | None = None  # None or absent: the one model served (see server.py's check_model)
+    model: str | None = None  # None or absent: the one model served (server.py's Served.read checks the id)
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
