@@ -139,11 +139,13 @@ def test_health_and_models_name_the_target_drafter_streams_and_context(server: L
 def test_warming_until_the_engine_is_attached(checkpoints) -> None:
     engine = engine_for(checkpoints)
     with LiveServer(engine, create_app()) as s:
-        assert s.http.get("/health").json() == {"status": "warming"}
+        warming = s.http.get("/health")
+        assert (warming.status_code, warming.json()) == (503, {"status": "warming"})
         r = s.http.post("/v1/completions", json={"prompt": PROMPT})
         assert (r.status_code, r.json()["error"]["code"]) == (503, "warming")
         s.app.state.served.attach(engine)
-        assert s.http.get("/health").json()["status"] == "ready"
+        ready = s.http.get("/health")
+        assert (ready.status_code, ready.json()["status"]) == (200, "ready")
         assert_still_serving(s)
 
 
@@ -296,7 +298,8 @@ MALFORMED = [
     (CHAT, {"messages": [{"role": "user", "content": 7}]}, "messages[0].content", "invalid_value"),
     (CHAT, {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": []}, "chat_template_kwargs",
      "invalid_type"),
-    ("/tokenize", {"prompt": "hi", "messages": []}, None, "invalid_value"),
+    ("/tokenize", {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, None, "invalid_value"),
+    ("/tokenize", {"messages": []}, "messages", "invalid_value"),
     ("/detokenize", {"tokens": "1,2"}, "tokens", "invalid_type"),
 ]
 

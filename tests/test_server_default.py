@@ -41,22 +41,23 @@ def free_port() -> int:
 class ServeProcess:
     """`python -m dflash_bench serve ...` on a free port, its output in a log file."""
 
-    def __init__(self, args: list[str], log: Path) -> None:
+    def __init__(self, args: list[str], log: Path, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         with open(log, "wb") as out:
             self.proc = subprocess.Popen([*SERVE, *args, "--port", str(self.port)], stdout=out,
-                                         stderr=subprocess.STDOUT, cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+                                         stderr=subprocess.STDOUT, cwd=ROOT,
+                                         env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
 
     def wait_ready(self, timeout: float = 180.0) -> dict:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert self.proc.poll() is None, f"serve exited with {self.proc.returncode}: {self.lines()}"
             try:
-                health = httpx.get(f"{self.url}/health", timeout=2).json()
-                if health["status"] == "ready":
-                    return health
+                r = httpx.get(f"{self.url}/health", timeout=2)
+                if r.status_code == 200 and r.json()["status"] == "ready":  # 503 "warming" before
+                    return r.json()
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)

@@ -223,10 +223,11 @@ def _error_text_from(err) -> str:
 class Client:
     """A thread-safe client for one server (httpx pools the connections)."""
 
-    def __init__(self, base_url: str, timeout: float = 600.0) -> None:
+    def __init__(self, base_url: str, timeout: float = 600.0, api_key: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
-        self.http = httpx.Client(base_url=self.base_url, timeout=httpx.Timeout(timeout, connect=10.0),
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(base_url=self.base_url, timeout=httpx.Timeout(timeout, connect=10.0), headers=headers,
                                  limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
         self.model: str | None = None
 

@@ -6,6 +6,7 @@ Whatever stops a run (Ctrl-C, the server dying, a timeout, a bug) the receipt is
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -22,6 +23,7 @@ from dflash_bench.checks.client import PEAK_MEMORY_METRIC, Client, Record, Reque
 from dflash_bench.checks.receipt import Receipt, exit_code
 from dflash_bench.checks.server import ServeSettings, open_server
 from dflash_bench.engine.errors import DFlashBenchError
+from dflash_bench.engine.http_guard import API_KEY_ENV
 
 NO_DFLASH = ("the server's replies carry no `dflash` block, so whether it honours `draft` is unknown "
              "(e.g. mlx_lm.server)")
@@ -147,6 +149,9 @@ class RunSpec:
     startup_timeout: float = 600.0
     request_timeout: float = 600.0
     command: list[str] = field(default_factory=lambda: list(sys.argv))
+    # The key requests carry: a server at --url may need one, and a managed server inherits the same
+    # environment variable, so it requires exactly the key the client sends.
+    api_key: str | None = field(default_factory=lambda: os.environ.get(API_KEY_ENV) or None)
 
 
 def make_progress(console: Console | None = None) -> Progress:
@@ -173,7 +178,7 @@ def run_check(spec: RunSpec, settings: dict, body: Callable[[Context], None],
                 receipt.server["startup_line"] = health["startup_line"]
             if "selfcheck" in health:  # the serving machine's proof of the row rule (engine/selfcheck.py)
                 receipt.environment["selfcheck"] = health["selfcheck"]
-            client = Client(server.url, spec.request_timeout)
+            client = Client(server.url, spec.request_timeout, spec.api_key)
             try:
                 client.pick_model(health)
                 receipt.server["model"] = client.model

@@ -2,11 +2,15 @@
 
 Startup order matters: the pre-load refusals run first, from the config files and the tensor headers
 alone (engine/validate.py), so a drafter for another target or a broken checkpoint costs a one-line
-error and no weight is read. Then the server listens (GET /health answers "warming") while the
+error and no weight is read. Then the server listens (GET /health answers 503 "warming") while the
 weights load in a thread; a weight found NaN or infinite there ends the server with its one line
 before any request is served. Once they are in, /health answers "ready" and one startup line names
 the target, the drafter kind, the streams and context, and the URL. Each reply then logs one line:
 id, prompt, cached, tokens, token_sha, finish, rounds, accepted/drafted.
+
+Who may use it (engine/http_guard.py): the Host header must name the bound address (loopback names
+on loopback), with --api-key every path but /health needs `Authorization: Bearer KEY`, and binding
+beyond loopback prints a warning line, louder without a key.
 """
 
 from __future__ import annotations
@@ -25,6 +29,15 @@ from dflash_bench.engine import backend as backends
 from dflash_bench.engine.defaults import chosen_drafter
 from dflash_bench.engine.engine import Engine, Settings
 from dflash_bench.engine.errors import DFlashBenchError
+from dflash_bench.engine.http_guard import (
+    API_KEY_ENV,
+    BODY_BYTES_PER_TOKEN,
+    MIB,
+    Access,
+    Hosts,
+    default_body_limit,
+    is_loopback,
+)
 from dflash_bench.engine.planner import PlanInputs, admit
 from dflash_bench.engine.server import create_app, warm_up
 from dflash_bench.engine.validate import check_checkpoints
@@ -45,6 +58,15 @@ def serve(
                                               "(packed quantized weights, bf16).")] = "auto",
     host: Annotated[str, typer.Option(help="Address to listen on (loopback unless you mean otherwise).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535, help="Port to listen on.")] = 8000,
+    api_key: Annotated[Optional[str], typer.Option(envvar=API_KEY_ENV, show_envvar=True,
+                                                   help="Require 'Authorization: Bearer KEY' on every path but "
+                                                        "/health (401 otherwise).")] = None,
+    allowed_host: Annotated[Optional[list[str]], typer.Option(
+        help="Another name clients reach the server by (a DNS name, a proxy's); repeatable. Other Host headers "
+             "get 421 (the bound address and the loopback names are always allowed).")] = None,
+    max_body_mib: Annotated[Optional[float], typer.Option(
+        "--max-body-mib", min=0.001, help=f"Largest request body (413 beyond it). Default: sized from --context, "
+                                          f"1 MiB + {BODY_BYTES_PER_TOKEN} bytes a context token.")] = None,
 ) -> None:
     """Serve TARGET (and its drafter) with an OpenAI-compatible API: /v1/completions, /v1/chat/completions,
     /health, /metrics, /tokenize, /detokenize."""
@@ -63,7 +85,11 @@ def serve(
     _request_log()
     settings = Settings(parallel=decision.streams, context=context, prompt_cache_gib=prompt_cache_gib,
                         drafter_bits=drafter_bits, backend=mode.name)
-    web = create_app()
+    if not is_loopback(host):
+        guard = "clients need --api-key" if api_key else "no --api-key: anyone who reaches it can use the engine"
+        typer.echo(f"warning: serving on {host}, beyond loopback; {guard}", err=True)
+    body_bytes = round(max_body_mib * MIB) if max_body_mib is not None else default_body_limit(context)
+    web = create_app(access=Access(Hosts.bound_to(host, tuple(allowed_host or ())), api_key or None, body_bytes))
     server = uvicorn.Server(uvicorn.Config(web, host=host, port=port, log_level="warning", lifespan="off",
                                            timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS))
     url = f"http://{host}:{port}"

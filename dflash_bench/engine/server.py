@@ -1,8 +1,11 @@
 """The OpenAI-compatible HTTP layer over the Engine: requests in, replies with `usage` and `dflash` out.
 
-This module only translates. It parses a body (engine/openai_schema.py), turns the prompt into
-token ids, submits one engine Request and follows its Handle's events; text comes from the ids
-(engine/textstream.py). The engine runs rounds in its own thread; each request gets a small thread
+This module only translates. Behind the guard (engine/http_guard.py: Host, API key, content type,
+body size) it reads a body, parses it (engine/openai_schema.py), turns the prompt into token ids,
+submits one engine Request and follows its Handle's events; text comes from the ids
+(engine/textstream.py). Parsing and tokenizing run in worker threads, bounded by the context window
+before the whole text is tokenized, so a long prompt never stalls the loop: /health and running
+streams keep answering. The engine runs rounds in its own thread; each request gets a small thread
 that forwards its events into the asyncio loop, so waiting costs the loop nothing and no event is
 lost when the client goes away. A client that disconnects is cancelled: the engine drops its
 stream at the next round.
@@ -23,12 +26,24 @@ from typing import Any, AsyncIterator
 
 import jinja2
 from fastapi import BackgroundTasks, FastAPI, Request as HTTPRequest
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from dflash_bench.engine.engine import Engine
+from dflash_bench.engine.http_guard import (
+    BODY_FLOOR,
+    Access,
+    ClientGone,
+    Guard,
+    Refused,
+    default_body_limit,
+    error_body,
+    read_body,
+)
 from dflash_bench.engine.lanes import ContextExceeded
 from dflash_bench.engine.openai_schema import (
     BadRequest,
+    Body,
     ChatRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -37,66 +52,18 @@ from dflash_bench.engine.openai_schema import (
     parse,
 )
 from dflash_bench.engine.request import Event, Handle, Request, Stats, token_sha
+from dflash_bench.engine.server_metrics import Metrics
 from dflash_bench.engine.textstream import Delta, TextStream
+from dflash_bench.engine.tokenizer import TooManyTokens
 
 log = logging.getLogger("dflash_bench.server")
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the window
 DISCONNECT_POLL = 0.05  # seconds between disconnect checks while a request runs
-OUTCOMES = ("stop", "length", "cancelled", "error", "context_length_exceeded", "invalid_request")
-TOTALS = ("stream_rounds", "drafted_tokens", "accepted_tokens", "prompt_tokens", "cached_tokens", "completion_tokens")
 
 
 class Warming(Exception):
     """The engine is still loading."""
-
-
-class Metrics:
-    """Counters over replies, updated from the loop and from forwarding threads."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.requests = dict.fromkeys(OUTCOMES, 0)
-        self.totals = dict.fromkeys(TOTALS, 0)
-        self.rounds_base = 0  # the engine's rounds before serving (the warm-up's)
-
-    def refused(self, outcome: str) -> None:
-        with self.lock:
-            self.requests[outcome] += 1
-
-    def finished(self, outcome: str, stats: Stats, completion_tokens: int) -> None:
-        with self.lock:
-            self.requests[outcome] += 1
-            for name, value in (("stream_rounds", stats.rounds), ("drafted_tokens", stats.drafted),
-                                ("accepted_tokens", stats.accepted), ("prompt_tokens", stats.prompt_tokens),
-                                ("cached_tokens", stats.cached_tokens), ("completion_tokens", completion_tokens)):
-                self.totals[name] += value
-
-    def render(self, engine: Engine | None) -> str:
-        """Prometheus text format: counters, then the engine's gauges."""
-        lines = ["# HELP dflash_requests_total Replies by outcome (finish reason, or why refused).",
-                 "# TYPE dflash_requests_total counter"]
-        with self.lock:
-            lines += [f'dflash_requests_total{{outcome="{k}"}} {v}' for k, v in self.requests.items()]
-            counters = {
-                "rounds": (engine.lanes.rounds - self.rounds_base if engine else 0, "Engine rounds (one target forward each)."),
-                **{k: (v, f"Sum over finished requests of {k.replace('_', ' ')}.") for k, v in self.totals.items()},
-            }
-        for name, (value, text) in counters.items():
-            lines += [f"# HELP dflash_{name}_total {text}", f"# TYPE dflash_{name}_total counter",
-                      f"dflash_{name}_total {value}"]
-        memory = engine.memory() if engine else {}
-        gauges = {
-            "active_streams": (engine.active_streams if engine else 0, "Streams holding a lane."),
-            "waiting_requests": (len(engine.lanes.waiting) if engine else 0, "Requests waiting for a lane."),
-            "peak_memory_bytes": (memory.get("peak_bytes", 0), "Peak MLX memory since start."),
-            "active_memory_bytes": (memory.get("active_bytes", 0), "MLX memory in use now."),
-            "baseline_memory_bytes": (memory.get("baseline_bytes", 0), "MLX memory in use once loaded, idle."),
-            "prompt_cache_bytes": (memory.get("prompt_cache_bytes", 0), "Bytes held by the prompt cache."),
-        }
-        for name, (value, text) in gauges.items():
-            lines += [f"# HELP dflash_{name} {text}", f"# TYPE dflash_{name} gauge", f"dflash_{name} {value}"]
-        return "\n".join(lines) + "\n"
 
 
 @dataclass
@@ -166,11 +133,26 @@ class Job:
                               "dflash": self.dflash()}
 
 
-class Served:
-    """What the app serves: the engine (None while it loads) and the reply counters."""
+def past_window(prompt_tokens: int, max_tokens: int | None, context: int, prompt_param: str,
+                limit_param: str | None) -> BadRequest:
+    """The context_length_exceeded refusal, naming the field a client would change: the prompt when it
+    alone fills the window (or the reply's length was not given), else the reply's limit as sent."""
+    fault = prompt_param if limit_param is None or prompt_tokens >= context else limit_param
+    if max_tokens is None:
+        said = f"{prompt_param} ({prompt_tokens} tokens) leaves no room for a reply"
+    else:
+        said = (f"{prompt_param} ({prompt_tokens} tokens) plus {limit_param or 'max_tokens'} ({max_tokens}) is "
+                f"{prompt_tokens + max_tokens}")
+    return BadRequest(f"{fault}: {said}, past the context window of {context}", fault, "context_length_exceeded",
+                      prompt_tokens=prompt_tokens, max_tokens=max_tokens, context=context)
 
-    def __init__(self, engine: Engine | None = None) -> None:
+
+class Served:
+    """What the app serves: the engine (None while it loads), who may use it, and the reply counters."""
+
+    def __init__(self, engine: Engine | None = None, access: Access | None = None) -> None:
         self.engine = None
+        self.access = access or Access()
         self.metrics = Metrics()
         if engine is not None:
             self.attach(engine)
@@ -185,7 +167,24 @@ class Served:
             raise Warming()
         return self.engine
 
-    # -- prompts -------------------------------------------------------------------------------
+    def body_limit(self) -> int:
+        """serve --max-body-mib, else sized from the context (the floor while loading)."""
+        if self.access.max_body_bytes is not None:
+            return self.access.max_body_bytes
+        return default_body_limit(self.engine.settings.context) if self.engine else BODY_FLOOR
+
+    async def read(self, http: HTTPRequest, model: type[Body]) -> Body:
+        """The body as `model`, parsed in a worker thread; a `model` id other than the one served is
+        refused as OpenAI does (404 model_not_found)."""
+        engine = self.ready()
+        body = await asyncio.to_thread(parse, model, await read_body(http, self.body_limit()))
+        named = getattr(body, "model", None)
+        if named is not None and named != engine.model_name:
+            raise BadRequest(f"model: the model {named[:200]!r} does not exist; this server serves "
+                             f"{engine.model_name!r} (GET /v1/models)", "model", "model_not_found", status=404)
+        return body
+
+    # -- prompts (in worker threads) -----------------------------------------------------------
     def check_ids(self, ids: list[int], param: str) -> list[int]:
         engine = self.ready()
         vocab = engine.loaded.config.vocab_size if engine.loaded else engine.tokenizer.vocab_size
@@ -195,29 +194,50 @@ class Served:
                                  f"{param}[{i}]")
         return ids
 
-    def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.ready().tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    def encode_text(self, text: str, add_special_tokens: bool, param: str, room: int, counted: bool = True) -> list[int]:
+        """`text`'s ids, refused once it cannot fit in `room` tokens: unread when its length in characters
+        already says so, else (when `counted`) as soon as it is tokenized, before its ids are built.
+        /tokenize is not `counted`: clients tokenize text longer than a prompt to cut it to size."""
+        tokenizer = self.ready().tokenizer
+        if len(text) > room * tokenizer.longest_token:
+            raise BadRequest(f"{param}: {len(text)} characters cannot fit in {room} tokens (no token here is longer "
+                             f"than {tokenizer.longest_token} characters)", param, "context_length_exceeded")
+        try:
+            return tokenizer.encode(text, add_special_tokens=add_special_tokens, limit=room if counted else None)
+        except TooManyTokens as err:
+            raise BadRequest(f"{param}: {err.count} tokens, past the {room} that fit", param,
+                             "context_length_exceeded", prompt_tokens=err.count) from None
 
-    def encode_chat(self, messages: list[Message], kwargs: dict[str, Any] | None, add_generation_prompt: bool) -> list[int]:
+    def encode_chat(self, messages: list[Message], kwargs: dict[str, Any] | None, add_generation_prompt: bool,
+                    room: int, counted: bool = True) -> list[int]:
         tokenizer = self.ready().tokenizer
         try:
             text = tokenizer.apply_chat_template([m.model_dump(exclude_none=True) for m in messages],
                                                  add_generation_prompt=add_generation_prompt, **(kwargs or {}))
         except (jinja2.TemplateError, TypeError) as err:
             raise BadRequest(f"messages: the chat template refused them ({err})", "messages") from None
-        return tokenizer.encode(text, add_special_tokens=False)
+        return self.encode_text(text, False, "messages", room, counted)
+
+    def room(self, prompt_param: str, max_tokens: int | None, limit_param: str | None) -> int:
+        """Tokens a prompt may take beside a reply of `max_tokens` (None: at least one token); a limit
+        that fills the window alone is refused before anything is tokenized."""
+        context = self.ready().settings.context
+        if max_tokens is not None and max_tokens >= context:
+            fault = limit_param or "max_tokens"
+            raise BadRequest(f"{fault}: {max_tokens} leaves no room for the prompt in the context window of "
+                             f"{context}", fault, "context_length_exceeded", max_tokens=max_tokens, context=context)
+        return context - (max_tokens or 1)
 
     # -- one completion ------------------------------------------------------------------------
     async def respond(self, http: HTTPRequest, body: CompletionRequest | ChatRequest, prompt: list[int],
-                      max_tokens: int, prompt_param: str) -> JSONResponse | StreamingResponse:
+                      max_tokens: int, prompt_param: str, limit_param: str | None) -> JSONResponse | StreamingResponse:
         engine = self.ready()
         request = Request(prompt, max_tokens, body.temperature, body.top_p, max(body.top_k, 0), body.seed,
                           body.draft, body.ignore_eos)
         try:  # in a worker thread: submit waits for the round in progress to end
             handle = await asyncio.to_thread(engine.submit, request)
         except ContextExceeded as err:
-            raise BadRequest(str(err), prompt_param, "context_length_exceeded", prompt_tokens=err.prompt_tokens,
-                             max_tokens=err.max_tokens, context=err.context) from None
+            raise past_window(err.prompt_tokens, err.max_tokens, err.context, prompt_param, limit_param) from None
         except ValueError as err:
             raise BadRequest(f"{prompt_param}: {err}", prompt_param) from None
         job = Job(isinstance(body, ChatRequest), body, engine.model_name, handle,
@@ -232,8 +252,8 @@ class Served:
             pass
         self.record(job)
         if job.finish == "error":
-            return JSONResponse({"error": {"message": job.final.error if job.final else "engine failure",
-                                           "type": "server_error", "param": None, "code": "engine_error"}}, 500)
+            return JSONResponse(error_body(job.final.error if job.final else "engine failure", "engine_error",
+                                           kind="server_error"), 500)
         return JSONResponse(job.reply())
 
     def forward(self, job: Job) -> asyncio.Queue[Event]:
@@ -338,29 +358,46 @@ def _data(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def create_app(engine: Engine | None = None) -> FastAPI:
-    """The ASGI app over `engine`; with None it answers /health as warming until `app.state.served.attach()`.
-    The caller owns the engine (loads it, starts its round thread, stops it)."""
+def create_app(engine: Engine | None = None, access: Access | None = None) -> FastAPI:
+    """The ASGI app over `engine`, behind `access` (default: loopback names, no API key, the body limit
+    sized from the context); with no engine it answers /health 503 "warming" until
+    `app.state.served.attach()`. The caller owns the engine (loads it, starts its round thread, stops it)."""
     app = FastAPI(title="dflash-bench", docs_url=None, redoc_url=None, openapi_url=None)
-    served = app.state.served = Served(engine)
+    served = app.state.served = Served(engine, access)
+    app.add_middleware(Guard, access=served.access, limit=served.body_limit)
 
     @app.exception_handler(BadRequest)
     async def bad_request(_: HTTPRequest, err: BadRequest) -> JSONResponse:
         outcome = "context_length_exceeded" if err.code == "context_length_exceeded" else "invalid_request"
         served.metrics.refused(outcome)
         log.info("refused %s: %s", outcome, err.message)
-        return JSONResponse(err.body(), status_code=400)
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(Refused)
+    async def refused(_: HTTPRequest, err: Refused) -> JSONResponse:
+        return err.response()
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(_: HTTPRequest, __: ClientGone) -> Response:
+        log.info("dropped: the client hung up before its body was whole")
+        return Response(status_code=400)  # nobody reads it; answering ends the request without a traceback
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: HTTPRequest, err: HTTPException) -> JSONResponse:
+        """Unknown paths (404) and methods (405) in OpenAI's error shape too."""
+        return JSONResponse(error_body(str(err.detail), "not_found" if err.status_code == 404 else "invalid_request"),
+                            err.status_code, err.headers)
 
     @app.exception_handler(Warming)
     async def warming(_: HTTPRequest, __: Warming) -> JSONResponse:
-        return JSONResponse({"error": {"message": "the model is still loading", "type": "server_error",
-                                       "param": None, "code": "warming"}}, status_code=503)
+        return JSONResponse(error_body("the model is still loading", "warming", kind="server_error"), 503)
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        """503 until the engine is loaded and warmed up (readiness probes, llama.cpp's convention), then 200."""
         e = served.engine
         if e is None:
-            return JSONResponse({"status": "warming"})
+            return JSONResponse({"status": "warming"}, 503)
         s = e.settings
         return JSONResponse({"status": "ready", "model": e.model_name, "drafter": e.drafter_kind,
                              "parallel": s.parallel, "streams": s.parallel, "active_streams": e.active_streams,
@@ -385,38 +422,41 @@ def create_app(engine: Engine | None = None) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(http: HTTPRequest):
-        served.ready()
-        body = parse(CompletionRequest, await http.body())
-        if isinstance(body.prompt, str):
-            prompt = served.encode_text(body.prompt)
-        else:
-            prompt = served.check_ids(body.prompt, "prompt")
+        body = await served.read(http, CompletionRequest)
         max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETION_MAX_TOKENS
-        return await served.respond(http, body, prompt, max_tokens, "prompt")
+        if isinstance(body.prompt, str):
+            room = served.room("prompt", max_tokens, "max_tokens")
+            prompt = await asyncio.to_thread(served.encode_text, body.prompt, True, "prompt", room)
+        else:
+            prompt = await asyncio.to_thread(served.check_ids, body.prompt, "prompt")
+        return await served.respond(http, body, prompt, max_tokens, "prompt", "max_tokens")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: HTTPRequest):
-        engine = served.ready()
-        body = parse(ChatRequest, await http.body())
-        prompt = served.encode_chat(body.messages, body.chat_template_kwargs, body.add_generation_prompt)
-        max_tokens = body.limit if body.limit is not None else max(1, engine.settings.context - len(prompt))
-        return await served.respond(http, body, prompt, max_tokens, "messages")
+        body = await served.read(http, ChatRequest)
+        room = served.room("messages", body.limit, body.limit_param)
+        prompt = await asyncio.to_thread(served.encode_chat, body.messages, body.chat_template_kwargs,
+                                         body.add_generation_prompt, room)
+        context = served.ready().settings.context
+        max_tokens = body.limit if body.limit is not None else max(1, context - len(prompt))
+        return await served.respond(http, body, prompt, max_tokens, "messages", body.limit_param)
 
     @app.post("/tokenize")
     async def tokenize(http: HTTPRequest) -> JSONResponse:
-        engine = served.ready()
-        body = parse(TokenizeRequest, await http.body())
-        if body.prompt is not None:
-            ids = served.encode_text(body.prompt, body.add_special_tokens)
+        body = await served.read(http, TokenizeRequest)
+        context = served.ready().settings.context
+        if body.prompt is not None:  # text that could not fit the window is refused unread, as a prompt is
+            ids = await asyncio.to_thread(served.encode_text, body.prompt, body.add_special_tokens, "prompt", context,
+                                          False)
         else:
-            ids = served.encode_chat(body.messages, body.chat_template_kwargs, body.add_generation_prompt)
-        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": engine.settings.context})
+            ids = await asyncio.to_thread(served.encode_chat, body.messages, body.chat_template_kwargs,
+                                          body.add_generation_prompt, context, False)
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": context})
 
     @app.post("/detokenize")
     async def detokenize(http: HTTPRequest) -> JSONResponse:
-        engine = served.ready()
-        body = parse(DetokenizeRequest, await http.body())
-        ids = served.check_ids(body.tokens, "tokens")
-        return JSONResponse({"prompt": engine.tokenizer.decode(ids)})
+        body = await served.read(http, DetokenizeRequest)
+        ids = await asyncio.to_thread(served.check_ids, body.tokens, "tokens")
+        return JSONResponse({"prompt": await asyncio.to_thread(served.ready().tokenizer.decode, ids)})
 
     return app

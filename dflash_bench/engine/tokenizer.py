@@ -30,6 +30,14 @@ _DIGITS_THEN_GPT2 = {"smollm", "starcoder", "refact", "codeshell"}
 _GPT2 = {"gpt2", "default", "mpt", "olmo"}
 
 
+class TooManyTokens(ValueError):
+    """A text that encodes to more tokens than the caller's limit."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__(f"{count} tokens")
+        self.count = count
+
+
 class Tokenizer:
     """Text <-> token ids, special tokens, and the chat template."""
 
@@ -46,6 +54,7 @@ class Tokenizer:
         self.bos_id = bos_id
         self.chat_template = chat_template
         self._template: jinja2.Template | None = None
+        self._longest: int | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -64,8 +73,25 @@ class Tokenizer:
     def eos_token(self) -> str:
         return self.backend.id_to_token(self.eos_ids[0]) if self.eos_ids else ""
 
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = False, limit: int | None = None) -> list[int]:
+        """Token ids of `text`; past `limit` tokens raises TooManyTokens before the ids are built.
+
+        Through `encode_batch`, which releases the GIL while it runs (tokenizers' `encode` holds it
+        throughout), so a long text tokenized in a worker thread leaves the server's event loop free."""
+        encoding = self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        if limit is not None and len(encoding) > limit:
+            raise TooManyTokens(len(encoding))
+        return encoding.ids
+
+    @property
+    def longest_token(self) -> int:
+        """Characters in the longest vocabulary entry (special tokens included). A byte-level entry of
+        L characters stands for L bytes, so no text of more than n * longest_token characters encodes to
+        n tokens or fewer (unless a normalizer drops characters; the GGUF pipelines have none), and a
+        text that long can be refused unread."""
+        if self._longest is None:
+            self._longest = max(len(t) for t in self.backend.get_vocab(with_added_tokens=True))
+        return self._longest
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
