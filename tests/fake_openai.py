@@ -50,6 +50,8 @@ class Fake:
     drafter: str | None = "DFlash"
     ignore_seed: bool = False
     die_after: int | None = None  # only in a process of its own (the script): it ends the process
+    error_every: int = 0  # every n-th completion request is answered 500
+    asked: int = 0
     seen: list[tuple[int, ...]] = field(default_factory=list)
     models_asked: set = field(default_factory=set)
     dropped: int = 0
@@ -129,6 +131,7 @@ def make_app(fake: Fake) -> Starlette:
 
     async def metrics(request: Request):
         return PlainTextResponse(f"# TYPE dflash_active_memory_bytes gauge\ndflash_active_memory_bytes {fake.active_memory}\n"
+                                 f"process_resident_memory_bytes {fake.active_memory + 50e6}\n"
                                  f"dflash_peak_memory_bytes 2000000\ndflash_requests_total{{kind=\"a\"}} 3\n")
 
     async def tokenize(request: Request):
@@ -143,6 +146,11 @@ def make_app(fake: Fake) -> Starlette:
         if fake.die_after is not None and fake.completed + fake.dropped >= fake.die_after:
             os._exit(9)
         body = await request.json()
+        with fake.lock:
+            fake.asked += 1
+            broken = fake.error_every and fake.asked % fake.error_every == 0
+        if broken:
+            return JSONResponse({"error": {"message": "internal error", "type": "server_error"}}, status_code=500)
         fake.models_asked.add(body.get("model"))
         chat = request.url.path.endswith("chat/completions")
         ids = fake.prompt_ids(body)
