@@ -6,7 +6,9 @@ drafted equals plain and concurrent equals solo unless a knob says otherwise:
 `dflash` block, token ids and cached_tokens (as mlx_lm.server replies). Tokens are bytes of the
 text (ids < 256 round-trip through /tokenize and /detokenize); generated ids are 256 and up.
 
-Run as a script it takes `serve`'s arguments (TARGET --host --port ...) for ManagedServer tests.
+Run as a script it takes `serve`'s arguments (TARGET --host --port ...) for ManagedServer tests;
+`--die-after N` makes the process exit at once (os._exit, as a SIGKILL would leave it) when a
+completion request arrives after N replies, so a check sees its server die mid-run.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
 import socket
 import sys
 import threading
@@ -46,6 +49,9 @@ class Fake:
     refuse_past_window: bool = True
     drafter: str | None = "DFlash"
     ignore_seed: bool = False
+    die_after: int | None = None  # only in a process of its own (the script): it ends the process
+    error_every: int = 0  # every n-th completion request is answered 500
+    asked: int = 0
     seen: list[tuple[int, ...]] = field(default_factory=list)
     models_asked: set = field(default_factory=set)
     dropped: int = 0
@@ -125,6 +131,7 @@ def make_app(fake: Fake) -> Starlette:
 
     async def metrics(request: Request):
         return PlainTextResponse(f"# TYPE dflash_active_memory_bytes gauge\ndflash_active_memory_bytes {fake.active_memory}\n"
+                                 f"process_resident_memory_bytes {fake.active_memory + 50e6}\n"
                                  f"dflash_peak_memory_bytes 2000000\ndflash_requests_total{{kind=\"a\"}} 3\n")
 
     async def tokenize(request: Request):
@@ -136,7 +143,14 @@ def make_app(fake: Fake) -> Starlette:
         return JSONResponse({"prompt": bytes(body["tokens"]).decode(errors="replace")})
 
     async def complete(request: Request):
+        if fake.die_after is not None and fake.completed + fake.dropped >= fake.die_after:
+            os._exit(9)
         body = await request.json()
+        with fake.lock:
+            fake.asked += 1
+            broken = fake.error_every and fake.asked % fake.error_every == 0
+        if broken:
+            return JSONResponse({"error": {"message": "internal error", "type": "server_error"}}, status_code=500)
         fake.models_asked.add(body.get("model"))
         chat = request.url.path.endswith("chat/completions")
         ids = fake.prompt_ids(body)
@@ -244,4 +258,9 @@ if __name__ == "__main__":  # `serve`-style arguments, for ManagedServer tests
         print("fake: refusing to start", flush=True)
         sys.exit(3)
     print(f"fake serve {args[0]}: DFlash drafts for 4 streams of 4096 tokens", flush=True)
-    uvicorn.run(make_app(Fake()), host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+    def option(flag: str) -> str | None:
+        return args[args.index(flag) + 1] if flag in args else None
+
+    fake = Fake(die_after=int(option("--die-after")) if option("--die-after") else None,
+                context=int(option("--context") or 4096), cache=option("--prompt-cache-gib") not in ("0", "0.0"))
+    uvicorn.run(make_app(fake), host="127.0.0.1", port=port, log_level="warning", lifespan="off")

@@ -53,6 +53,7 @@ class _Steps:
         self.baseline = self.memory()
         self.rows.append({"step": "reference", "memory_bytes": self.baseline,
                           "probes": [r.token_sha for r in self.refs]})
+        self.ctx.reached("reference")
 
     def after(self, step: str, note: str = "") -> None:
         """Both probes again, each equal to its reference; then memory back at baseline."""
@@ -68,6 +69,7 @@ class _Steps:
                                   f"after {step}: active memory {mem:.0f} bytes, baseline {self.baseline:.0f} "
                                   f"(+{mem - self.baseline:.0f} > tolerance {self.s.memory_tolerance_bytes})")
         self.rows.append(row)
+        self.ctx.reached(step)
 
     def dropping_stream(self) -> Request:
         return self.probes[1].request(draft=self.draft, max_tokens=self.s.drop_max_tokens, stream=True)
@@ -131,6 +133,7 @@ def run(ctx: Context, s: CancelSettings) -> None:
     steps = _Steps(ctx, s, True if caps.dflash else None)
     ctx.receipt.aggregates["steps"] = steps.rows  # filled as it goes, so a cut-short run keeps its steps
     advance = ctx.task("cancel", 5)
+    ctx.plan(CHECK, ["reference", "drop mid-reply", "drop mid-prefill", "drop beside a probe", "past the window"])
     steps.references()
     if steps.baseline is None:
         ctx.receipt.skip("memory_returns_to_baseline", f"the server's /metrics has no {ACTIVE_MEMORY_METRIC}")
@@ -142,14 +145,17 @@ def run(ctx: Context, s: CancelSettings) -> None:
         steps.drop_mid_prefill(context)
     except NoTokenizer as err:
         ctx.receipt.skip("drop_mid_prefill", str(err))
+        ctx.reached("drop mid-prefill")
     advance()
     steps.drop_beside_probe()
     advance()
     if context is None:
         ctx.receipt.skip("past_window_refused", "GET /health does not report the server's context")
+        ctx.reached("past the window")
     else:
         try:
             steps.past_window(int(context))
         except NoTokenizer as err:
             ctx.receipt.skip("past_window_refused", str(err))
+            ctx.reached("past the window")
     advance()

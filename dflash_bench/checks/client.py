@@ -287,15 +287,25 @@ class Client:
         return r.json()["prompt"]
 
     def send(self, req: Request, *, drop_after_tokens: int | None = None,
-             drop_after_seconds: float | None = None, labels: dict | None = None) -> Record:
+             drop_after_seconds: float | None = None, hang_up_after: float | None = None,
+             labels: dict | None = None) -> Record:
         """Sends one request. With `drop_after_tokens` (streams) the connection is closed after that many
-        tokens; with `drop_after_seconds` it is closed if no token came by then, or at the first token."""
+        tokens; with `drop_after_seconds` it is closed if no token came by then, or at the first token;
+        with `hang_up_after` (streamed or not) it is closed about that many seconds after sending, whatever
+        has come (a stream is checked between chunks, and no read waits longer than that)."""
         rec = Record(prompt_id=req.prompt_id, endpoint=req.path, draft=req.draft, temperature=req.temperature,
                      seed=req.seed, max_tokens=req.max_tokens, stream=req.stream, labels=dict(labels or {}))
         body = req.body(self.model)
         t0 = time.perf_counter()
         if not req.stream:
-            r = self.http.post(req.path, json=body)
+            try:
+                r = self.http.post(req.path, json=body, timeout=httpx.Timeout(
+                    self.timeout, connect=10.0, read=hang_up_after or self.timeout))
+            except httpx.ReadTimeout:
+                if hang_up_after is None:
+                    raise
+                rec.status, rec.elapsed = "dropped", time.perf_counter() - t0
+                return rec
             rec.elapsed = time.perf_counter() - t0
             if r.status_code != 200:
                 rec.status, rec.http_status, rec.error = "error", r.status_code, _error_text(r)
@@ -304,11 +314,12 @@ class Client:
             reply.feed(r.json())
             reply.fill(rec)
             return rec
-        return self._stream(req, body, rec, t0, drop_after_tokens, drop_after_seconds)
+        return self._stream(req, body, rec, t0, drop_after_tokens, drop_after_seconds, hang_up_after)
 
     def _stream(self, req: Request, body: dict, rec: Record, t0: float, drop_after_tokens: int | None,
-                drop_after_seconds: float | None) -> Record:
-        timeout = httpx.Timeout(self.timeout, connect=10.0, read=drop_after_seconds or self.timeout)
+                drop_after_seconds: float | None, hang_up_after: float | None) -> Record:
+        timeout = httpx.Timeout(self.timeout, connect=10.0,
+                                read=min(drop_after_seconds or self.timeout, hang_up_after or self.timeout))
         reply, tokens, t_first, t_last = _Reply(), 0, None, None
         try:
             with self.http.stream("POST", req.path, json=body, timeout=timeout) as r:
@@ -327,11 +338,12 @@ class Client:
                             t_first, rec.first_chunk_tokens = now, carried
                         t_last, tokens = now, tokens + carried
                     if (drop_after_tokens is not None and tokens >= drop_after_tokens) or (
-                            drop_after_seconds is not None and tokens > 0):
+                            drop_after_seconds is not None and tokens > 0) or (
+                            hang_up_after is not None and time.perf_counter() - t0 >= hang_up_after):
                         rec.status = "dropped"
                         break
         except httpx.ReadTimeout:
-            if drop_after_seconds is None:
+            if drop_after_seconds is None and hang_up_after is None:
                 raise
             rec.status = "dropped"
         rec.elapsed = time.perf_counter() - t0

@@ -46,22 +46,31 @@ def run(ctx: Context, s: ConcurrentSettings) -> None:
     widest = max(s.levels)
     solo_count = widest * len(s.temperatures) * ((alone or serial) + serial)
     advance = ctx.task("concurrent", solo_count + sum(s.levels) * s.reps * len(s.temperatures))
-    cells, serial_cells = [], []
+    cells: list[dict] = []
+    serial_cells: list[dict] = []
+    ctx.receipt.aggregates.update(cells=cells, serial=serial_cells)  # filled as it goes: a cut-short run keeps them
+    ctx.plan("concurrent_equals_solo", [f"T={t} x{level}" for t in s.temperatures for level in s.levels])
+    if serial:
+        ctx.plan("solo_drafted_equals_plain", [f"T={t} serial" for t in s.temperatures])
     for temperature in s.temperatures:
         solo: list[Record] = []
         if alone or serial:
             for i, req in enumerate(stream_requests(s, temperature, widest, draft)):
                 solo.append(ctx.send(req, phase="solo", temperature=temperature, stream_index=i))
                 advance()
-        serial_cell = {"temperature": temperature, "equal": 0, "failed": 0, "unverified": 0}
         if serial:
+            serial_cell = {"temperature": temperature, "equal": 0, "failed": 0, "unverified": 0}
+            serial_cells.append(serial_cell)
             for i, req in enumerate(stream_requests(s, temperature, widest, False)):
                 plain = ctx.send(req, phase="solo-plain", temperature=temperature, stream_index=i)
                 advance()
                 _count(serial_cell, ctx.expect_equal("solo_drafted_equals_plain", f"T={temperature} stream {i}",
                                                      solo[i], plain, "solo drafted and draft:false replies"))
+            ctx.reached(f"T={temperature} serial")
         for level in s.levels:
-            cell = {"temperature": temperature, "level": level, "equal": 0, "failed": 0, "unverified": 0}
+            cell = {"temperature": temperature, "level": level, "equal": 0, "failed": 0, "unverified": 0,
+                    "aggregate_tps": summary([]), "tokens_per_round": summary([])}
+            cells.append(cell)
             rates, rounds = [], []
             for rep in range(s.reps):
                 records, wall = ctx.send_many(stream_requests(s, temperature, level, draft), phase="concurrent",
@@ -77,12 +86,9 @@ def run(ctx: Context, s: ConcurrentSettings) -> None:
                         _count(cell, ctx.expect_equal("concurrent_equals_solo",
                                                       f"T={temperature} x{level} rep {rep} stream {i}",
                                                       rec, solo[i], "concurrent and solo replies"))
-            cell["aggregate_tps"] = summary(rates)
-            cell["tokens_per_round"] = summary(rounds)
-            cells.append(cell)
-        if serial:
-            serial_cells.append(serial_cell)
-    ctx.receipt.aggregates.update(cells=cells, serial=serial_cells)
+                cell["aggregate_tps"] = summary(rates)
+                cell["tokens_per_round"] = summary(rounds)
+            ctx.reached(f"T={temperature} x{level}")
 
 
 def _count(cell: dict, cmp) -> None:

@@ -38,6 +38,7 @@ def run(ctx: Context, s: DecodeSettings) -> None:
     agg: dict = {role: {L: {m: [] for m in modes} for L in s.levels} for role in probes}
     rounds: dict = {role: {L: {m: [] for m in modes} for L in s.levels} for role in probes}
     first: dict[tuple[str, str], Record] = {}
+    ctx.plan("decode", [f"{role} x{level}" for role in probes for level in s.levels])
     for role, probe in probes.items():
         for level in s.levels:
             for rep in range(s.reps):
@@ -54,11 +55,17 @@ def run(ctx: Context, s: DecodeSettings) -> None:
                     if level == 1:
                         single[role][mode].append(records[0].decode_tps)
                         first.setdefault((role, mode), records[0])
+                    _aggregates(ctx, list(modes), single, agg, rounds, probes)
+            ctx.reached(f"{role} x{level}")
         if caps.dflash and (role, "drafted") in first:
             ctx.expect_equal("drafted_equals_plain", probe.id, first[(role, "drafted")], first[(role, "plain")],
                              "drafted and plain replies")
+
+
+def _aggregates(ctx: Context, modes: list[str], single: dict, agg: dict, rounds: dict, probes: dict) -> None:
+    """The summaries after every measurement, so a run cut short keeps (and prints) what it measured."""
     ctx.receipt.aggregates.update(
-        modes=list(modes),
+        modes=modes,
         single_tps={r: {m: summary(v) for m, v in by.items()} for r, by in single.items()},
         aggregate_tps={r: {str(L): {m: summary(v) for m, v in by.items()} for L, by in lv.items()}
                        for r, lv in agg.items()},

@@ -40,7 +40,9 @@ def run(ctx: Context, s: ExactnessSettings) -> None:
         ctx.receipt.skip(CHECK, NO_HASH)
     items = prompt_list(s)
     advance = ctx.task("exactness", len(items) * (2 if compare else 1))
-    rows = []
+    ctx.plan(CHECK, [prompt.id for prompt, _ in items])
+    rows: list[dict] = []
+    _totals(ctx, rows)
     for prompt, max_tokens in items:
         drafted = ctx.send(prompt.request(draft=True if caps.dflash else None, max_tokens=max_tokens),
                            mode="drafted" if caps.dflash else "default", kind=prompt.kind)
@@ -65,6 +67,12 @@ def run(ctx: Context, s: ExactnessSettings) -> None:
             ctx.receipt.warn(CHECK, prompt.id, f"{prompt.id}: {drafted.prompt_tokens} prompt tokens do not pass the "
                              f"drafter's {s.window}-token window (--window)")
         rows.append(row)
+        _totals(ctx, rows)
+        ctx.reached(prompt.id)
+
+
+def _totals(ctx: Context, rows: list[dict]) -> None:
+    """The aggregates after each prompt, so a run cut short keeps (and prints) the prompts it compared."""
     known = [r["known_answer"] for r in rows if "known_answer" in r]
     ctx.receipt.aggregates.update(
         prompts=rows,

@@ -133,7 +133,9 @@ def run(ctx: Context, s: PrefillSettings) -> None:
         ctx.send(_request(first, next(iter(modes.values())), texts.get(s.sizes[0])), phase="warmup", size=len(first))
         advance()
     seconds: dict[str, dict[int, list]] = {m: {n: [] for n in s.sizes} for m in modes}
-    sources, unconfirmed = set(), False
+    sources: set[str] = set()
+    unconfirmed = False
+    ctx.plan(CHECK, [f"size {n}" for n in s.sizes])
     for rnd in range(s.rounds):
         for n in s.sizes:
             ids = arrays[n]["ids"]
@@ -157,11 +159,18 @@ def run(ctx: Context, s: PrefillSettings) -> None:
                                          "tokenized the arrays' text to the arrays cannot be confirmed")
                 sources.add("server prefill_seconds" if rec.prefill_seconds is not None else "client wall time")
                 seconds[mode][n].append(rec.prefill_seconds if rec.prefill_seconds is not None else rec.elapsed)
+                _sizes(ctx, seconds, arrays, sources)
+            if rnd == s.rounds - 1:
+                ctx.reached(f"size {n}")
+
+
+def _sizes(ctx: Context, seconds: dict[str, dict[int, list]], arrays: dict[int, dict], sources: set[str]) -> None:
+    """The summaries after every measurement, so a run cut short keeps (and prints) the sizes it measured."""
     ctx.receipt.aggregates["sizes"] = {
-        str(n): {mode: {"seconds": summary(seconds[mode][n]),
-                        "tps": summary([len(arrays[n]["ids"]) / t for t in seconds[mode][n] if t])}
-                 for mode in modes}
-        for n in s.sizes}
+        str(n): {mode: {"seconds": summary(by_size[n]),
+                        "tps": summary([len(arrays[n]["ids"]) / t for t in by_size[n] if t])}
+                 for mode, by_size in seconds.items()}
+        for n in arrays}
     ctx.receipt.aggregates["seconds_source"] = sorted(sources)
 
 

@@ -178,9 +178,12 @@ class Receipt:
     def warn(self, check: str, subject: str, message: str) -> None:
         self.warnings.append({"check": check, "subject": subject, "message": message})
 
-    def skip(self, check: str, reason: str) -> None:
-        """Reports a check as not run (never as passed)."""
-        self.not_run.append({"check": check, "reason": reason})
+    def skip(self, check: str, reason: str, subject: str | None = None) -> None:
+        """Reports a check (or, with `subject`, one prompt or cell of it) as not run, never as passed."""
+        entry = {"check": check, "reason": reason}
+        if subject is not None:
+            entry["subject"] = subject
+        self.not_run.append(entry)
 
     def finish(self, complete: bool, reason: str | None = None) -> None:
         self.complete, self.incomplete_reason, self.finished_at = complete, reason, utc_now()

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dflash_bench.checks import prompts as prompt_sets
+from dflash_bench.checks.client import Record
 from dflash_bench.checks.runner import NO_CACHED, NO_DFLASH, NO_HASH, Context
 
 CHECK = "resumed_equals_fresh"
@@ -40,11 +41,23 @@ def run(ctx: Context, s: ResumeSettings) -> None:
     prompt = pick_prompt(s)
     draft = True if caps.dflash else None
     advance = ctx.task("resume", 3 if caps.dflash else 2)
-    fresh = ctx.send(prompt.request(draft=draft, max_tokens=s.tokens), step="fresh")
-    advance()
-    resumed = ctx.send(prompt.request(draft=draft, max_tokens=s.tokens), step="resumed")
-    advance()
-    rows = {"fresh": fresh, "resumed": resumed}
+    steps: list[dict] = []
+    ctx.receipt.aggregates["steps"] = steps  # filled as it goes, so a cut-short run keeps its steps
+    ctx.plan(CHECK, ["fresh", "resumed"])
+    if caps.dflash:
+        ctx.plan("resumed_equals_plain", ["plain"])
+
+    def step(name: str) -> Record:
+        rec = ctx.send(prompt.request(draft=False if name == "plain" else draft, max_tokens=s.tokens), step=name)
+        advance()
+        steps.append({"step": name, "prompt_id": prompt.id, "prompt_tokens": rec.prompt_tokens,
+                      "cached_tokens": rec.cached_tokens, "token_sha": rec.token_sha,
+                      "tokens_per_round": rec.tokens_per_round, "status": rec.status})
+        return rec
+
+    fresh = step("fresh")
+    ctx.reached("fresh")
+    resumed = step("resumed")
     cache_on = (ctx.receipt.server.get("settings") or {}).get("prompt_cache_gib")
     if fresh.cached_tokens:
         ctx.receipt.unverify(CHECK, prompt.id, f"the first request already resumed ({fresh.cached_tokens} cached "
@@ -58,15 +71,10 @@ def run(ctx: Context, s: ResumeSettings) -> None:
                                     "prompt cache on (--prompt-cache-gib)?")
     elif not fresh.cached_tokens:
         ctx.expect_equal(CHECK, prompt.id, resumed, fresh, "resumed and fresh replies")
+    ctx.reached("resumed")
     if caps.dflash:
-        plain = ctx.send(prompt.request(draft=False, max_tokens=s.tokens), step="plain")
-        advance()
-        rows["plain"] = plain
+        plain = step("plain")
         ctx.expect_equal("resumed_equals_plain", prompt.id, resumed, plain, "resumed and draft:false replies")
+        ctx.reached("plain")
     else:
         ctx.receipt.skip("resumed_equals_plain", NO_DFLASH)
-    ctx.receipt.aggregates["steps"] = [
-        {"step": name, "prompt_id": prompt.id, "prompt_tokens": r.prompt_tokens, "cached_tokens": r.cached_tokens,
-         "token_sha": r.token_sha, "tokens_per_round": r.tokens_per_round, "status": r.status}
-        for name, r in rows.items()
-    ]

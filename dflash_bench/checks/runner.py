@@ -92,6 +92,7 @@ class Context:
     out_path: Path
     caps: Capabilities | None = None
     extras: dict = field(default_factory=dict)
+    pending: dict[str, str] = field(default_factory=dict)  # subject -> check, in the order planned
 
     def capabilities(self) -> Capabilities:
         """Probes once with a tiny drafted request asking for token ids, and records what came back."""
@@ -132,6 +133,21 @@ class Context:
             self.receipt.unverify(check, subject, f"{subject}: {what}: {cmp.detail}")
         return cmp
 
+    def plan(self, check: str, subjects: list[str]) -> None:
+        """Names the prompts or cells the check is about to run, so that a run cut short (the server
+        dying, Ctrl-C) lists each one it never finished in not_run instead of naming nothing."""
+        self.pending.update(dict.fromkeys(subjects, check))
+
+    def reached(self, subject: str) -> None:
+        """The subject's result is in the receipt (its row landed): it no longer counts as not run."""
+        self.pending.pop(subject, None)
+
+    def unreached(self, reason: str) -> None:
+        """Files every planned subject not yet reached as not run, with why the run stopped."""
+        for subject, check in self.pending.items():
+            self.receipt.skip(check, f"{subject}: not reached ({reason})", subject)
+        self.pending.clear()
+
     def task(self, description: str, total: int):
         """A progress bar; returns the function that advances it."""
         task_id = self.progress.add_task(description, total=total)
@@ -168,6 +184,7 @@ def run_check(spec: RunSpec, settings: dict, body: Callable[[Context], None],
     progress = progress or make_progress()
     previous = _term_as_interrupt()
     server = open_server(spec.url, spec.serve, log_path, spec.startup_timeout)
+    ctx: Context | None = None
     try:
         with progress, server:
             receipt.server.update(server.describe())
@@ -205,6 +222,8 @@ def run_check(spec: RunSpec, settings: dict, body: Callable[[Context], None],
             receipt.server["startup_line"] = server.startup_line()
         if not receipt.finished_at:
             receipt.finish(False, "stopped before the run finished")
+        if ctx is not None and not receipt.complete:
+            ctx.unreached(receipt.incomplete_reason or "the run stopped")
         receipt.write(spec.out)
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

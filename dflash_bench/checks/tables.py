@@ -152,6 +152,31 @@ def prefill(r: Receipt) -> Table:
     return t
 
 
+def stress(r: Receipt) -> Table:
+    a = r.aggregates
+    c, lat, rss, mem = a.get("counts", {}), a.get("latency", {}), a.get("rss", {}), a.get("memory", {})
+    t = Table(title="stress: load with random hang-ups; probes unchanged, memory back at baseline")
+    for col in ("measure", "value"):
+        t.add_column(col)
+    errors = ", ".join(f"{k} {v}" for k, v in sorted((c.get("errors") or {}).items())) or "none"
+    t.add_row("requests sent / planned", f"{num(c.get('sent'))} / {num(c.get('planned'))}")
+    t.add_row("completed / dropped by the client", f"{num(c.get('completed'))} / {num(c.get('dropped'))} "
+              f"({num(c.get('drops_planned'))} hang-ups planned)")
+    t.add_row("errors", errors)
+    t.add_row("5xx", Text(num(c.get("http_5xx")), style="bold red" if c.get("http_5xx") else ""))
+    for key, label in (("ttft_seconds", "TTFT s (streamed)"), ("total_seconds", "total s")):
+        p = lat.get(key) or {}
+        t.add_row(f"{label} p50 / p90 / p99", f"{num(p.get('p50'), 3)} / {num(p.get('p90'), 3)} / "
+                  f"{num(p.get('p99'), 3)} (n {num(p.get('n'))})")
+    t.add_row("server RSS before / peak / after", f"{gb(rss.get('before_bytes'))} / {gb(rss.get('peak_bytes'))} / "
+              f"{gb(rss.get('after_bytes'))} ({rss.get('source', '—')})")
+    t.add_row("active memory baseline / after", f"{gb(mem.get('baseline_bytes'))} / {gb(mem.get('after_bytes'))}")
+    for row in a.get("probes", []):
+        t.add_row(f"probe {row['prompt_id']}", Text.assemble(f"{row.get('reference') or '—'} -> "
+                                                             f"{row.get('after') or '—'} ", MARK[row.get("equal")]))
+    return t
+
+
 def suite(r: Receipt) -> Table:
     t = Table(title="suite")
     for col in ("check", "receipt", "result", "exit"):
@@ -162,7 +187,7 @@ def suite(r: Receipt) -> Table:
 
 
 BY_KIND = {"exactness": exactness, "concurrent": concurrent, "resume": resume, "cancel": cancel,
-           "decode": decode, "prefill": prefill, "suite": suite}
+           "decode": decode, "prefill": prefill, "stress": stress, "suite": suite}
 
 
 def plan(r: Receipt) -> Table:

@@ -1,4 +1,4 @@
-"""The check commands: exactness, concurrent, resume, cancel, decode, prefill, suite, compare, show.
+"""The check commands: exactness, concurrent, resume, cancel, stress, decode, prefill, suite, compare, show.
 
 Each check runs against --url, or starts the bundled server (`dflash-bench serve`) on a free
 loopback port and stops it after; writes a receipt (receipts/<command>-<UTC stamp>.json unless
@@ -23,6 +23,7 @@ from dflash_bench.checks import decode as decode_check
 from dflash_bench.checks import exactness as exactness_check
 from dflash_bench.checks import prefill as prefill_check
 from dflash_bench.checks import resume as resume_check
+from dflash_bench.checks import stress as stress_check
 from dflash_bench.checks import tables
 from dflash_bench.checks.receipt import Receipt, canonical_json, exit_code, utc_stamp, write_atomic
 from dflash_bench.checks.runner import RunSpec, run_check
@@ -167,6 +168,44 @@ def cancel(url: Url = None, target: Target = "default", drafter: Drafter = None,
             serve_settings((target, drafter, parallel, context, prompt_cache_gib, drafter_bits), parallel=2,
                            prompt_cache_gib=0, context=8192),
             startup_timeout, timeout, s, cancel_check.run, json_out)
+
+
+@app.command(rich_help_panel="Checks")
+def stress(url: Url = None, target: Target = "default", drafter: Drafter = None, parallel: Parallel = None,
+           context: ContextSize = None, prompt_cache_gib: Cache = None, drafter_bits: Bits = None,
+           startup_timeout: Startup = 600.0,
+           timeout: Annotated[float, typer.Option(help="Seconds one request may take: longer is a hang, which fails.",
+                                                  rich_help_panel=SERVER)] = 120.0,
+           out: Out = None, json_out: Json = False,
+           requests: Annotated[int, typer.Option(min=1, help="Requests in the load.")] = 500,
+           concurrency: Annotated[int, typer.Option(min=1, help="Requests in flight at once.")] = 8,
+           drop_fraction: Annotated[float, typer.Option(min=0.0, max=1.0, help="Share of requests the client hangs "
+                                                        "up on, at a random time, streamed or not.")] = 0.5,
+           seed: Annotated[int, typer.Option(help="Seeds the draw of every request (lengths, modes, hang-ups).")] = 1234,
+           min_tokens: Annotated[int, typer.Option(min=1, help="Smallest max_tokens drawn.")] = 1,
+           max_tokens: Annotated[int, typer.Option(min=1, help="Largest max_tokens drawn (64 keeps the default "
+                                                   "model's 500 requests to about 16 minutes on 2 CPU cores).")] = 64,
+           max_prompt_words: Annotated[int, typer.Option(min=1, help="Longest prompt drawn, in words.")] = 300,
+           drop_within: Annotated[float, typer.Option(help="Hang-ups come at a time drawn from 0.05 s to this.")] = 4.0,
+           probe_tokens: Annotated[int, typer.Option(help="max_tokens of the reference probes.")] = 32,
+           time_limit: Annotated[float, typer.Option(help="No request is sent after this many seconds of load.")]
+           = 1800.0,
+           memory_tolerance_mib: Annotated[float, typer.Option(help="Active memory allowed above baseline.")] = 1.0):
+    """Load with random hang-ups changes nothing: N requests at a concurrency, random lengths, draft on/off, a share dropped by the client; probes unchanged, memory back at baseline, no 5xx, no hang.
+
+    Each request draws from --seed: chat or raw completion, a prompt of 1..--max-prompt-words words, max_tokens in --min-tokens..--max-tokens (ignore_eos), streamed or not, drafted or not, greedy or sampled, and (a --drop-fraction of them) a hang-up time. The bundled server runs with --parallel 4, --context 2048 and no prompt cache unless given.
+
+    Hang-ups come 0.05 s to --drop-within after sending: with 8 in flight on 4 streams most land while a request waits for a stream or is in prefill (receipts/stress-default.json: all 246 before the first token); a larger --drop-within reaches decode too.
+    """
+    s = stress_check.StressSettings(requests, concurrency, drop_fraction, seed, min_tokens, max_tokens,
+                                    max_prompt_words, drop_within, probe_tokens, time_limit,
+                                    memory_tolerance_bytes=int(memory_tolerance_mib * (1 << 20)))
+    if s.min_tokens > s.max_tokens:
+        raise typer.BadParameter(f"--min-tokens {min_tokens} is above --max-tokens {max_tokens}")
+    execute("stress", out, url,
+            serve_settings((target, drafter, parallel, context, prompt_cache_gib, drafter_bits), parallel=4,
+                           prompt_cache_gib=0, context=2048),
+            startup_timeout, timeout, s, stress_check.run, json_out)
 
 
 @app.command(rich_help_panel="Benchmarks")
