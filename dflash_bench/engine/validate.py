@@ -51,27 +51,34 @@ FLOATS = ("F32", "F16", "BF16")
 
 def check_checkpoints(target: str | Path, drafter: str | Path | None) -> tuple[TargetConfig, DraftConfig | None]:
     """The target's and drafter's configs, pair and tensors checked (what `serve` and the Engine ask
-    before loading); raises the one-line refusal."""
-    cfg = check_target(target)
-    if drafter is None:
-        return cfg, None
-    draft = read_draft_config(drafter)
-    check_pair(cfg, draft)
-    check_drafter(drafter, draft)
+    before loading); raises the one-line refusal. The pair is checked from the configs before any
+    tensor header is read, so a drafter for another target is refused from the two configs alone."""
+    path = resolve(target)
+    header = gguf.read_header(path) if path.is_file() else None
+    cfg = gguf_config(path, header) if header is not None else read_target_config(path)
+    draft = read_draft_config(drafter) if drafter is not None else None
+    if draft is not None:
+        check_pair(cfg, draft)
+    _check_target_tensors(path, header, cfg)
+    if draft is not None:
+        check_drafter(drafter, draft)
     return cfg, draft
 
 
 def check_target(target: str | Path) -> TargetConfig:
     """A target's config and every tensor in its files (a GGUF's header is read once)."""
     path = resolve(target)
-    if path.is_file():
-        header = gguf.read_header(path)
-        cfg = gguf_config(path, header)
-        _check_gguf(path, header, cfg)
-        return cfg
-    cfg = read_target_config(path)
-    check_target_files(path, cfg)
+    header = gguf.read_header(path) if path.is_file() else None
+    cfg = gguf_config(path, header) if header is not None else read_target_config(path)
+    _check_target_tensors(path, header, cfg)
     return cfg
+
+
+def _check_target_tensors(path: Path, header: gguf.Header | None, cfg: TargetConfig) -> None:
+    if header is not None:
+        _check_gguf(path, header, cfg)
+    else:
+        check_target_files(path, cfg)
 
 
 def check_target_files(folder: Path, cfg: TargetConfig) -> None:
