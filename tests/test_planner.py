@@ -34,7 +34,6 @@ from dflash_bench.engine.planner import (
     plan,
     prefill_rows,
     request_refusal,
-    ring_row_bytes,
     streams_fit,
     tap_row_bytes,
 )
@@ -80,20 +79,14 @@ def test_eight_tap_fusing_v1_drafter_prompt_taps_cost_2t_plus_2_hidden_rows():
     assert p.term("prompt tap rows").prompt == 18 * 2560 * 2 * 256  # a 256-row prompt chunk
 
 
-def test_dflash2_prompt_taps_cost_its_five_raw_planes():
+def test_dflash2_prompt_taps_cost_what_the_engine_holds_for_its_five_taps():
+    """The engine fuses DFlash2's five tap planes as v1's (drafters/dflash2.py): the planes, their
+    row-major copy, fc's rows and the fused row."""
     d = parse_draft_config(published("qwen3.8-27b-dflash2.config.json"))
     assert d.is_dflash2 and len(d.taps) == 5
-    assert tap_row_bytes(d, act_bytes=2) == 5 * d.hidden_size * 2
+    assert tap_row_bytes(d, act_bytes=2) == 12 * d.hidden_size * 2
     g = parse_draft_config(published("muse-glimmer-30b-dflash2.config.json"))
-    assert tap_row_bytes(g, act_bytes=2) == 5 * 6656 * 2
-
-
-def test_qwen35_9b_ring_row_is_8_kib_fused_against_64_kib_raw_for_eight_taps():
-    target, d = qwen35_9b()
-    check_pair(target, d)  # the 9B target admits its drafter from the two configs
-    assert len(d.taps) == 8 and d.hidden_size == 4096
-    assert ring_row_bytes(d, act_bytes=2) == 8 * KIB
-    assert ring_row_bytes(d, act_bytes=2, fused=False) == 64 * KIB
+    assert tap_row_bytes(g, act_bytes=2) == 12 * 6656 * 2
 
 
 def test_a_drafterless_plan_has_no_drafter_terms_and_equals_the_target_only_plan():

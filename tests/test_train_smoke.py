@@ -51,7 +51,7 @@ def engine_logits(drafter, target, tokens: list[int], anchor: int) -> mx.array:
     drafter.absorb([(dstate, taps)])
     seen = []
     original = drafter.logits
-    drafter.logits = lambda h, rows: seen.append(original(h, rows)) or seen[-1]
+    drafter.logits = lambda x: seen.append(original(x)) or seen[-1]
     drafts = drafter.propose([Proposal(dstate, tokens[anchor], drafter.block - 1, SamplingParams())])[0]
     assert drafts == mx.argmax(seen[0], axis=-1).tolist()
     return seen[0]

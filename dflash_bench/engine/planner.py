@@ -10,7 +10,7 @@ the engine's own growth rules (SPEC section 2, "Memory planner"):
   the mode's activation dtype, or its `--drafter-bits` copies;
 - per stream, held: the attention K/V of every full-attention layer (`AttentionCache` grows to whole
   64-key tiles plus 256 rows of slack), the GatedDeltaNet conv and fp32 state, the record a round
-  keeps to roll that state back, the drafter's K/V per layer, a DFlash2 ring of raw tap rows, and,
+  keeps to roll that state back, the drafter's K/V per layer (DFlash2's as v1's), and,
   with the prompt cache on, the copy a stream holds of its state at its last prompt-chunk boundary;
 - per stream, transient: the prompt pass's working set (a chunk's attention scores, MLP rows, the
   recurrence's per-row states, the drafter's tap rows) and a decode window's;
@@ -218,19 +218,9 @@ def most_prefill_rows(context: int, chunk: int = CHUNK, resumes: bool = False) -
 
 
 def tap_row_bytes(draft: DraftConfig, act_bytes: int = 2) -> int:
-    """The prompt pass's tap rows, a prompt row: a v1 drafter with t taps holds the t planes, their
-    row-major copy, fc's rows and the fused row, (2t + 2) x hidden; DFlash2 its 5 raw planes."""
-    h = draft.hidden_size
-    if draft.is_dflash2:
-        return len(draft.taps) * h * act_bytes
-    return (2 * len(draft.taps) + 2) * h * act_bytes
-
-
-def ring_row_bytes(draft: DraftConfig, act_bytes: int = 2, fused: bool | None = None) -> int:
-    """One token of a drafter's ring: a v1 drafter's fused row (hidden wide), DFlash2's raw tap planes
-    (taps x hidden); `fused=False` prices a v1 drafter's rows raw, as they were before fusing."""
-    fused = not draft.is_dflash2 if fused is None else fused
-    return (1 if fused else len(draft.taps)) * draft.hidden_size * act_bytes
+    """The prompt pass's tap rows, a prompt row: a drafter with t taps (v1, or DFlash2's five) holds the
+    t planes, their row-major copy, fc's rows and the fused row, (2t + 2) x hidden."""
+    return (2 * len(draft.taps) + 2) * draft.hidden_size * act_bytes
 
 
 def drafter_weight_bytes(draft: DraftConfig, bits: int, backend: Backend) -> tuple[int, int]:
@@ -363,29 +353,19 @@ def _drafter_terms(p: Plan, i: PlanInputs, d: DraftConfig, prompt_rows: int, res
     act, add = i.backend.act_bytes, p.terms.append
     span = i.context + d.block_size - 3  # a block written after the longest kept context
     kv_layer = 2 * d.num_kv_heads * d.head_dim * act
-    if d.is_dflash2:
-        # DFlash2 keeps its raw tap planes in a ring and its sliding layers their window (SPEC 2).
-        window = min(span, (d.sliding_window or span) + d.block_size)
-        rows = cache_rows(window)
-        ring = ring_row_bytes(d, act) * rows
-        add(Term("drafter ring (raw tap rows)", "stream", ring, ring, f"{rows} rows x {ring_row_bytes(d, act):,} B",
-                 drafter=True))
-        cache = d.num_layers * kv_layer * rows
-        add(Term("drafter context K/V", "stream", cache, cache, f"{d.num_layers} sliding layers, {rows} rows",
-                 drafter=True))
-    else:
-        # This engine absorbs each fused row into every layer's K/V at once (no ring of rows is kept),
-        # and a sliding layer's cache keeps the whole span: it attends its window of it.
-        rows = max(prompt_rows, cache_rows(span))
-        add(Term("drafter context K/V", "stream", d.num_layers * kv_layer * prompt_rows, d.num_layers * kv_layer * rows,
-                 f"{d.num_layers} layers x {kv_layer:,} B a row, whole span ({rows} rows)", drafter=True))
+    # This engine absorbs each fused row into every layer's K/V at once, DFlash2 as v1 (drafters/
+    # dflash2.py: no ring of raw rows is kept), and a sliding layer's cache keeps the whole span: it
+    # attends its window of it.
+    rows = max(prompt_rows, cache_rows(span))
+    add(Term("drafter context K/V", "stream", d.num_layers * kv_layer * prompt_rows, d.num_layers * kv_layer * rows,
+             f"{d.num_layers} layers x {kv_layer:,} B a row, whole span ({rows} rows)", drafter=True))
     if resumes:
         copy = d.num_layers * kv_layer * tiles(i.context - 1)
         add(Term("drafter boundary copy", "stream", copy, copy, "the drafter part of a prompt-cache entry",
                  drafter=True))
     taps = tap_row_bytes(d, act)
     add(Term("prompt tap rows", "stream", taps * min(i.chunk, i.context - 1), taps * d.block_size,
-             f"{taps:,} B a row ({'5 raw planes' if d.is_dflash2 else f'2 x {len(d.taps)} + 2 planes'})",
+             f"{taps:,} B a row (2 x {len(d.taps)} + 2 planes)",
              drafter=True))
     work = _drafter_pass_work(d, i.context, act)
     logits = logit_bytes(_pad(d.block_size, ROW_TILE), d.vocab_size, act)

@@ -146,26 +146,38 @@ class DFlashDrafter:
         spans = [(i * self.block, (i + 1) * self.block) for i in range(len(items))]
         h = pad_rows(self.target.embed_rows([t for b in blocks for t in b]))
         for li, layer in enumerate(self.layers):
-            x = mx.fast.rms_norm(h, layer["pre"], self.eps)
-            q, k, v = linear(x, layer["q"]), linear(x, layer["k"]), linear(x, layer["v"])
-            outs = [self.attend(layer, li, p.state, q[a:b], k[a:b], v[a:b]) for p, (a, b) in zip(items, spans)]
-            h = h + linear(repack(outs, h.shape[0]), layer["o"])
-            x = mx.fast.rms_norm(h, layer["post"], self.eps)
-            gate, up, down = layer["mlp"]
-            g = linear(x, gate)
-            h = h + linear(mx.sigmoid(g) * g * linear(x, up), down)
+            h = self.layer(li, layer, h, items, spans)
         rows = [a + r for a, _ in spans for r in range(1, self.block)]
-        logits = self.logits(h, rows)
-        drafts = []
+        x = mx.fast.rms_norm(h[mx.array(rows, dtype=mx.int32)], self.norm, self.eps)
+        return self.drafts(x, self.logits(x), items)
+
+    def layer(self, li: int, layer: dict, h: mx.array, items: list[Proposal], spans: list[tuple[int, int]]) -> mx.array:
+        """One decoder layer over every stream's block: attention, then the SwiGLU MLP, each residual."""
+        h = h + self.attention(li, layer, mx.fast.rms_norm(h, layer["pre"], self.eps), items, spans)
+        return h + self.mlp(layer, mx.fast.rms_norm(h, layer["post"], self.eps))
+
+    def attention(self, li: int, layer: dict, x: mx.array, items: list[Proposal], spans: list[tuple[int, int]]) -> mx.array:
+        q, k, v = linear(x, layer["q"]), linear(x, layer["k"]), linear(x, layer["v"])
+        outs = [self.attend(layer, li, p.state, q[a:b], k[a:b], v[a:b]) for p, (a, b) in zip(items, spans)]
+        return linear(repack(outs, x.shape[0]), layer["o"])
+
+    def mlp(self, layer: dict, x: mx.array) -> mx.array:
+        gate, up, down = layer["mlp"]
+        g = linear(x, gate)
+        return linear(mx.sigmoid(g) * g * linear(x, up), down)
+
+    def drafts(self, x: mx.array, logits: mx.array, items: list[Proposal]) -> list[list[int]]:
+        """Each stream's drafts from its block rows' logits, keyed like the target's own draws."""
+        out = []
         for i, p in enumerate(items):
             part = logits[i * (self.block - 1) : i * (self.block - 1) + p.count]
-            pos = mx.arange(p.state.length + 1, p.state.length + 1 + p.count, dtype=mx.int32)
-            drafts.append(choose(part, pos, p.params).tolist())
-        return drafts
+            out.append(choose(part, draft_positions(p), p.params).tolist())
+        return out
 
-    def logits(self, h: mx.array, rows: list[int]) -> mx.array:
-        x = mx.fast.rms_norm(h[mx.array(rows, dtype=mx.int32)], self.norm, self.eps)
-        out = linear(pad_rows(x), self.target.lm_head)[: len(rows)].astype(mx.float32)
+    def logits(self, x: mx.array) -> mx.array:
+        """Float32 logits of normed block rows through the target's lm_head (with the config's
+        output multiplier and soft cap, where it sets them)."""
+        out = linear(pad_rows(x), self.target.lm_head)[: x.shape[0]].astype(mx.float32)
         c = self.config
         if c.output_multiplier != 1.0:
             out = out * c.output_multiplier
@@ -193,14 +205,17 @@ class DFlashDrafter:
         return o.transpose(1, 0, 2).reshape(n, self.heads * self.head_dim)
 
 
+def draft_positions(p: Proposal) -> mx.array:
+    """The absolute positions a stream's drafts would take (its sampling keys)."""
+    return mx.arange(p.state.length + 1, p.state.length + 1 + p.count, dtype=mx.int32)
+
+
 def load_drafter(path: str | Path, target: Target, bits: int = 0, dtype: mx.Dtype = mx.float32) -> DFlashDrafter:
     """Read a DFlash drafter directory (config.json + model.safetensors) for `target`: float weights,
     or mlx-lm's affine-quantized layout (the shipped drafter is stored in 6 bits), dequantized here; in `dtype`
     (the engine's activation dtype) before any `bits` quantization."""
     path = Path(path)
     config = read_draft_config(path)
-    if config.is_dflash2:
-        raise CheckpointError(f"{path}: the engine drafts with DFlash (v1) drafters; DFlash2 runs are not built yet")
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{path}: no *.safetensors weights beside config.json")
@@ -215,6 +230,11 @@ def load_drafter(path: str | Path, target: Target, bits: int = 0, dtype: mx.Dtyp
     bad = [k for k, v in weights.items() if not all_finite([v])]
     if bad:  # checked after the cast: a value finite in float32 can overflow to inf in bf16
         raise CheckpointError(f"{path}: tensor {bad[0]!r} holds NaN or infinite values")
-    drafter = DFlashDrafter(config, weights, target, bits=bits)
+    if config.is_dflash2:
+        from dflash_bench.engine.drafters.dflash2 import DFlash2Drafter  # the subclass imports this module
+
+        drafter: DFlashDrafter = DFlash2Drafter(config, weights, target, bits=bits)
+    else:
+        drafter = DFlashDrafter(config, weights, target, bits=bits)
     drafter.weights_sha256 = files_sha256(files)
     return drafter
