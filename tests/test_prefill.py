@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 from test_rows import (
-    SIZES, assert_same_state, cache_arrays, count_dependent, differing_rows, prefilled, random_tokens, target_for,
+    SIZES, assert_same_state, count_dependent, differing_rows, prefilled, random_tokens, target_for,
 )
 from tiny_targets import FAMILIES, tiny_target
 
@@ -153,7 +153,7 @@ def test_prefill_computes_what_the_tiled_path_computes(family: str, size: str) -
     for i, ((fl, ft), (tl, tt)) in enumerate(zip(fast, tiled)):
         close(fl, tl, f"{family} {size} chunk {i} logits")
         close(ft, tt, f"{family} {size} chunk {i} taps")
-    for j, (a, b) in enumerate(zip(cache_arrays(fast_state), cache_arrays(tiled_state))):
+    for j, (a, b) in enumerate(zip(fast_state.committed(), tiled_state.committed())):
         close(a, b, f"{family} {size} cache array {j}")
 
 

@@ -25,7 +25,7 @@ from tiny_targets import FAMILIES, VOCAB, tiny_target
 import mlx.core as mx
 
 from dflash_bench.engine import blas, tiles
-from dflash_bench.engine.cache import AttentionCache, TargetState
+from dflash_bench.engine.cache import TargetState
 from dflash_bench.engine.targets import Segment, Target
 
 SIZES = ("small", "smol")
@@ -61,20 +61,9 @@ def run(target: Target, state: TargetState, tokens: list[int]) -> mx.array:
     return out
 
 
-def cache_arrays(state: TargetState) -> list[mx.array]:
-    """Every cache array a stream's future depends on: K/V up to its length, conv inputs, recurrent state."""
-    out = []
-    for layer in state.layers:
-        if isinstance(layer, AttentionCache):
-            out += [layer.k[:, : layer.length], layer.v[:, : layer.length]]
-        else:
-            out += [layer.conv, layer.state]
-    return out
-
-
 def assert_same_state(got: TargetState, want: TargetState, what: str) -> None:
     assert [layer.length for layer in got.layers] == [layer.length for layer in want.layers], what
-    for j, (a, b) in enumerate(zip(cache_arrays(got), cache_arrays(want))):
+    for j, (a, b) in enumerate(zip(got.committed(), want.committed())):
         assert a.shape == b.shape and mx.array_equal(a, b).item(), f"{what}: cache array {j} differs"
 
 

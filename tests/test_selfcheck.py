@@ -96,7 +96,7 @@ def test_a_position_dependent_kernel_is_caught_and_a_smaller_tile_restores_exact
         assert w.tile_rows == 8
         if tiles.row_tile(w.in_features, w.out_features) == 16:  # the small products' default is 8 already
             choice = next(p.choice for p in verdict.paths if p.path == f"projection {selfcheck.weight_key(w)}")
-            assert choice.startswith("8-row tiles; 16 rows: rows rolled by"), choice
+            assert choice.startswith("8-row tiles; 16-row tiles: rows rolled by"), choice
     assert window_vs_steps(target, 16) == [] and packed_vs_alone(target, [0, 1, 2, 3]) == []
 
 
@@ -147,7 +147,7 @@ def test_a_nondeterministic_kernel_fails_the_check_and_the_engine_serves_without
     assert engine.drafter is None and engine.drafter_kind is None
     assert engine.drafting_refused.startswith("drafting is off: self-check FAILED")
     line = engine.startup_line()
-    assert "no drafter," in line and "; drafting is off: self-check FAILED" in line and "1 rows: the call repeated" in line
+    assert "no drafter," in line and "; drafting is off: self-check FAILED" in line and "1-row tiles: the call repeated" in line
     result = engine.generate(Request([5, 6, 7], max_tokens=6, ignore_eos=True, draft=True))
     assert result.stats.drafter is None and result.stats.drafted == 0 and len(result.tokens) == 6
 

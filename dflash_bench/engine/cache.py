@@ -119,6 +119,17 @@ class TargetState:
             out += [layer.k, layer.v] if isinstance(layer, AttentionCache) else [layer.conv, layer.state]
         return out
 
+    def committed(self) -> list[mx.array]:
+        """Every array a stream's future depends on: K/V up to its length (not the slack past it), the
+        conv inputs and recurrent state. Two states whose `committed` arrays are equal continue alike."""
+        out: list[mx.array] = []
+        for layer in self.layers:
+            if isinstance(layer, AttentionCache):
+                out += [layer.k[:, : layer.length], layer.v[:, : layer.length]]
+            else:
+                out += [layer.conv, layer.state]
+        return out
+
     @property
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers)

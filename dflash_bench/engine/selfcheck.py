@@ -33,12 +33,13 @@ import platform
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import mlx.core as mx
 from mlx_lm.models.gated_delta import compute_g, gated_delta_ops
 
 from dflash_bench.engine import blas
-from dflash_bench.engine.cache import AttentionCache, TargetState, tiles_for
+from dflash_bench.engine.cache import TargetState, tiles_for
 from dflash_bench.engine.targets.base import Segment, Target
 from dflash_bench.engine.targets.dense import SelfAttention
 from dflash_bench.engine.targets.qwen3_5 import GatedDeltaNet
@@ -50,6 +51,7 @@ VERSION = 1
 WINDOW = ROW_TILE  # the widest decode window a stream feeds (a drafter's block of 16)
 PROMPT = KEY_TILE - WINDOW // 2  # so a window's positions cross a key tile boundary
 ATTENTION_PATHS: tuple[AttentionPath, ...] = ("tiled", "elementwise")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -252,18 +254,8 @@ def recurrence_fault(m: GatedDeltaNet, seed: int = 0) -> str | None:
     return None
 
 
-def _state_arrays(state: TargetState) -> list[mx.array]:
-    out = []
-    for layer in state.layers:
-        if isinstance(layer, AttentionCache):
-            out += [layer.k[:, : layer.length], layer.v[:, : layer.length]]
-        else:
-            out += [layer.conv, layer.state]
-    return out
-
-
 def _same_state(a: TargetState, b: TargetState) -> bool:
-    xs, ys = _state_arrays(a), _state_arrays(b)
+    xs, ys = a.committed(), b.committed()
     return len(xs) == len(ys) and all(x.shape == y.shape and mx.array_equal(x, y).item() for x, y in zip(xs, ys))
 
 
@@ -339,30 +331,17 @@ def _run(target: Target, key: str, mach: dict) -> Verdict:
     for w in target.projections():
         weights.setdefault(weight_key(w), w)
     for wkey, w in sorted(weights.items()):
-        tried = []
-        for tile in tile_candidates(w):
-            fault = projection_fault(w, tile, dtype)
-            if fault is None:
-                tiles[wkey] = tile
-                note = f"; {', '.join(tried)}" if tried else ""
-                paths.append(PathResult(f"projection {wkey}", True, f"{tile}-row tiles{note}"))
-                break
-            tried.append(f"{tile} rows: {fault}")
-        else:
-            paths.append(PathResult(f"projection {wkey}", False, "", "; ".join(tried)))
+        tile, result = _first_exact(f"projection {wkey}", tile_candidates(w), lambda t: projection_fault(w, t, dtype),
+                                    lambda t: f"{t}-row tiles")
+        paths.append(result)
+        if tile is not None:
+            tiles[wkey] = tile
     mixers = target.mixer_layers()
     for akey, a in sorted({attention_key(m): m for m in mixers if isinstance(m, SelfAttention)}.items()):
-        tried = []
-        for path in ATTENTION_PATHS:
-            fault = attention_fault(a, dtype, path)
-            if fault is None:
-                chosen_paths[akey] = path
-                note = f"; {', '.join(tried)}" if tried else ""
-                paths.append(PathResult(f"attention {akey}", True, f"{path}{note}"))
-                break
-            tried.append(f"{path}: {fault}")
-        else:
-            paths.append(PathResult(f"attention {akey}", False, "", "; ".join(tried)))
+        path, result = _first_exact(f"attention {akey}", list(ATTENTION_PATHS), lambda p: attention_fault(a, dtype, p), str)
+        paths.append(result)
+        if path is not None:
+            chosen_paths[akey] = path
     for rkey, m in sorted({recurrence_key(m): m for m in mixers if isinstance(m, GatedDeltaNet)}.items()):
         fault = recurrence_fault(m)
         paths.append(PathResult(f"recurrence {rkey}", fault is None, "per-row loop" if fault is None else "", fault or ""))
@@ -373,6 +352,19 @@ def _run(target: Target, key: str, mach: dict) -> Verdict:
     verdict.passed = all(p.passed for p in paths)
     verdict.seconds = time.perf_counter() - start
     return verdict
+
+
+def _first_exact(path: str, options: list[T], fault: Callable[[T], str | None],
+                 name: Callable[[T], str]) -> tuple[T | None, PathResult]:
+    """The first option with no fault (the verdict names those tried before it), or None and why each failed."""
+    tried = []
+    for option in options:
+        why = fault(option)
+        if why is None:
+            note = f"; {', '.join(tried)}" if tried else ""
+            return option, PathResult(path, True, f"{name(option)}{note}")
+        tried.append(f"{name(option)}: {why}")
+    return None, PathResult(path, False, "", "; ".join(tried))
 
 
 def apply(target: Target, verdict: Verdict) -> None:
