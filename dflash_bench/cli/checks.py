@@ -1,4 +1,4 @@
-"""The check commands: exactness, concurrent, resume, cancel, stress, decode, prefill, suite, compare, show.
+"""The check commands: exactness, concurrent, resume, cancel, stress, decode, prefill, suite, compare, show, schema.
 
 Each check runs against --url, or starts the bundled server (`dflash-bench serve`) on a free
 loopback port and stops it after; writes a receipt (receipts/<command>-<UTC stamp>.json unless
@@ -8,6 +8,7 @@ loopback port and stops it after; writes a receipt (receipts/<command>-<UTC stam
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -25,7 +26,9 @@ from dflash_bench.checks import prefill as prefill_check
 from dflash_bench.checks import resume as resume_check
 from dflash_bench.checks import stress as stress_check
 from dflash_bench.checks import tables
+from dflash_bench.checks import schema as schema_mod
 from dflash_bench.checks.receipt import Receipt, canonical_json, exit_code, utc_stamp, write_atomic
+from dflash_bench.checks.schema import CompareDoc, ReceiptBase, TrainingReceipt, load_document
 from dflash_bench.checks.runner import RunSpec, run_check
 from dflash_bench.checks.server import ServeSettings
 from dflash_bench.cli import app
@@ -105,7 +108,7 @@ def report(receipt: Receipt, path: Path, json_out: bool) -> None:
     if json_out:
         typer.echo(canonical_json(receipt.to_dict()), nl=False)
         return
-    console = Console()
+    console = tables.console()
     console.print(tables.render(receipt))
     console.print(f"receipt: {path}", style="dim")
 
@@ -314,19 +317,37 @@ def compare(before: Annotated[Path, typer.Argument(help="BEFORE receipt, or a su
     if json_out:
         typer.echo(canonical_json(result.to_dict()), nl=False)
     else:
-        Console().print(tables.compare_table(result))
+        tables.console().print(tables.compare_table(result))
     raise typer.Exit(result.exit_code)
 
 
 @app.command(rich_help_panel="Receipts")
-def show(receipt: Annotated[Path, typer.Argument(help="A receipt, or a suite folder.")], json_out: Json = False):
-    """Print a receipt's table again (every receipt in a folder)."""
+def show(receipt: Annotated[Path, typer.Argument(help="A receipt, or a folder of them.")], json_out: Json = False):
+    """Print a receipt's table again (every receipt in a folder): run receipts of every kind, comparisons
+    (`compare --out`) and training receipts (tools/train_drafter)."""
     paths = sorted(p for p in receipt.glob("*.json") if not p.name.endswith(".prefill-arrays.json")) \
         if receipt.is_dir() else [receipt]
     try:
-        loaded = [(p, Receipt.load(p)) for p in paths]
+        loaded = [(p, load_document(p)) for p in paths]
     except DFlashBenchError as err:
         typer.echo(err.line(), err=True)
         raise typer.Exit(1) from None
-    for path, r in loaded:
-        report(r, path, json_out)
+    for path, doc in loaded:
+        if isinstance(doc, ReceiptBase):
+            report(Receipt.from_dict(doc.model_dump(by_alias=True), str(path)), path, json_out)
+        elif json_out:
+            typer.echo(canonical_json(doc.model_dump(by_alias=True, exclude_unset=True)), nl=False)
+        elif isinstance(doc, CompareDoc):
+            tables.console().print(tables.compare_table(compare_mod.CompareResult.from_doc(doc)))
+        elif isinstance(doc, TrainingReceipt):
+            tables.console().print(tables.training(doc))
+        else:
+            tables.console().print(f"{path}: the prefill check's token arrays, sizes "
+                                   f"{', '.join(doc.root)} (a side file of a prefill receipt)")
+
+
+@app.command(rich_help_panel="Receipts")
+def schema():
+    """Print the JSON Schema of every file receipts/ holds (run receipts, comparisons, training receipts),
+    versioned by its $id and schema_version (checks/schema.py says what each version added)."""
+    typer.echo(json.dumps(schema_mod.json_schema(), indent=2, sort_keys=True))
