@@ -27,6 +27,7 @@ from dflash_bench.checks import resume as resume_check
 from dflash_bench.checks import stress as stress_check
 from dflash_bench.checks import tables
 from dflash_bench.checks import schema as schema_mod
+from dflash_bench.checks.lifecycle import receipt_run
 from dflash_bench.checks.receipt import Receipt, canonical_json, exit_code, utc_stamp, write_atomic
 from dflash_bench.checks.schema import CompareDoc, ReceiptBase, TrainingReceipt, load_document
 from dflash_bench.checks.runner import RunSpec, run_check
@@ -269,27 +270,31 @@ def suite(url: Url = None, target: Target = "default", drafter: Drafter = None, 
     index = Receipt.new("suite", list(sys.argv), {"folder": str(folder), "checks": [p[0] for p in plan]})
     rows, codes = [], []
     index.aggregates["checks"] = rows
-    for kind, s, body, serve in plan:
-        spec = RunSpec(kind=kind, out=folder / f"{kind}.json", url=url, serve=serve, startup_timeout=startup_timeout,
-                       request_timeout=timeout)
-        receipt, code = run_check(spec, asdict(s), lambda ctx, s=s, body=body: body(ctx, s))
-        codes.append(code)
-        rows.append({"kind": kind, "receipt": spec.out.name, "exit_code": code,
-                     "result": "passed" if receipt.passed else "failed" if receipt.failures else "not passed"})
-        if not json_out:
-            report(receipt, spec.out, False)
-        if code == 130:
-            break
-    interrupted = 130 in codes
-    index.finish(len(rows) == len(plan) and not interrupted, None if len(rows) == len(plan) else "stopped early")
-    for row in rows:
-        if row["exit_code"] == 1:
-            index.fail("suite", row["kind"], f"{row['kind']} failed ({row['receipt']})")
-        elif row["exit_code"] != 0:
-            index.unverify("suite", row["kind"], f"{row['kind']} did not pass ({row['receipt']})")
-    index.write(folder / "suite.json")
+
+    def verdicts() -> None:
+        for row in rows:
+            if row["exit_code"] == 1:
+                index.fail("suite", row["kind"], f"{row['kind']} failed ({row['receipt']})")
+            elif row["exit_code"] != 0:
+                index.unverify("suite", row["kind"], f"{row['kind']} did not pass ({row['receipt']})")
+
+    with receipt_run(index, folder / "suite.json") as run:  # a SIGTERM between checks still writes suite.json
+        run.before_write.append(verdicts)
+        for kind, s, body, serve in plan:
+            spec = RunSpec(kind=kind, out=folder / f"{kind}.json", url=url, serve=serve,
+                           startup_timeout=startup_timeout, request_timeout=timeout)
+            receipt, code = run_check(spec, asdict(s), lambda ctx, s=s, body=body: body(ctx, s))
+            codes.append(code)
+            rows.append({"kind": kind, "receipt": spec.out.name, "exit_code": code,
+                         "result": "passed" if receipt.passed else "failed" if receipt.failures else "not passed"})
+            if not json_out:
+                report(receipt, spec.out, False)
+            if code == 130:
+                break
+        index.finish(len(rows) == len(plan) and 130 not in codes,
+                     None if len(rows) == len(plan) else "stopped early")
     report(index, folder / "suite.json", json_out)
-    raise typer.Exit(exit_code(index, interrupted))
+    raise typer.Exit(exit_code(index, run.interrupted or 130 in codes))
 
 
 @app.command(rich_help_panel="Receipts")

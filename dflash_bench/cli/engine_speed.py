@@ -6,10 +6,10 @@ import sys
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 
 from dflash_bench.checks import engine_speed, tables
-from dflash_bench.checks.receipt import Receipt, canonical_json, exit_code
+from dflash_bench.checks.lifecycle import receipt_run
+from dflash_bench.checks.receipt import Receipt, canonical_json
 from dflash_bench.cli import app
 from dflash_bench.cli.checks import Json, Out, default_out, ints, numbers
 from dflash_bench.engine.defaults import chosen_drafter
@@ -36,23 +36,14 @@ def engine_speed_cmd(
     )
     receipt = Receipt.new("engine-speed", sys.argv, settings.__dict__)
     path = out or default_out("engine-speed")
-    console = Console(stderr=True)
-    interrupted = False
-    try:
-        with console.status("engine-speed") as status:
-            engine_speed.run(settings, receipt, progress=lambda m: status.update(m))
-        receipt.finish(True)
-    except KeyboardInterrupt:
-        interrupted = True
-        receipt.finish(False, "interrupted")
-    except DFlashBenchError as err:
-        receipt.finish(False, err.line())
-        console.print(err.line())
-    finally:
-        receipt.write(path)
+    console = tables.console(stderr=True)
+    with receipt_run(receipt, path) as run, console.status("engine-speed") as status:
+        engine_speed.run(settings, receipt, progress=lambda m: status.update(m))
+    if receipt.incomplete_reason:
+        console.print(receipt.incomplete_reason)
     if json_out:
         print(canonical_json(receipt.to_dict()), end="")
     else:
         tables.console().print(tables.render(receipt))
         console.print(f"receipt: {path}")
-    raise typer.Exit(exit_code(receipt, interrupted))
+    raise typer.Exit(run.code)
