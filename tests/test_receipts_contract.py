@@ -61,5 +61,5 @@ def test_the_dflash_block_counts_acceptance_per_round_and_depth():
     block = DflashBlock.from_stats(stats, [1, 2, 3])
     assert block.rounds == 4 and block.drafted == 9 and block.accepted == 4
     assert block.acceptance_histogram == [1, 1, 0, 1]  # rounds accepting 0, 1, 2, 3 drafts
-    assert block.acceptance_by_depth == [2 / 3, 1 / 3, 1 / 3]
+    assert block.drafted_by_depth == [3, 3, 3] and block.acceptance_by_depth == [2 / 3, 1 / 3, 1 / 3]
     assert DflashBlock.model_validate(block.model_dump()) == block  # what the server writes, the client reads

@@ -101,6 +101,7 @@ class Record:
     has_dflash: bool = False
     acceptance_histogram: list[int] | None = None
     acceptance_by_depth: list[float | None] | None = None
+    drafted_by_depth: list[int] | None = None
     chunk_times: list[float] | None = None  # streamed: seconds from sending to each chunk that carried tokens
     chunk_tokens: list[int] | None = None  # streamed: the tokens each of those chunks carried
     tpot: float | None = None  # streamed: time per output token after the first chunk (vLLM bench's TPOT)
@@ -216,6 +217,7 @@ class _Reply:
             rec.prefill_seconds = d.prefill_seconds
             rec.server_decode_seconds = d.decode_seconds
             rec.acceptance_histogram, rec.acceptance_by_depth = d.acceptance_histogram, d.acceptance_by_depth
+            rec.drafted_by_depth = d.drafted_by_depth
         if self.ids is not None:
             own = token_sha(self.ids)
             if rec.token_sha is None:

@@ -98,6 +98,7 @@ class CheckRecord(agg.Loose):
     tpot: Optional[float] = None  # v2: (last chunk - first chunk) / (tokens after the first chunk)
     acceptance_histogram: Optional[list[int]] = None  # v2: from the reply's `dflash` block
     acceptance_by_depth: Optional[list[Optional[float]]] = None  # v2: from the reply's `dflash` block
+    drafted_by_depth: Optional[list[int]] = None  # v2: from the reply's `dflash` block
     labels: dict[str, Any] = Field(default_factory=dict)
 
 

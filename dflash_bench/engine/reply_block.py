@@ -31,6 +31,8 @@ class DflashBlock(BaseModel):
     seed: Optional[int] = None
     # index k: drafted rounds that accepted exactly k drafts (rounds without drafts are not counted)
     acceptance_histogram: Optional[list[int]] = None
+    # index d: rounds that drafted at least d + 1 tokens (so replies' acceptance can be summed exactly)
+    drafted_by_depth: Optional[list[int]] = None
     # index d: of the rounds that drafted at least d + 1 tokens, the share that accepted the (d + 1)-th
     acceptance_by_depth: Optional[list[Optional[float]]] = Field(default=None)
 
@@ -40,4 +42,5 @@ class DflashBlock(BaseModel):
                    tokens_per_round=stats.tokens_per_round, drafter=stats.drafter,
                    prefill_seconds=stats.prefill_seconds, decode_seconds=stats.decode_seconds,
                    ttft_seconds=stats.ttft_seconds, seed=stats.seed,
-                   acceptance_histogram=list(stats.accepted_counts), acceptance_by_depth=stats.acceptance_by_depth())
+                   acceptance_histogram=list(stats.accepted_counts),
+                   drafted_by_depth=list(stats.drafted_counts), acceptance_by_depth=stats.acceptance_by_depth())
