@@ -198,3 +198,31 @@ def compare(before_path: Path, after_path: Path, noise: float = 0.10) -> Compare
     for kind, (path, receipt) in after.items():
         result.failures += [dict(f, receipt=path.name) for f in receipt.failures]
     return result
+
+
+VERDICT = {0: "no drop beyond the runs' spread; AFTER has no failures",
+           1: "FAILED: a drop beyond the runs' spread or a failure in AFTER",
+           2: "incomplete receipts: see above"}
+
+
+def _fmt(s: agg.Summary | None, section: str) -> str:
+    if s is None or s.median is None:
+        return "—"
+    if section == "peak footprint":
+        return f"{s.median / 1e9:.2f} GB"
+    digits = 2 if section == "tokens per round" else 3 if "seconds" in section else 1
+    spread = f" ±{s.spread:.0%}" if s.n > 1 and s.spread is not None else ""
+    return f"{s.median:,.{digits}f}{spread}"
+
+
+def markdown(result: CompareResult) -> str:
+    """The before/after table and the verdict as Markdown, for a pull request comment or a CI job summary."""
+    lines = ["| metric | row | mode | before | after | ratio | note |", "|---|---|---|---|---|---|---|"]
+    for c in result.cells:
+        mark = "\\*" if c.noisy else ""
+        ratio = "—" if c.ratio is None else f"**{c.ratio:.2f}x**" if c.drop else f"{c.ratio:.2f}x"
+        lines.append(f"| {c.section} | {c.row} | {c.mode} | {_fmt(c.before, c.section)}{mark} | "
+                     f"{_fmt(c.after, c.section)}{mark} | {ratio} | {c.note} |")
+    lines += ["", *[f"- AFTER failed: {f['receipt']}: {f['message']}" for f in result.failures],
+              *[f"- incomplete: {line}" for line in result.incomplete], "", f"**{VERDICT[result.exit_code]}**"]
+    return "\n".join(lines)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 
+import pandas as pd
 from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
 from dflash_bench.checks import aggregates as agg
-from dflash_bench.checks.compare import CompareResult
+from dflash_bench.checks.compare import VERDICT, CompareResult
 from dflash_bench.checks.receipt import BadReceipt, Receipt
 from dflash_bench.checks.schema import TrainingReceipt
 
@@ -303,6 +304,18 @@ def training(doc: TrainingReceipt) -> Group:
     return Group(head, Text(doc.command, style="dim"), t)
 
 
+def frame_table(frame: pd.DataFrame, title: str, digits: int = 2) -> Table:
+    """A DataFrame (checks/frames.py) as a rich table: its index (when named) then its columns."""
+    t = Table(title=title)
+    named = frame.index.name is not None
+    for col in ([frame.index.name] if named else []) + [str(c) for c in frame.columns]:
+        t.add_column(col)
+    for name, row in frame.iterrows():
+        cells = ["—" if pd.isna(v) else num(float(v), digits) if isinstance(v, float) else str(v) for v in row]
+        t.add_row(*([str(name)] if named else []), *cells)
+    return t
+
+
 def compare_table(result: CompareResult) -> Group:
     t = Table(title="before / after (median ±spread of reps; * noisy, left out of ratios)")
     for col in ("metric", "row", "mode", "before", "after", "ratio", "note"):
@@ -319,8 +332,6 @@ def compare_table(result: CompareResult) -> Group:
     lines = [t]
     lines += [Text(f"AFTER failed: {f['receipt']}: {f['message']}", style="red") for f in result.failures]
     lines += [Text(f"incomplete: {line}", style="yellow") for line in result.incomplete]
-    verdict_text = {0: ("no drop beyond the runs' spread; AFTER has no failures", "green"),
-                    1: ("FAILED: a drop beyond the runs' spread or a failure in AFTER", "bold red"),
-                    2: ("incomplete receipts: see above", "yellow")}[result.exit_code]
-    lines.append(Text(verdict_text[0], style=verdict_text[1]))
+    style = {0: "green", 1: "bold red", 2: "yellow"}[result.exit_code]
+    lines.append(Text(VERDICT[result.exit_code], style=style))
     return Group(*lines)
