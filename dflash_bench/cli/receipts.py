@@ -14,7 +14,8 @@ from dflash_bench.checks import schema as schema_mod
 from dflash_bench.checks.receipt import Receipt, canonical_json, write_atomic
 from dflash_bench.checks.schema import CompareDoc, ReceiptBase, TrainingReceipt, load_document
 from dflash_bench.cli import app
-from dflash_bench.cli.checks import Json, report
+from dflash_bench.cli.checks import Json
+from dflash_bench.cli.checks import report as print_receipt
 from dflash_bench.engine.errors import DFlashBenchError
 
 PANEL = "Receipts"
@@ -99,7 +100,7 @@ def show(receipt: Annotated[Path, typer.Argument(help="A receipt, or a folder of
         raise _fail(err) from None
     for path, doc in loaded:
         if isinstance(doc, ReceiptBase):
-            report(Receipt.from_dict(doc.model_dump(by_alias=True), str(path)), path, json_out)
+            print_receipt(Receipt.from_dict(doc.model_dump(by_alias=True), str(path)), path, json_out)
         elif json_out:
             typer.echo(canonical_json(doc.model_dump(by_alias=True, exclude_unset=True)), nl=False)
         elif isinstance(doc, CompareDoc):
@@ -138,3 +139,19 @@ def table(receipts: Annotated[list[Path], typer.Argument(help="Receipts, or fold
     else:
         shown = frames.printable(frame) if records else frame
         tables.console().print(tables.frame_table(shown, "records" if records else "aggregates"))
+
+
+@app.command(rich_help_panel=PANEL)
+def report(receipts: Annotated[list[Path], typer.Argument(help="Receipts, or folders of them.")],
+           out: Annotated[Path, typer.Option(help="Folder for the PNG plots and index.html.")] = Path("report")):
+    """PNG plots (speedup by streams per probe, tokens a round, TTFT/ITL, planner predicted vs measured)
+    and an HTML page embedding them; a plot the receipts hold no data for is named on the page, not drawn."""
+    from dflash_bench.checks.report import write_report  # matplotlib loads only for this command
+
+    try:
+        plots = write_report(_receipts(receipts), out)
+    except DFlashBenchError as err:
+        raise _fail(err) from None
+    for p in plots:
+        typer.echo(f"{out / p.file}" if p.file else f"(no {p.name} plot: {p.caption})")
+    typer.echo(f"{out / 'index.html'}")
