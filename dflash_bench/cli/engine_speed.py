@@ -13,7 +13,6 @@ from dflash_bench.checks.receipt import Receipt, canonical_json
 from dflash_bench.cli import app
 from dflash_bench.cli.checks import Json, Out, default_out, ints, numbers
 from dflash_bench.engine.defaults import chosen_drafter
-from dflash_bench.engine.errors import DFlashBenchError
 
 
 @app.command("engine-speed")
