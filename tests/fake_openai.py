@@ -107,10 +107,10 @@ def _text(ids: list[int]) -> str:
     return "".join(f" t{i}" for i in ids)
 
 
-# The fake "knows" the known-answer prompts of prompts/known_answers.json: it starts those replies' text
+# The fake "knows" the known-answer prompts of dflash_bench/prompts/known_answers.json: it starts those replies' text
 # with the expected answer (their token ids stay the generated ones).
 ANSWERS = {p["text"]: p["expect"] for p in json.loads(
-    (Path(__file__).resolve().parents[1] / "prompts" / "known_answers.json").read_text())["prompts"]}
+    (Path(__file__).resolve().parents[1] / "dflash_bench" / "prompts" / "known_answers.json").read_text())["prompts"]}
 
 
 def answer_for(body: dict) -> str:

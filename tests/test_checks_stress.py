@@ -7,7 +7,8 @@ import json
 
 from typer.testing import CliRunner
 
-from dflash_bench.checks.stress import StressSettings, draw, percentiles
+from dflash_bench.checks.receipt import percentiles
+from dflash_bench.checks.stress import StressSettings, draw
 from dflash_bench.cli import app
 from fake_openai import FakeServer
 

@@ -24,7 +24,8 @@ from fake_openai import FakeServer
 
 def sample() -> Receipt:
     r = Receipt.new("exactness", ["dflash-bench", "exactness"], {"tokens": 4, "levels": (1, 4)})
-    r.records.append({"prompt_id": "p", "token_sha": "abc", "ttft": float("nan")})
+    r.records.append({"prompt_id": "p", "endpoint": "/v1/completions", "status": "ok", "token_sha": "abc",
+                      "ttft": float("nan")})
     r.aggregates["z"] = {"b": 1, "a": 2}
     r.finish(True)
     return r
@@ -96,6 +97,21 @@ def test_load_refuses_another_schema_version(tmp_path):
     data["schema_version"] = SCHEMA_VERSION + 1
     (tmp_path / "r.json").write_text(json.dumps(data))
     with pytest.raises(BadReceipt, match="schema_version"):
+        Receipt.load(tmp_path / "r.json")
+
+
+def test_load_reads_a_version_1_receipt_as_it_is(tmp_path):
+    data = sample().to_dict()
+    data["schema_version"] = 1
+    (tmp_path / "r.json").write_text(json.dumps(data))
+    assert Receipt.load(tmp_path / "r.json").kind == "exactness"
+
+
+def test_load_names_the_key_that_breaks_the_contract(tmp_path):
+    data = sample().to_dict()
+    data["aggregates"] = {"prompts": [{"prompt_id": "p"}]}  # a row without its kind
+    (tmp_path / "r.json").write_text(json.dumps(data))
+    with pytest.raises(BadReceipt, match=r"aggregates\.prompts\.0\.kind"):
         Receipt.load(tmp_path / "r.json")
 
 

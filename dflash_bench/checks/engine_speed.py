@@ -1,6 +1,6 @@
 """Engine speed in one process: plain and drafted rounds at 1..N streams, beside mlx-lm.
 
-No HTTP in the way: the bundled engine serves the decode probes from `prompts/` at each level,
+No HTTP in the way: the bundled engine serves the decode probes from `dflash_bench/prompts/` at each level,
 drafted (per drafter precision) and plain (`draft: false`) on the same loaded target, and mlx-lm's
 `generate_step` decodes the same prompt on the same float32 weights with the same BLAS, so every
 figure in the receipt is a ratio taken in one run on one machine.

@@ -1,5 +1,7 @@
-"""Prompt sets, read from the JSON files in `prompts/` (data, not code, so they can be reviewed and
-extended without touching the checks)."""
+"""Prompt sets, read from the JSON files in `dflash_bench/prompts/` (data, not code, so they can be
+reviewed and extended without touching the checks). They ship inside the package (pyproject.toml's
+package-data), so a non-editable install finds them from any folder; DFLASH_BENCH_PROMPTS points the
+checks at another folder of the same files."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from pathlib import Path
 from dflash_bench.checks.client import Request
 from dflash_bench.engine.errors import DFlashBenchError
 
-PROMPTS_DIR = Path(os.environ.get("DFLASH_BENCH_PROMPTS", Path(__file__).resolve().parents[2] / "prompts"))
+PROMPTS_DIR = Path(os.environ.get("DFLASH_BENCH_PROMPTS", Path(__file__).resolve().parents[1] / "prompts"))
 
 
 class BadPromptSet(DFlashBenchError):
@@ -47,7 +49,7 @@ def _load(name: str) -> dict:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise BadPromptSet(f"prompt file {path} is missing (set DFLASH_BENCH_PROMPTS to the prompts/ folder)") from None
+        raise BadPromptSet(f"prompt file {path} is missing (DFLASH_BENCH_PROMPTS, when set, names a folder holding the files of dflash_bench/prompts/)") from None
     except json.JSONDecodeError as err:
         raise BadPromptSet(f"prompt file {path} is not valid JSON: {err}") from None
 

@@ -22,15 +22,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import dflash_bench
+from dflash_bench.checks.schema import SCHEMA, SCHEMA_VERSION, BadReceipt, ReceiptBase, read_json, validate_receipt
 from dflash_bench.engine import blas
-from dflash_bench.engine.errors import DFlashBenchError
 
-SCHEMA = "dflash-bench/receipt"
-SCHEMA_VERSION = 1
-
-
-class BadReceipt(DFlashBenchError):
-    """A file is not a receipt this version reads."""
+__all__ = ["SCHEMA", "SCHEMA_VERSION", "BadReceipt", "Receipt", "exit_code", "percentiles", "summary"]
 
 
 def utc_now() -> str:
@@ -92,6 +87,21 @@ def summary(values) -> dict:
     med = statistics.median(vals)
     return {"n": len(vals), "median": med, "min": min(vals), "max": max(vals),
             "spread": (max(vals) - min(vals)) / med if med else None, "values": vals}
+
+
+def percentiles(values) -> dict:
+    """n and p50/p90/p99 (linear between the nearest ranks), None when there are no values."""
+    vals = sorted(float(v) for v in values if v is not None)
+    if not vals:
+        return {"n": 0, "p50": None, "p90": None, "p99": None}
+
+    def at(q: float) -> float:
+        pos = q * (len(vals) - 1)
+        lo = int(pos)
+        hi = min(lo + 1, len(vals) - 1)
+        return vals[lo] + (vals[hi] - vals[lo]) * (pos - lo)
+
+    return {"n": len(vals), "p50": at(0.50), "p90": at(0.90), "p99": at(0.99)}
 
 
 def _git(*args: str) -> str | None:
@@ -207,37 +217,27 @@ class Receipt:
     def write(self, path: Path) -> None:
         write_atomic(Path(path), canonical_json(self.to_dict()))
 
+    def typed(self) -> ReceiptBase:
+        """The receipt as its kind's pydantic model (checks/schema.py): typed aggregates and records."""
+        return validate_receipt(self.to_dict(), self.kind)
+
     @classmethod
     def from_dict(cls, data: dict, where: str = "receipt") -> Receipt:
-        if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-            raise BadReceipt(f"{where}: schema is {data.get('schema') if isinstance(data, dict) else None!r}, "
-                             f"not {SCHEMA!r}")
-        if data.get("schema_version") != SCHEMA_VERSION:
-            raise BadReceipt(f"{where}: schema_version {data.get('schema_version')!r}, this tool reads "
-                             f"{SCHEMA_VERSION}")
-        verdict = data.get("verdict") or {}
-        missing = [k for k in ("kind", "command", "settings", "complete") if k not in data]
-        if missing:
-            raise BadReceipt(f"{where}: field {missing[0]!r} is missing")
+        """Reads a receipt of any version this tool reads (schema.READS); BadReceipt if it breaks the contract."""
+        validate_receipt(data, where)
+        verdict = data["verdict"]
         return cls(kind=data["kind"], command=data["command"], settings=data["settings"],
                    started_at=data.get("started_at"), finished_at=data.get("finished_at"),
                    complete=data["complete"], incomplete_reason=data.get("incomplete_reason"),
-                   tool=data.get("tool", {}), environment=data.get("environment", {}),
+                   tool=data["tool"], environment=data.get("environment", {}),
                    server=data.get("server", {}), records=data.get("records", []),
-                   aggregates=data.get("aggregates", {}), failures=verdict.get("failures", []),
+                   aggregates=data.get("aggregates") or {}, failures=verdict.get("failures", []),
                    unverified=verdict.get("unverified", []), warnings=verdict.get("warnings", []),
                    not_run=data.get("not_run", []), side_files=data.get("side_files", {}))
 
     @classmethod
     def load(cls, path: Path) -> Receipt:
-        path = Path(path)
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise BadReceipt(f"{path}: no such file") from None
-        except json.JSONDecodeError as err:
-            raise BadReceipt(f"{path}: not JSON ({err})") from None
-        return cls.from_dict(data, str(path))
+        return cls.from_dict(read_json(path), str(path))
 
 
 def exit_code(receipt: Receipt, interrupted: bool = False) -> int:

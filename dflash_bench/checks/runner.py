@@ -1,16 +1,13 @@
 """Runs one check: opens the server, hands the check a `Context`, and always writes the receipt.
 
-Whatever stops a run (Ctrl-C, the server dying, a timeout, a bug) the receipt is written in the
-`finally`, marked incomplete with the reason; the exit code says which (see receipt.exit_code).
+Whatever stops a run (Ctrl-C, SIGTERM, the server dying, a timeout, a bug) the receipt is written,
+marked incomplete with the reason (checks/lifecycle.py); the exit code says which (receipt.exit_code).
 """
 
 from __future__ import annotations
 
 import os
-import signal
 import sys
-import threading
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -20,7 +17,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from dflash_bench.checks.client import PEAK_MEMORY_METRIC, Client, Record, Request
-from dflash_bench.checks.receipt import Receipt, exit_code
+from dflash_bench.checks.lifecycle import receipt_run
+from dflash_bench.checks.receipt import Receipt
 from dflash_bench.checks.server import ServeSettings, open_server
 from dflash_bench.engine.errors import DFlashBenchError
 from dflash_bench.engine.http_guard import API_KEY_ENV
@@ -177,15 +175,27 @@ def make_progress(console: Console | None = None) -> Progress:
 
 def run_check(spec: RunSpec, settings: dict, body: Callable[[Context], None],
               progress: Progress | None = None) -> tuple[Receipt, int]:
-    """Runs `body` against the server and writes the receipt, complete or not; returns it and the exit code."""
+    """Runs `body` against the server and writes the receipt, complete or not (lifecycle.receipt_run);
+    returns it and the exit code."""
     receipt = Receipt.new(spec.kind, spec.command, settings)
-    log_path = spec.out.with_suffix(".server.log")
-    interrupted = False
     progress = progress or make_progress()
-    previous = _term_as_interrupt()
-    server = open_server(spec.url, spec.serve, log_path, spec.startup_timeout)
-    ctx: Context | None = None
-    try:
+    server = open_server(spec.url, spec.serve, spec.out.with_suffix(".server.log"), spec.startup_timeout)
+    contexts: list[Context] = []
+
+    def reason(err: BaseException) -> str:
+        death = server.death() if isinstance(err, (httpx.HTTPError, DFlashBenchError)) else None
+        return f"{type(err).__name__}: {err}" + (f"; {death}" if death else "")
+
+    def before_write() -> None:
+        if not receipt.server:
+            receipt.server.update(server.describe())
+        if server.managed and server.startup_line():
+            receipt.server["startup_line"] = server.startup_line()
+        if contexts and not receipt.complete:
+            contexts[0].unreached(receipt.incomplete_reason or "the run stopped")
+
+    with receipt_run(receipt, spec.out, (httpx.HTTPError, DFlashBenchError), reason) as run:
+        run.before_write.append(before_write)
         with progress, server:
             receipt.server.update(server.describe())
             health = server.health or {}
@@ -199,46 +209,12 @@ def run_check(spec: RunSpec, settings: dict, body: Callable[[Context], None],
             try:
                 client.pick_model(health)
                 receipt.server["model"] = client.model
-                ctx = Context(client, receipt, server, progress, spec.out)
-                body(ctx)
+                contexts.append(Context(client, receipt, server, progress, spec.out))
+                body(contexts[0])
                 _read_peak(client, receipt)
-                receipt.finish(True)
             finally:
                 client.close()
-    except KeyboardInterrupt as err:
-        interrupted = True
-        receipt.finish(False, f"interrupted ({str(err) or 'Ctrl-C'})")
-    except (httpx.HTTPError, DFlashBenchError) as err:
-        death = server.death()
-        reason = f"{type(err).__name__}: {err}" + (f"; {death}" if death else "")
-        receipt.finish(False, reason)
-    except Exception as err:  # a bug still leaves a receipt behind, and its traceback on stderr
-        traceback.print_exc()
-        receipt.finish(False, f"{type(err).__name__}: {err}")
-    finally:
-        if not receipt.server:
-            receipt.server.update(server.describe())
-        if server.managed and server.startup_line():
-            receipt.server["startup_line"] = server.startup_line()
-        if not receipt.finished_at:
-            receipt.finish(False, "stopped before the run finished")
-        if ctx is not None and not receipt.complete:
-            ctx.unreached(receipt.incomplete_reason or "the run stopped")
-        receipt.write(spec.out)
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
-    return receipt, exit_code(receipt, interrupted)
-
-
-def _term_as_interrupt():
-    """SIGTERM (a timeout, a job runner stopping us) ends the run as Ctrl-C does: receipt written,
-    marked incomplete. Returns the previous handler (None off the main thread, where it cannot be set)."""
-    def handler(signum, frame):
-        raise KeyboardInterrupt("SIGTERM")
-
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    return signal.signal(signal.SIGTERM, handler)
+    return receipt, run.code
 
 
 def _read_peak(client: Client, receipt: Receipt) -> None:

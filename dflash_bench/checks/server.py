@@ -41,11 +41,13 @@ class ServeSettings:
     context: int | None = None
     prompt_cache_gib: float | None = None
     drafter_bits: int | None = None
+    backend: str | None = None
 
     def argv(self, host: str, port: int) -> list[str]:
         args = [self.target]
         for flag, value in (("--drafter", self.drafter), ("--parallel", self.parallel), ("--context", self.context),
-                            ("--prompt-cache-gib", self.prompt_cache_gib), ("--drafter-bits", self.drafter_bits)):
+                            ("--prompt-cache-gib", self.prompt_cache_gib), ("--drafter-bits", self.drafter_bits),
+                            ("--backend", self.backend)):
             if value is not None:
                 args += [flag, str(value)]
         return args + ["--host", host, "--port", str(port)]

@@ -29,6 +29,7 @@ import httpx
 
 from dflash_bench.checks import prompts as prompt_sets
 from dflash_bench.checks.client import ACTIVE_MEMORY_METRIC, Record, Request
+from dflash_bench.checks.receipt import percentiles
 from dflash_bench.checks.runner import NO_HASH, Context
 
 CHECK = "stress_changes_nothing"
@@ -78,21 +79,6 @@ def draw(s: StressSettings, draft: bool) -> list[Planned]:
                       draft=(rng.random() < 0.5) if draft else None, stream=rng.random() < 0.5)
         hang_up = rng.uniform(0.05, s.drop_within) if rng.random() < s.drop_fraction else None
         out.append(Planned(req, hang_up))
-    return out
-
-
-def percentiles(values: list[float]) -> dict:
-    """n and p50/p90/p99 (linear between the nearest ranks), None when there are no values."""
-    vals = sorted(v for v in values if v is not None)
-    out: dict = {"n": len(vals)}
-    for p in (50, 90, 99):
-        if not vals:
-            out[f"p{p}"] = None
-            continue
-        k = (len(vals) - 1) * p / 100
-        lo = int(k)
-        hi = min(lo + 1, len(vals) - 1)
-        out[f"p{p}"] = vals[lo] + (vals[hi] - vals[lo]) * (k - lo)
     return out
 
 

@@ -2,15 +2,32 @@
 
 from __future__ import annotations
 
-from rich.console import Group
+import os
+
+import pandas as pd
+from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from dflash_bench.checks.compare import CompareResult
-from dflash_bench.checks.receipt import Receipt
+from dflash_bench.checks import aggregates as agg
+from dflash_bench.checks.compare import VERDICT, CompareResult
+from dflash_bench.checks.receipt import BadReceipt, Receipt
+from dflash_bench.checks.schema import TrainingReceipt
 
 MARK = {True: Text("equal", style="green"), False: Text("DIFFER", style="bold red"),
         None: Text("unverified", style="yellow")}
+
+
+CI_WIDTH = 200  # columns when printing to a pipe or a CI log: wide enough for every table's headers
+
+
+def console(stderr: bool = False) -> Console:
+    """A console for tables: the terminal's width, or CI_WIDTH when not a terminal (rich would cut to 80
+    columns and abbreviate exactness's headers to "pro…", "dra…"); COLUMNS, when set, still wins."""
+    out = Console(stderr=stderr)
+    if not out.is_terminal and "COLUMNS" not in os.environ:
+        out = Console(stderr=stderr, width=CI_WIDTH)
+    return out
 
 
 def num(value, digits: int = 1) -> str:
@@ -21,13 +38,15 @@ def num(value, digits: int = 1) -> str:
     return f"{value:,}" if isinstance(value, int) else str(value)
 
 
-def stat(s: dict | None, digits: int = 1) -> str:
+def stat(s: agg.Summary | dict | None, digits: int = 1) -> str:
     """'median (±spread%)' for a summary with several values, the median alone for one."""
-    if not s or s.get("median") is None:
+    if isinstance(s, dict):
+        s = agg.Summary.model_validate(s)
+    if s is None or s.median is None:
         return "—"
-    text = num(s["median"], digits)
-    if s.get("n", 0) > 1 and s.get("spread") is not None:
-        text += f" ±{s['spread']:.0%}"
+    text = num(s.median, digits)
+    if s.n > 1 and s.spread is not None:
+        text += f" ±{s.spread:.0%}"
     return text
 
 
@@ -59,164 +78,242 @@ def verdict(r: Receipt) -> Group:
     return Group(*lines)
 
 
-def exactness(r: Receipt) -> Table:
+def exactness(a: agg.ExactnessAggregates, r: Receipt) -> Table:
     t = Table(title="drafted vs draft:false (greedy, ignore_eos)")
     t.add_column("prompt", no_wrap=True)
     for col in ("kind", "prompt tok", "drafted sha", "plain sha", "result", "first diff", "tok/round drafted",
                 "plain", "answer"):
         t.add_column(col)
-    for row in r.aggregates.get("prompts", []):
-        known = row.get("known_answer")
-        t.add_row(row["prompt_id"], row["kind"], num(row.get("prompt_tokens")), row.get("drafted_sha") or "—",
-                  row.get("plain_sha") or "—", MARK[row.get("equal")], num(row.get("first_diff")),
-                  num(row.get("drafted_tokens_per_round"), 2), num(row.get("plain_tokens_per_round"), 2),
+    for row in a.prompts:
+        known = row.known_answer
+        t.add_row(row.prompt_id, row.kind, num(row.prompt_tokens), row.drafted_sha or "—", row.plain_sha or "—",
+                  MARK[row.equal], num(row.first_diff), num(row.drafted_tokens_per_round, 2),
+                  num(row.plain_tokens_per_round, 2),
                   "—" if known is None else Text("right" if known else "wrong", style="green" if known else "red"))
     return t
 
 
-def concurrent(r: Receipt) -> Table:
+def concurrent(a: agg.ConcurrentAggregates, r: Receipt) -> Table:
     t = Table(title="concurrent equals solo (alone); solo drafted equals draft:false (serial)")
     for col in ("temperature", "streams", "equal", "failed", "unverified", "aggregate tok/s", "tok/round"):
         t.add_column(col)
-    for c in r.aggregates.get("cells", []):
-        t.add_row(num(c["temperature"]), f"x{c['level']}", num(c["equal"]), num(c["failed"]), num(c["unverified"]),
-                  stat(c.get("aggregate_tps")), stat(c.get("tokens_per_round"), 2))
-    for c in r.aggregates.get("serial", []):
-        t.add_row(num(c["temperature"]), "serial", num(c["equal"]), num(c["failed"]), num(c["unverified"]), "", "")
+    for c in a.cells:
+        t.add_row(num(c.temperature), f"x{c.level}", num(c.equal), num(c.failed), num(c.unverified),
+                  stat(c.aggregate_tps), stat(c.tokens_per_round, 2))
+    for c in a.serial:
+        t.add_row(num(c.temperature), "serial", num(c.equal), num(c.failed), num(c.unverified), "", "")
     return t
 
 
-def resume(r: Receipt) -> Table:
+def resume(a: agg.ResumeAggregates, r: Receipt) -> Table:
     t = Table(title="resumed equals fresh")
     for col in ("step", "prompt", "prompt tok", "cached tok", "token sha", "tok/round", "status"):
         t.add_column(col)
-    for s in r.aggregates.get("steps", []):
-        t.add_row(s["step"], s["prompt_id"], num(s.get("prompt_tokens")), num(s.get("cached_tokens")),
-                  s.get("token_sha") or "—", num(s.get("tokens_per_round"), 2), s["status"])
+    for s in a.steps:
+        t.add_row(s.step, s.prompt_id, num(s.prompt_tokens), num(s.cached_tokens), s.token_sha or "—",
+                  num(s.tokens_per_round, 2), s.status)
     return t
 
 
-def cancel(r: Receipt) -> Table:
+def cancel(a: agg.CancelAggregates, r: Receipt) -> Table:
     t = Table(title="after each step, both probes equal their references; memory back at baseline")
     for col in ("step", "code probe", "chat probe", "active memory", "note"):
         t.add_column(col)
-    for s in r.aggregates.get("steps", []):
-        probes = s.get("probes", [])
-        cells = [Text(p) if isinstance(p, str) else MARK[p.get("equal")] for p in probes] + ["—"] * (2 - len(probes))
-        t.add_row(s["step"], *cells[:2], gb(s.get("memory_bytes")), s.get("note") or "")
+    for s in a.steps:
+        cells = [Text(p) if isinstance(p, str) else MARK[p.equal] for p in s.probes] + ["—"] * (2 - len(s.probes))
+        t.add_row(s.step, *cells[:2], gb(s.memory_bytes), s.note or "")
     return t
 
 
-def decode(r: Receipt) -> Table:
-    a = r.aggregates
-    modes = a.get("modes", [])
+def decode(a: agg.DecodeAggregates, r: Receipt) -> Group:
+    modes = a.modes
+    paired = modes == ["drafted", "plain"]
     t = Table(title="decode tok/s (median ±spread of reps)")
     t.add_column("metric")
     for m in modes:
         t.add_column(m)
-    if modes == ["drafted", "plain"]:
+    if paired:
         t.add_column("drafted/plain")
-    def row(label: str, by_mode: dict, digits: int = 1, is_stat: bool = True) -> None:
-        cells = [stat(by_mode.get(m), digits) if is_stat else num(by_mode.get(m), digits) for m in modes]
-        if modes == ["drafted", "plain"]:
-            d, p = by_mode.get("drafted"), by_mode.get("plain")
-            d, p = (d or {}).get("median") if is_stat else d, (p or {}).get("median") if is_stat else p
+
+    def row(label: str, by_mode: dict, digits: int = 1) -> None:
+        """A row of summaries (tok/s) or of plain numbers (tokens a round), with the drafted/plain ratio."""
+        cells = [stat(v, digits) if isinstance(v, agg.Summary) else num(v, digits)
+                 for v in (by_mode.get(m) for m in modes)]
+        if paired:
+            d, p = (v.median if isinstance(v, agg.Summary) else v for v in (by_mode.get("drafted"), by_mode.get("plain")))
             cells.append(f"{d / p:.2f}x" if d and p else "—")
         t.add_row(label, *cells)
-    for role, by_mode in a.get("single_tps", {}).items():
+
+    for role, by_mode in a.single_tps.items():
         row(f"single stream {role}", by_mode)
-    for role, levels in a.get("aggregate_tps", {}).items():
+    for role, levels in a.aggregate_tps.items():
         for level, by_mode in levels.items():
             row(f"aggregate {role} x{level}", by_mode)
-    for role, levels in a.get("tokens_per_round", {}).items():
+    for role, levels in a.tokens_per_round.items():
         for level, by_mode in levels.items():
-            row(f"tokens a round {role} x{level}", by_mode, 2, is_stat=False)
+            row(f"tokens a round {role} x{level}", by_mode, 2)
     t.add_row("peak footprint", gb(r.server.get("peak_memory_bytes")), *[""] * (len(t.columns) - 2))
+    parts: list = [t]
+    if a.latency:
+        parts.append(latency(a))
+    if a.acceptance:
+        parts.append(acceptance(a))
+    return Group(*parts)
+
+
+def _pct(p: agg.Percentiles, scale: float = 1000.0, digits: int = 1) -> str:
+    """p50 / p90 / p99, by default seconds shown as milliseconds."""
+    return " / ".join(num(v * scale if v is not None else None, digits) for v in (p.p50, p.p90, p.p99))
+
+
+def latency(a: agg.DecodeAggregates) -> Table:
+    t = Table(title="client-side latency, ms p50 / p90 / p99 (vLLM bench's TTFT, TPOT, ITL)")
+    for col in ("probe", "streams", "mode", "TTFT", "TPOT", "ITL", "chunks"):
+        t.add_column(col)
+    for role, levels in a.latency.items():
+        for level, by_mode in levels.items():
+            for mode, lat in by_mode.items():
+                t.add_row(role, f"x{level}", mode, _pct(lat.ttft_seconds), _pct(lat.tpot_seconds),
+                          _pct(lat.itl_seconds), num(lat.itl_seconds.n))
     return t
 
 
-def prefill(r: Receipt) -> Table:
-    sizes = r.aggregates.get("sizes", {})
-    arrays = r.aggregates.get("arrays", {})
-    modes = sorted({m for by in sizes.values() for m in by})
+def acceptance(a: agg.DecodeAggregates) -> Table:
+    t = Table(title="drafted rounds by accepted drafts (histogram), and acceptance by draft position")
+    for col in ("probe", "streams", "rounds", "accepted 0, 1, 2, ...", "acceptance by position 1, 2, ..."):
+        t.add_column(col)
+    for role, levels in a.acceptance.items():
+        for level, by_mode in levels.items():
+            for acc in by_mode.values():
+                t.add_row(role, f"x{level}", num(acc.rounds), " ".join(map(str, acc.histogram)),
+                          " ".join("—" if d is None else f"{d:.2f}" for d in acc.by_depth))
+    return t
+
+
+def prefill(a: agg.PrefillAggregates, r: Receipt) -> Table:
+    modes = sorted({m for by in a.sizes.values() for m in by})
     t = Table(title="cold prefill: tok/s (seconds), medians of rounds")
     t.add_column("tokens")
     for m in modes:
         t.add_column(m)
     t.add_column("array sha")
-    for size, by_mode in sizes.items():
-        cells = [f"{stat(by_mode[m]['tps'])} ({stat(by_mode[m]['seconds'], 3)})" if m in by_mode else "—"
-                 for m in modes]
-        t.add_row(num(arrays.get(size, {}).get("tokens", size)), *cells, arrays.get(size, {}).get("token_sha", ""))
+    for size, by_mode in a.sizes.items():
+        cells = [f"{stat(by_mode[m].tps)} ({stat(by_mode[m].seconds, 3)})" if m in by_mode else "—" for m in modes]
+        array = a.arrays.get(size)
+        t.add_row(num(array.tokens if array else size), *cells, (array.token_sha or "") if array else "")
     t.add_row("peak footprint", gb(r.server.get("peak_memory_bytes")), *[""] * len(modes))
     return t
 
 
-def stress(r: Receipt) -> Table:
-    a = r.aggregates
-    c, lat, rss, mem = a.get("counts", {}), a.get("latency", {}), a.get("rss", {}), a.get("memory", {})
+def stress(a: agg.StressAggregates, r: Receipt) -> Table:
+    c, rss, mem = a.counts, a.rss, a.memory
     t = Table(title="stress: load with random hang-ups; probes unchanged, memory back at baseline")
     for col in ("measure", "value"):
         t.add_column(col)
-    errors = ", ".join(f"{k} {v}" for k, v in sorted((c.get("errors") or {}).items())) or "none"
-    t.add_row("requests sent / planned", f"{num(c.get('sent'))} / {num(c.get('planned'))}")
-    t.add_row("completed / dropped by the client", f"{num(c.get('completed'))} / {num(c.get('dropped'))} "
-              f"({num(c.get('drops_planned'))} hang-ups planned)")
+    errors = ", ".join(f"{k} {v}" for k, v in sorted(c.errors.items())) or "none"
+    t.add_row("requests sent / planned", f"{num(c.sent)} / {num(c.planned)}")
+    t.add_row("completed / dropped by the client", f"{num(c.completed)} / {num(c.dropped)} "
+              f"({num(c.drops_planned)} hang-ups planned)")
     t.add_row("errors", errors)
-    t.add_row("5xx", Text(num(c.get("http_5xx")), style="bold red" if c.get("http_5xx") else ""))
+    t.add_row("5xx", Text(num(c.http_5xx), style="bold red" if c.http_5xx else ""))
     for key, label in (("ttft_seconds", "TTFT s (streamed)"), ("total_seconds", "total s")):
-        p = lat.get(key) or {}
-        t.add_row(f"{label} p50 / p90 / p99", f"{num(p.get('p50'), 3)} / {num(p.get('p90'), 3)} / "
-                  f"{num(p.get('p99'), 3)} (n {num(p.get('n'))})")
+        p = a.latency.get(key) or agg.Percentiles()
+        t.add_row(f"{label} p50 / p90 / p99", f"{_pct(p, 1.0, 3)} (n {num(p.n)})")
     t.add_row("server RSS before / peak / after", f"{gb(rss.get('before_bytes'))} / {gb(rss.get('peak_bytes'))} / "
               f"{gb(rss.get('after_bytes'))} ({rss.get('source', '—')})")
     t.add_row("active memory baseline / after", f"{gb(mem.get('baseline_bytes'))} / {gb(mem.get('after_bytes'))}")
-    for row in a.get("probes", []):
-        t.add_row(f"probe {row['prompt_id']}", Text.assemble(f"{row.get('reference') or '—'} -> "
-                                                             f"{row.get('after') or '—'} ", MARK[row.get("equal")]))
+    for row in a.probes:
+        t.add_row(f"probe {row.prompt_id}", Text.assemble(f"{row.reference or '—'} -> {row.after or '—'} ",
+                                                          MARK[row.equal]))
     return t
 
 
-def suite(r: Receipt) -> Table:
+def suite(a: agg.SuiteAggregates, r: Receipt) -> Table:
     t = Table(title="suite")
     for col in ("check", "receipt", "result", "exit"):
         t.add_column(col)
-    for c in r.aggregates.get("checks", []):
-        t.add_row(c["kind"], c["receipt"], c["result"], num(c["exit_code"]))
+    for c in a.checks:
+        t.add_row(c.kind, c.receipt, c.result, num(c.exit_code))
     return t
 
 
-BY_KIND = {"exactness": exactness, "concurrent": concurrent, "resume": resume, "cancel": cancel,
-           "decode": decode, "prefill": prefill, "stress": stress, "suite": suite}
+def engine_speed(a: agg.EngineSpeedAggregates, r: Receipt) -> Table:
+    t = Table(title="engine speed (tok/s; medians of reps)")
+    for col in ("probe", "mode", "streams", "stream tok/s", "aggregate tok/s", "tokens/round", "spread"):
+        t.add_column(col, justify="right" if col not in ("probe", "mode") else "left")
+    for probe, modes in a.probes().items():
+        for mode, cells in modes.items():
+            if isinstance(cells, agg.MlxLmCell):
+                t.add_row(probe, "mlx-lm generate", "1", num(cells.stream_tok_s.median, 2), "", "",
+                          f"ours/mlx-lm {cells.ours_over_mlx_lm:.2f}")
+                continue
+            for streams, cell in cells.items():
+                t.add_row(probe, mode, streams, num(cell.stream_tok_s.median, 2),
+                          num(cell.aggregate_tok_s.median, 2), num(cell.tokens_per_round.median, 3),
+                          f"{cell.aggregate_tok_s.spread or 0:.1%}")
+    if a.peak_bytes is not None:
+        t.add_row("peak footprint", "", "", "", gb(a.peak_bytes), "", "")
+    return t
 
 
-def plan(r: Receipt) -> Table:
+def plan(a: agg.PlanAggregates, r: Receipt) -> Table:
     """plan --check receipts: their table lives with the check (imported only when shown: it loads MLX)."""
     from dflash_bench.checks import memory
 
     return memory.table(r)
 
 
-BY_KIND["plan"] = plan
-
-
-def selfcheck(r: Receipt) -> Table:
+def selfcheck(a: agg.SelfcheckAggregates, r: Receipt) -> Table:
     """selfcheck receipts: their table lives with the check."""
     from dflash_bench.checks import selfcheck as check
 
     return check.table(r)
 
 
-BY_KIND["selfcheck"] = selfcheck
+BY_KIND = {"exactness": exactness, "concurrent": concurrent, "resume": resume, "cancel": cancel,
+           "decode": decode, "prefill": prefill, "stress": stress, "suite": suite, "plan": plan,
+           "engine-speed": engine_speed, "selfcheck": selfcheck}
 
 
 def render(r: Receipt) -> Group:
-    """The receipt's header, its kind's table and its verdict."""
-    parts = [header(r)]
-    if r.kind in BY_KIND:
-        parts.append(BY_KIND[r.kind](r))
+    """The receipt's header, its kind's table and its verdict. A receipt whose aggregates break the
+    contract (a bug in a writer) still shows its header and verdict, and says what broke."""
+    parts: list = [header(r)]
+    try:
+        typed = r.typed()
+    except BadReceipt as err:
+        parts.append(Text(f"no table: {err}", style="yellow"))
+    else:
+        parts.append(BY_KIND[r.kind](typed.aggregates, r))
     parts.append(verdict(r))
     return Group(*parts)
+
+
+def training(doc: TrainingReceipt) -> Group:
+    """A training receipt (tools/train_drafter): each drafter's held-out loss, tokens a round, acceptance."""
+    evals = doc.evaluations()
+    kinds = sorted({k for e in evals.values() for k in e.tokens_per_round_by_kind})
+    t = Table(title=f"{doc.what}: held-out measurements")
+    for col in ("drafter", "loss", "sequences", "tok/round", "acceptance by row 1, 2, ...", *kinds):
+        t.add_column(col)
+    for name, e in evals.items():
+        t.add_row(name, num(e.loss, 3), num(e.sequences), num(e.tokens_per_round, 3),
+                  " ".join(f"{x:.2f}" for x in e.acceptance_by_row),
+                  *[num(e.tokens_per_round_by_kind.get(k), 2) for k in kinds])
+    head = Text.assemble(("training", "bold"), "  ", doc.date, "  ", (doc.git_revision or "no revision", "cyan"))
+    return Group(head, Text(doc.command, style="dim"), t)
+
+
+def frame_table(frame: pd.DataFrame, title: str, digits: int = 2) -> Table:
+    """A DataFrame (checks/frames.py) as a rich table: its index (when named) then its columns."""
+    t = Table(title=title)
+    named = frame.index.name is not None
+    for col in ([frame.index.name] if named else []) + [str(c) for c in frame.columns]:
+        t.add_column(col)
+    for name, row in frame.iterrows():
+        cells = ["—" if pd.isna(v) else num(float(v), digits) if isinstance(v, float) else str(v) for v in row]
+        t.add_row(*([str(name)] if named else []), *cells)
+    return t
 
 
 def compare_table(result: CompareResult) -> Group:
@@ -226,8 +323,8 @@ def compare_table(result: CompareResult) -> Group:
     for c in result.cells:
         digits = 2 if c.section == "tokens per round" else 3 if "seconds" in c.section else 1
         fmt = gb if c.section == "peak footprint" else (lambda s, d=digits: stat(s, d))
-        before = fmt(c.before["median"] if c.before and fmt is gb else c.before)
-        after = fmt(c.after["median"] if c.after and fmt is gb else c.after)
+        before = fmt(c.before.median if c.before and fmt is gb else c.before)
+        after = fmt(c.after.median if c.after and fmt is gb else c.after)
         if c.noisy:
             before, after = before + "*", after + "*"
         ratio = Text(f"{c.ratio:.2f}x", style="bold red" if c.drop else "") if c.ratio is not None else Text("—")
@@ -235,8 +332,6 @@ def compare_table(result: CompareResult) -> Group:
     lines = [t]
     lines += [Text(f"AFTER failed: {f['receipt']}: {f['message']}", style="red") for f in result.failures]
     lines += [Text(f"incomplete: {line}", style="yellow") for line in result.incomplete]
-    verdict_text = {0: ("no drop beyond the runs' spread; AFTER has no failures", "green"),
-                    1: ("FAILED: a drop beyond the runs' spread or a failure in AFTER", "bold red"),
-                    2: ("incomplete receipts: see above", "yellow")}[result.exit_code]
-    lines.append(Text(verdict_text[0], style=verdict_text[1]))
+    style = {0: "green", 1: "bold red", 2: "yellow"}[result.exit_code]
+    lines.append(Text(VERDICT[result.exit_code], style=style))
     return Group(*lines)

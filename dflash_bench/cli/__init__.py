@@ -26,6 +26,7 @@ def _root() -> None:
 from dflash_bench.cli import inspect as _inspect  # noqa: E402,F401
 from dflash_bench.cli import fixture as _fixture  # noqa: E402,F401
 from dflash_bench.cli import checks as _checks  # noqa: E402,F401
+from dflash_bench.cli import receipts as _receipts  # noqa: E402,F401
 from dflash_bench.cli import serve as _serve  # noqa: E402,F401
 from dflash_bench.cli import engine_speed as _engine_speed  # noqa: E402,F401
 from dflash_bench.cli import plan as _plan  # noqa: E402,F401

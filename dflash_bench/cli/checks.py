@@ -1,4 +1,4 @@
-"""The check commands: exactness, concurrent, resume, cancel, stress, decode, prefill, suite, compare, show.
+"""The check commands: exactness, concurrent, resume, cancel, stress, decode, prefill, suite.
 
 Each check runs against --url, or starts the bundled server (`dflash-bench serve`) on a free
 loopback port and stops it after; writes a receipt (receipts/<command>-<UTC stamp>.json unless
@@ -14,10 +14,8 @@ from pathlib import Path
 from typing import Annotated, Callable, Optional
 
 import typer
-from rich.console import Console
 
 from dflash_bench.checks import cancel as cancel_check
-from dflash_bench.checks import compare as compare_mod
 from dflash_bench.checks import concurrent as concurrent_check
 from dflash_bench.checks import decode as decode_check
 from dflash_bench.checks import exactness as exactness_check
@@ -25,11 +23,11 @@ from dflash_bench.checks import prefill as prefill_check
 from dflash_bench.checks import resume as resume_check
 from dflash_bench.checks import stress as stress_check
 from dflash_bench.checks import tables
-from dflash_bench.checks.receipt import Receipt, canonical_json, exit_code, utc_stamp, write_atomic
+from dflash_bench.checks.lifecycle import receipt_run
+from dflash_bench.checks.receipt import Receipt, canonical_json, exit_code, utc_stamp
 from dflash_bench.checks.runner import RunSpec, run_check
 from dflash_bench.checks.server import ServeSettings
 from dflash_bench.cli import app
-from dflash_bench.engine.errors import DFlashBenchError
 
 SERVER = "Bundled server (ignored with --url)"
 OUTPUT = "Output"
@@ -47,6 +45,9 @@ ContextSize = Annotated[Optional[int], typer.Option(help="Context (--context) fo
 Cache = Annotated[Optional[float], typer.Option("--prompt-cache-gib", help="Prompt cache for the bundled server.",
                                                 rich_help_panel=SERVER)]
 Bits = Annotated[Optional[int], typer.Option(help="--drafter-bits for the bundled server.", rich_help_panel=SERVER)]
+Backend = Annotated[Optional[str], typer.Option(help="--backend for the bundled server: auto (the default device's), "
+                                                     "cpu (float32) or gpu (packed weights, bf16).",
+                                                rich_help_panel=SERVER)]
 Startup = Annotated[float, typer.Option(help="Seconds to wait for the bundled server's /health to say ready.",
                                         rich_help_panel=SERVER)]
 Timeout = Annotated[float, typer.Option(help="Seconds one request may take.", rich_help_panel=SERVER)]
@@ -85,7 +86,7 @@ def default_out(kind: str) -> Path:
 
 
 def serve_settings(given: tuple, **defaults) -> ServeSettings:
-    """The bundled server's settings from (target, drafter, parallel, context, prompt_cache_gib, drafter_bits):
+    """The bundled server's settings from (target, drafter, parallel, context, prompt_cache_gib, drafter_bits, backend):
     what was given, else the check's own defaults, else the server's."""
     names = ("target", "drafter", "parallel", "context", "prompt_cache_gib", "drafter_bits")
     return ServeSettings(**{k: v if v is not None else defaults.get(k) for k, v in zip(names, given)})
@@ -105,26 +106,26 @@ def report(receipt: Receipt, path: Path, json_out: bool) -> None:
     if json_out:
         typer.echo(canonical_json(receipt.to_dict()), nl=False)
         return
-    console = Console()
+    console = tables.console()
     console.print(tables.render(receipt))
     console.print(f"receipt: {path}", style="dim")
 
 
 @app.command(rich_help_panel="Checks")
 def exactness(url: Url = None, target: Target = "default", drafter: Drafter = None, parallel: Parallel = None,
-              context: ContextSize = None, prompt_cache_gib: Cache = None, drafter_bits: Bits = None,
+              context: ContextSize = None, prompt_cache_gib: Cache = None, drafter_bits: Bits = None, backend: Backend = None,
               startup_timeout: Startup = 600.0, timeout: Timeout = 600.0, out: Out = None, json_out: Json = False,
               known_tokens: int = 64, probe_tokens: int = 256, long_tokens: int = 256,
               window: Annotated[int, typer.Option(help="The drafter's sliding window: long prompts must pass it.")] = 512):
     """Drafted equals `"draft": false`, token for token: known-answer prompts, code and chat probes, long prompts."""
     s = exactness_check.ExactnessSettings(known_tokens, probe_tokens, long_tokens, window)
-    execute("exactness", out, url, serve_settings((target, drafter, parallel, context, prompt_cache_gib, drafter_bits)),
+    execute("exactness", out, url, serve_settings((target, drafter, parallel, context, prompt_cache_gib, drafter_bits, backend)),
             startup_timeout, timeout, s, exactness_check.run, json_out)
 
 
 @app.command(rich_help_panel="Checks")
 def concurrent(url: Url = None, target: Target = "default", drafter: Drafter = None, parallel: Parallel = None,
-               context: ContextSize = None, prompt_cache_gib: Cache = None, drafter_bits: Bits = None,
+               context: ContextSize = None, prompt_cache_gib: Cache = None, drafter_bits: Bits = None, backend: Backend = None,
                startup_timeout: Startup = 600.0, timeout: Timeout = 600.0, out: Out = None, json_out: Json = False,
                levels: Levels = "1,4", tokens: Tokens = 256, reps: Reps = 3,
                temperatures: Annotated[str, typer.Option(help="Temperatures, comma-separated (seeded).")] = "0,0.7",
@@ -136,26 +137,26 @@ def concurrent(url: Url = None, target: Target = "default", drafter: Drafter = N
     s = concurrent_check.ConcurrentSettings(lv, tokens, reps, floats(temperatures, "--temperatures"), alone, serial,
                                             seed)
     execute("concurrent", out, url,
-            serve_settings((target, drafter, parallel, context, prompt_cache_gib, drafter_bits), parallel=max(lv)),
+            serve_settings((target, drafter, parallel, context, prompt_cache_gib, drafter_bits, backend), parallel=max(lv)),
             startup_timeout, timeout, s, concurrent_check.run, json_out)
 
 
 @app.command(rich_help_panel="Checks")
 def resume(url: Url = None, target: Target = "default", drafter: Drafter = None, parallel: Parallel = None,
-           context: ContextSize = None, prompt_cache_gib: Cache = None, drafter_bits: Bits = None,
+           context: ContextSize = None, prompt_cache_gib: Cache = None, drafter_bits: Bits = None, backend: Backend = None,
            startup_timeout: Startup = 600.0, timeout: Timeout = 600.0, out: Out = None, json_out: Json = False,
            tokens: Tokens = 256,
            prompt: Annotated[Optional[str], typer.Option(help="Long prompt id (default: the longest).")] = None):
     """Resumed equals fresh: a long prompt twice with the prompt cache on (bundled server: 1 GiB)."""
     s = resume_check.ResumeSettings(tokens, prompt)
     execute("resume", out, url,
-            serve_settings((target, drafter, parallel, context, prompt_cache_gib, drafter_bits), prompt_cache_gib=1.0),
+            serve_settings((target, drafter, parallel, context, prompt_cache_gib, drafter_bits, backend), prompt_cache_gib=1.0),
             startup_timeout, timeout, s, resume_check.run, json_out)
 
 
 @app.command(rich_help_panel="Checks")
 def cancel(url: Url = None, target: Target = "default", drafter: Drafter = None, parallel: Parallel = None,
-           context: ContextSize = None, prompt_cache_gib: Cache = None, drafter_bits: Bits = None,
+           context: ContextSize = None, prompt_cache_gib: Cache = None, drafter_bits: Bits = None, backend: Backend = None,
            startup_timeout: Startup = 600.0, timeout: Timeout = 600.0, out: Out = None, json_out: Json = False,
            probe_tokens: int = 128, drop_after_tokens: int = 16,
            prefill_tokens: Annotated[int, typer.Option(help="Size of the prompt dropped mid-prefill.")] = 6000,
@@ -165,14 +166,14 @@ def cancel(url: Url = None, target: Target = "default", drafter: Drafter = None,
     s = cancel_check.CancelSettings(probe_tokens, drop_after_tokens, 512, prefill_tokens, drop_after_seconds,
                                     int(memory_tolerance_mib * (1 << 20)))
     execute("cancel", out, url,
-            serve_settings((target, drafter, parallel, context, prompt_cache_gib, drafter_bits), parallel=2,
+            serve_settings((target, drafter, parallel, context, prompt_cache_gib, drafter_bits, backend), parallel=2,
                            prompt_cache_gib=0, context=8192),
             startup_timeout, timeout, s, cancel_check.run, json_out)
 
 
 @app.command(rich_help_panel="Checks")
 def stress(url: Url = None, target: Target = "default", drafter: Drafter = None, parallel: Parallel = None,
-           context: ContextSize = None, prompt_cache_gib: Cache = None, drafter_bits: Bits = None,
+           context: ContextSize = None, prompt_cache_gib: Cache = None, drafter_bits: Bits = None, backend: Backend = None,
            startup_timeout: Startup = 600.0,
            timeout: Annotated[float, typer.Option(help="Seconds one request may take: longer is a hang, which fails.",
                                                   rich_help_panel=SERVER)] = 120.0,
@@ -203,28 +204,28 @@ def stress(url: Url = None, target: Target = "default", drafter: Drafter = None,
     if s.min_tokens > s.max_tokens:
         raise typer.BadParameter(f"--min-tokens {min_tokens} is above --max-tokens {max_tokens}")
     execute("stress", out, url,
-            serve_settings((target, drafter, parallel, context, prompt_cache_gib, drafter_bits), parallel=4,
+            serve_settings((target, drafter, parallel, context, prompt_cache_gib, drafter_bits, backend), parallel=4,
                            prompt_cache_gib=0, context=2048),
             startup_timeout, timeout, s, stress_check.run, json_out)
 
 
 @app.command(rich_help_panel="Benchmarks")
 def decode(url: Url = None, target: Target = "default", drafter: Drafter = None, parallel: Parallel = None,
-           context: ContextSize = None, prompt_cache_gib: Cache = None, drafter_bits: Bits = None,
+           context: ContextSize = None, prompt_cache_gib: Cache = None, drafter_bits: Bits = None, backend: Backend = None,
            startup_timeout: Startup = 600.0, timeout: Timeout = 600.0, out: Out = None, json_out: Json = False,
            levels: Levels = "1,4", tokens: Tokens = 256, reps: Reps = 3):
     """Decode speed, drafted and plain side by side: single-stream and aggregate tok/s, tokens a round, footprint."""
     lv = ints(levels, "--levels")
     s = decode_check.DecodeSettings(lv, tokens, reps)
     execute("decode", out, url,
-            serve_settings((target, drafter, parallel, context, prompt_cache_gib, drafter_bits), parallel=max(lv),
+            serve_settings((target, drafter, parallel, context, prompt_cache_gib, drafter_bits, backend), parallel=max(lv),
                            prompt_cache_gib=0),
             startup_timeout, timeout, s, decode_check.run, json_out)
 
 
 @app.command(rich_help_panel="Benchmarks")
 def prefill(url: Url = None, target: Target = "default", drafter: Drafter = None, parallel: Parallel = None,
-            context: ContextSize = None, prompt_cache_gib: Cache = None, drafter_bits: Bits = None,
+            context: ContextSize = None, prompt_cache_gib: Cache = None, drafter_bits: Bits = None, backend: Backend = None,
             startup_timeout: Startup = 600.0, timeout: Timeout = 600.0, out: Out = None, json_out: Json = False,
             sizes: Annotated[str, typer.Option(help="Exact prompt sizes in tokens, comma-separated.")] = "512,2048,8192",
             rounds: Annotated[int, typer.Option(help="Rounds over the sizes (after one warm-up).")] = 3,
@@ -235,14 +236,14 @@ def prefill(url: Url = None, target: Target = "default", drafter: Drafter = None
     sz = ints(sizes, "--sizes")
     s = prefill_check.PrefillSettings(sz, rounds, tokenizer=tokenizer)
     execute("prefill", out, url,
-            serve_settings((target, drafter, parallel, context, prompt_cache_gib, drafter_bits), parallel=1,
+            serve_settings((target, drafter, parallel, context, prompt_cache_gib, drafter_bits, backend), parallel=1,
                            prompt_cache_gib=0, context=max(sz) + 64),
             startup_timeout, timeout, s, prefill_check.run, json_out)
 
 
 @app.command(rich_help_panel="Benchmarks")
 def suite(url: Url = None, target: Target = "default", drafter: Drafter = None, parallel: Parallel = None,
-          context: ContextSize = None, prompt_cache_gib: Cache = None, drafter_bits: Bits = None,
+          context: ContextSize = None, prompt_cache_gib: Cache = None, drafter_bits: Bits = None, backend: Backend = None,
           startup_timeout: Startup = 600.0, timeout: Timeout = 600.0,
           out: Annotated[Optional[Path], typer.Option(help="Folder (default receipts/suite-<UTC stamp>/).")] = None,
           json_out: Json = False, levels: Levels = "1,4", tokens: Tokens = 256, reps: Reps = 3,
@@ -250,7 +251,7 @@ def suite(url: Url = None, target: Target = "default", drafter: Drafter = None, 
     """Every check and benchmark in one run, a folder of receipts plus suite.json (stops at a Ctrl-C)."""
     folder = out or Path("receipts") / f"suite-{utc_stamp()}"
     lv, sz = ints(levels, "--levels"), ints(sizes, "--sizes")
-    base = (target, drafter, parallel, context, prompt_cache_gib, drafter_bits)
+    base = (target, drafter, parallel, context, prompt_cache_gib, drafter_bits, backend)
     plan = [
         ("exactness", exactness_check.ExactnessSettings(), exactness_check.run, serve_settings(base)),
         ("concurrent", concurrent_check.ConcurrentSettings(lv, tokens, reps, floats(temperatures, "--temperatures")),
@@ -266,67 +267,28 @@ def suite(url: Url = None, target: Target = "default", drafter: Drafter = None, 
     index = Receipt.new("suite", list(sys.argv), {"folder": str(folder), "checks": [p[0] for p in plan]})
     rows, codes = [], []
     index.aggregates["checks"] = rows
-    for kind, s, body, serve in plan:
-        spec = RunSpec(kind=kind, out=folder / f"{kind}.json", url=url, serve=serve, startup_timeout=startup_timeout,
-                       request_timeout=timeout)
-        receipt, code = run_check(spec, asdict(s), lambda ctx, s=s, body=body: body(ctx, s))
-        codes.append(code)
-        rows.append({"kind": kind, "receipt": spec.out.name, "exit_code": code,
-                     "result": "passed" if receipt.passed else "failed" if receipt.failures else "not passed"})
-        if not json_out:
-            report(receipt, spec.out, False)
-        if code == 130:
-            break
-    interrupted = 130 in codes
-    index.finish(len(rows) == len(plan) and not interrupted, None if len(rows) == len(plan) else "stopped early")
-    for row in rows:
-        if row["exit_code"] == 1:
-            index.fail("suite", row["kind"], f"{row['kind']} failed ({row['receipt']})")
-        elif row["exit_code"] != 0:
-            index.unverify("suite", row["kind"], f"{row['kind']} did not pass ({row['receipt']})")
-    index.write(folder / "suite.json")
+
+    def verdicts() -> None:
+        for row in rows:
+            if row["exit_code"] == 1:
+                index.fail("suite", row["kind"], f"{row['kind']} failed ({row['receipt']})")
+            elif row["exit_code"] != 0:
+                index.unverify("suite", row["kind"], f"{row['kind']} did not pass ({row['receipt']})")
+
+    with receipt_run(index, folder / "suite.json") as run:  # a SIGTERM between checks still writes suite.json
+        run.before_write.append(verdicts)
+        for kind, s, body, serve in plan:
+            spec = RunSpec(kind=kind, out=folder / f"{kind}.json", url=url, serve=serve,
+                           startup_timeout=startup_timeout, request_timeout=timeout)
+            receipt, code = run_check(spec, asdict(s), lambda ctx, s=s, body=body: body(ctx, s))
+            codes.append(code)
+            rows.append({"kind": kind, "receipt": spec.out.name, "exit_code": code,
+                         "result": "passed" if receipt.passed else "failed" if receipt.failures else "not passed"})
+            if not json_out:
+                report(receipt, spec.out, False)
+            if code == 130:
+                break
+        index.finish(len(rows) == len(plan) and 130 not in codes,
+                     None if len(rows) == len(plan) else "stopped early")
     report(index, folder / "suite.json", json_out)
-    raise typer.Exit(exit_code(index, interrupted))
-
-
-@app.command(rich_help_panel="Receipts")
-def compare(before: Annotated[Path, typer.Argument(help="BEFORE receipt, or a suite folder.")],
-            after: Annotated[Path, typer.Argument(help="AFTER receipt, or a suite folder.")],
-            noise: Annotated[float, typer.Option(help="Spread ((max-min)/median of reps) above which a cell is noisy.")]
-            = 0.10,
-            json_out: Json = False,
-            out: Annotated[Optional[Path], typer.Option(help="Also write the comparison as JSON here.")] = None):
-    """Before/after tables with ratios (decode tok/s per probe and level, tokens a round, footprint, prefill).
-
-    Noisy: a cell whose spread, (max - min) / median of its reps, exceeds --noise in either run is marked * and left out of the ratios and of the verdict.
-
-    Drop: a tok/s cell whose AFTER median is below BEFORE's by more than the larger of the two runs' own spreads (max - min); a cell with one rep on a side has no spread and is never called a drop. Tokens a round and footprint never fail.
-
-    Exit 1 on a drop or on any verdict failure in AFTER's receipts (drafted != plain, concurrent != solo, ...), 2 if a receipt on either side is incomplete, else 0.
-    """
-    try:
-        result = compare_mod.compare(before, after, noise)
-    except DFlashBenchError as err:
-        typer.echo(err.line(), err=True)
-        raise typer.Exit(1) from None
-    if out:
-        write_atomic(out, canonical_json(result.to_dict()))
-    if json_out:
-        typer.echo(canonical_json(result.to_dict()), nl=False)
-    else:
-        Console().print(tables.compare_table(result))
-    raise typer.Exit(result.exit_code)
-
-
-@app.command(rich_help_panel="Receipts")
-def show(receipt: Annotated[Path, typer.Argument(help="A receipt, or a suite folder.")], json_out: Json = False):
-    """Print a receipt's table again (every receipt in a folder)."""
-    paths = sorted(p for p in receipt.glob("*.json") if not p.name.endswith(".prefill-arrays.json")) \
-        if receipt.is_dir() else [receipt]
-    try:
-        loaded = [(p, Receipt.load(p)) for p in paths]
-    except DFlashBenchError as err:
-        typer.echo(err.line(), err=True)
-        raise typer.Exit(1) from None
-    for path, r in loaded:
-        report(r, path, json_out)
+    raise typer.Exit(exit_code(index, run.interrupted or 130 in codes))

@@ -6,34 +6,13 @@ import sys
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
-from dflash_bench.checks import engine_speed
-from dflash_bench.checks.receipt import Receipt, canonical_json, exit_code
+from dflash_bench.checks import engine_speed, tables
+from dflash_bench.checks.lifecycle import receipt_run
+from dflash_bench.checks.receipt import Receipt, canonical_json
 from dflash_bench.cli import app
 from dflash_bench.cli.checks import Json, Out, default_out, ints, numbers
 from dflash_bench.engine.defaults import chosen_drafter
-from dflash_bench.engine.errors import DFlashBenchError
-
-
-def table(receipt: Receipt) -> Table:
-    t = Table(title="engine speed (tok/s; medians of reps)")
-    for col in ("probe", "mode", "streams", "stream tok/s", "aggregate tok/s", "tokens/round", "spread"):
-        t.add_column(col, justify="right" if col not in ("probe", "mode") else "left")
-    for probe, modes in receipt.aggregates.items():
-        if not isinstance(modes, dict):
-            continue
-        for mode, cells in modes.items():
-            if mode == "mlx-lm":
-                t.add_row(probe, "mlx-lm generate", "1", f"{cells['stream_tok_s']['median']:.2f}", "", "",
-                          f"ours/mlx-lm {cells['ours_over_mlx_lm']:.2f}")
-                continue
-            for streams, cell in cells.items():
-                t.add_row(probe, mode, streams, f"{cell['stream_tok_s']['median']:.2f}",
-                          f"{cell['aggregate_tok_s']['median']:.2f}", f"{cell['tokens_per_round']['median']:.3f}",
-                          f"{cell['aggregate_tok_s']['spread'] or 0:.1%}")
-    return t
 
 
 @app.command("engine-speed")
@@ -56,23 +35,14 @@ def engine_speed_cmd(
     )
     receipt = Receipt.new("engine-speed", sys.argv, settings.__dict__)
     path = out or default_out("engine-speed")
-    console = Console(stderr=True)
-    interrupted = False
-    try:
-        with console.status("engine-speed") as status:
-            engine_speed.run(settings, receipt, progress=lambda m: status.update(m))
-        receipt.finish(True)
-    except KeyboardInterrupt:
-        interrupted = True
-        receipt.finish(False, "interrupted")
-    except DFlashBenchError as err:
-        receipt.finish(False, err.line())
-        console.print(err.line())
-    finally:
-        receipt.write(path)
+    console = tables.console(stderr=True)
+    with receipt_run(receipt, path) as run, console.status("engine-speed") as status:
+        engine_speed.run(settings, receipt, progress=lambda m: status.update(m))
+    if receipt.incomplete_reason:
+        console.print(receipt.incomplete_reason)
     if json_out:
         print(canonical_json(receipt.to_dict()), end="")
     else:
-        Console().print(table(receipt))
+        tables.console().print(tables.render(receipt))
         console.print(f"receipt: {path}")
-    raise typer.Exit(exit_code(receipt, interrupted))
+    raise typer.Exit(run.code)

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any, Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from dflash_bench.checks import tables
 from dflash_bench.cli import app
 from dflash_bench.engine.draft_config import DraftConfig, read_draft_config
 from dflash_bench.engine.errors import CheckpointError, DFlashBenchError
@@ -164,7 +164,7 @@ def inspect_command(
     if as_json:
         typer.echo(json.dumps(report, sort_keys=True))
         return
-    console = Console()
+    console = tables.console()
     console.print(_table("Target", report["target"]))
     if report["drafter"]:
         console.print(_table("Drafter", report["drafter"]))

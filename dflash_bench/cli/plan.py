@@ -15,12 +15,13 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console, Group
+from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from dflash_bench.checks import memory
-from dflash_bench.checks.receipt import Receipt, canonical_json, exit_code, utc_stamp
+from dflash_bench.checks import memory, tables
+from dflash_bench.checks.lifecycle import receipt_run
+from dflash_bench.checks.receipt import Receipt, canonical_json, utc_stamp
 from dflash_bench.checks.runner import make_progress
 from dflash_bench.cli import app
 from dflash_bench.engine import backend as backends
@@ -110,7 +111,7 @@ def plan_command(
         if json_out:
             typer.echo(canonical_json(p.to_dict()), nl=False)
         else:
-            Console().print(plan_table(p))
+            tables.console().print(plan_table(p))
         raise typer.Exit(0 if p.fits is not False else 1)
     _check(p, target, drafter, max_tokens, tolerance, out, json_out)
 
@@ -132,27 +133,16 @@ def _check(p: Plan, target: str, drafter: str | None, max_tokens: int | None, to
                 "tolerance": tolerance, "chunk": i.chunk}
     receipt = Receipt.new("plan", list(sys.argv), settings)
     path = out or Path("receipts") / f"plan-{utc_stamp()}.json"
-    interrupted = False
     progress = make_progress()
-    try:
+    with receipt_run(receipt, path) as run:
         with progress:
             task = progress.add_task("plan --check rounds", total=None)
             memory.run(p, target, drafter, memory.CheckSettings(tokens, tolerance), receipt,
                        lambda n: progress.advance(task, n))
-        receipt.finish(True)
-    except KeyboardInterrupt:
-        interrupted = True
-        receipt.finish(False, "interrupted (Ctrl-C)")
-    except DFlashBenchError as err:
-        receipt.finish(False, err.line())
-    finally:
-        if not receipt.finished_at:
-            receipt.finish(False, "stopped before the run finished")
-        receipt.write(path)
     if json_out:
         typer.echo(canonical_json(receipt.to_dict()), nl=False)
     else:
-        console = Console()
+        console = tables.console()
         console.print(plan_table(p))
         console.print(memory.table(receipt))
         for f in receipt.failures:
@@ -160,4 +150,4 @@ def _check(p: Plan, target: str, drafter: str | None, max_tokens: int | None, to
         for w in receipt.warnings:
             console.print(f"warning: {w['message']}", style="yellow")
         console.print(f"receipt: {path}", style="dim")
-    raise typer.Exit(exit_code(receipt, interrupted))
+    raise typer.Exit(run.code)

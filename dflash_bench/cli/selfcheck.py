@@ -6,10 +6,10 @@ import sys
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
-from dflash_bench.checks import selfcheck
-from dflash_bench.checks.receipt import Receipt, canonical_json, exit_code
+from dflash_bench.checks import selfcheck, tables
+from dflash_bench.checks.lifecycle import receipt_run
+from dflash_bench.checks.receipt import Receipt, canonical_json
 from dflash_bench.cli import app
 from dflash_bench.cli.checks import Json, Out, default_out
 from dflash_bench.engine.errors import DFlashBenchError
@@ -32,24 +32,14 @@ def selfcheck_cmd(
     settings = selfcheck.SelfcheckSettings(target=target, backend=backend, cached=cached)
     receipt = Receipt.new("selfcheck", sys.argv, settings.__dict__)
     path = out or default_out("selfcheck")
-    console = Console(stderr=True)
-    interrupted = False
-    try:
-        with console.status("self-check"):
-            selfcheck.run(settings, receipt)
-        receipt.finish(True)
-    except KeyboardInterrupt:
-        interrupted = True
-        receipt.finish(False, "interrupted")
-    except (DFlashBenchError, ValueError) as err:
-        line = err.line() if isinstance(err, DFlashBenchError) else f"selfcheck: {err}"
-        receipt.finish(False, line)
-        console.print(line)
-    finally:
-        receipt.write(path)
+    console = tables.console(stderr=True)
+    with receipt_run(receipt, path, expected=(DFlashBenchError, ValueError)) as run, console.status("self-check"):
+        selfcheck.run(settings, receipt)
+    if receipt.incomplete_reason:
+        console.print(receipt.incomplete_reason)
     if json_out:
         print(canonical_json(receipt.to_dict()), end="")
     elif receipt.records:
-        Console().print(selfcheck.table(receipt))
+        tables.console().print(selfcheck.table(receipt))
     console.print(f"receipt: {path}")
-    raise typer.Exit(exit_code(receipt, interrupted))
+    raise typer.Exit(run.code)

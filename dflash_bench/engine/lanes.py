@@ -199,9 +199,7 @@ class Lanes:
         while k < len(s.drafts) and s.drafts[k] == chosen[k]:
             k += 1
         s.segment_state.keep(seg.start + k + 1)
-        s.stats.rounds += 1
-        s.stats.drafted += len(s.drafts)
-        s.stats.accepted += k
+        s.stats.count_round(len(s.drafts), k)
         s.drafts = ()
         s.pending = chosen[k]
         self.emit(s, chosen[: k + 1], from_round=True)

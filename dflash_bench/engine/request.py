@@ -45,10 +45,34 @@ class Stats:
     ttft_seconds: float = 0.0
     drafter: str | None = None
     seed: int = 0
+    # index k: drafted rounds that accepted k drafts; index d: rounds that drafted more than d tokens.
+    # Counts, not a list of rounds, so a long reply's stats stay a few numbers (the reply's `dflash` block).
+    accepted_counts: list[int] = field(default_factory=list)
+    drafted_counts: list[int] = field(default_factory=list)
 
     @property
     def tokens_per_round(self) -> float:
         return self.decode_tokens / self.rounds if self.rounds else 0.0
+
+    def count_round(self, drafted: int, accepted: int) -> None:
+        """One decode round that verified `drafted` draft tokens and accepted the first `accepted`."""
+        self.rounds += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        if drafted:
+            _grow(self.accepted_counts, accepted + 1)[accepted] += 1
+            counts = _grow(self.drafted_counts, drafted)
+            for depth in range(drafted):
+                counts[depth] += 1
+
+    def acceptance_by_depth(self) -> list[float | None]:
+        """Per draft position d: the share of rounds that drafted it and accepted it (accepted > d)."""
+        return [sum(self.accepted_counts[d + 1:]) / n if n else None for d, n in enumerate(self.drafted_counts)]
+
+
+def _grow(counts: list[int], size: int) -> list[int]:
+    counts.extend([0] * (size - len(counts)))
+    return counts
 
 
 @dataclass

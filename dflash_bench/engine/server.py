@@ -10,8 +10,8 @@ that forwards its events into the asyncio loop, so waiting costs the loop nothin
 lost when the client goes away. A client that disconnects is cancelled: the engine drops its
 stream at the next round.
 
-Every reply carries `usage` (with `prompt_tokens_details.cached_tokens`) and a `dflash` block whose
-`token_sha` hashes the returned token ids; streams end with `data: [DONE]`.
+Every reply carries `usage` (with `prompt_tokens_details.cached_tokens`) and a `dflash` block
+(engine/reply_block.py) whose `token_sha` hashes the returned token ids; streams end with `data: [DONE]`.
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ from dflash_bench.engine.openai_schema import (
     TokenizeRequest,
     parse,
 )
+from dflash_bench.engine.reply_block import DflashBlock
 from dflash_bench.engine.request import Event, Handle, Request, Stats, token_sha
 from dflash_bench.engine.server_metrics import Metrics
 from dflash_bench.engine.textstream import Delta, TextStream
@@ -121,11 +122,7 @@ class Job:
                 "prompt_tokens_details": {"cached_tokens": s.cached_tokens}}
 
     def dflash(self) -> dict[str, Any]:
-        s = self.stats
-        return {"token_sha": token_sha(self.text.tokens), "rounds": s.rounds, "drafted": s.drafted,
-                "accepted": s.accepted, "tokens_per_round": s.tokens_per_round, "drafter": s.drafter,
-                "prefill_seconds": s.prefill_seconds, "decode_seconds": s.decode_seconds,
-                "ttft_seconds": s.ttft_seconds, "seed": s.seed}
+        return DflashBlock.from_stats(self.stats, self.text.tokens).model_dump()
 
     def reply(self) -> dict[str, Any]:
         whole = Delta(self.text.text, self.text.tokens)

@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-compile", action="store_true", help="train without mx.compile")
     ap.add_argument("--init", help="train: start from this exported drafter (this recipe's, or one with fewer layers, grown) instead of random weights")
     ap.add_argument("--drafter", nargs="+", help="probe: drafter folders, each probed in turn; average: those to average")
-    ap.add_argument("--probes", default="prompts/probes.json", help="probe: prompt set")
+    ap.add_argument("--probes", default="dflash_bench/prompts/probes.json", help="probe: prompt set")
     ap.add_argument("--eval-rows", type=int, help="average: score on only the first N held-out rows of --data")
     ap.add_argument("--receipts", nargs="+", help="average: the sources' training receipts, embedded in its receipt")
     ap.add_argument("--tokens", type=int, default=256, help="probe: tokens a reply")

@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-# Words of the decode probes (prompts/probes.json): by default a prompt containing one is not trained on.
+# Words of the decode probes (dflash_bench/prompts/probes.json): by default a prompt containing one is not trained on.
 HELD_OUT = ("fibonacci", "graphics card")
 
 TOPICS = (

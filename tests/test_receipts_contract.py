@@ -1,0 +1,65 @@
+"""The receipt as a contract: every committed file in receipts/ validates against the schema and
+renders with `show`, the reply's `dflash` block is one model on both sides, and `schema` prints a
+versioned JSON Schema."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from dflash_bench.checks.schema import SCHEMA_VERSION, load_document
+from dflash_bench.cli import app
+from dflash_bench.engine.reply_block import DflashBlock
+from dflash_bench.engine.request import Stats
+
+RECEIPTS = sorted((Path(__file__).parent.parent / "receipts").glob("*.json"))
+
+
+def test_receipts_folder_is_not_empty():
+    assert len(RECEIPTS) > 20
+
+
+@pytest.mark.parametrize("path", RECEIPTS, ids=lambda p: p.name)
+def test_every_committed_receipt_validates_and_shows(path):
+    load_document(path)
+    result = CliRunner().invoke(app, ["show", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "no table" not in result.output and result.output.strip()
+
+
+def test_show_prints_the_engine_speed_table_and_the_training_table():
+    runner = CliRunner()
+    speed = runner.invoke(app, ["show", "receipts/engine-speed-default-random-drafter.json"])
+    assert "engine speed (tok/s" in speed.output and "mlx-lm generate" in speed.output
+    train = runner.invoke(app, ["show", "receipts/train-smollm2-135m-dflash-v10.json"])
+    assert "held-out measurements" in train.output and "mean" in train.output
+
+
+def test_tables_are_not_cut_to_80_columns_when_stdout_is_not_a_terminal():
+    out = CliRunner().invoke(app, ["show", "receipts/exactness-default.json"]).output
+    assert "drafted sha" in out and "pro…" not in out
+    assert max(len(line) for line in out.splitlines()) > 80
+
+
+def test_schema_prints_a_versioned_json_schema_naming_every_document():
+    result = CliRunner().invoke(app, ["schema"])
+    assert result.exit_code == 0
+    schema = json.loads(result.output)
+    assert schema["schema_version"] == SCHEMA_VERSION and schema["$id"].endswith(f"v{SCHEMA_VERSION}")
+    names = set(schema["$defs"])
+    for name in ("DecodeReceipt", "EngineSpeedReceipt", "CompareDoc", "TrainingReceipt", "DecodeAggregates"):
+        assert name in names, name
+
+
+def test_the_dflash_block_counts_acceptance_per_round_and_depth():
+    stats = Stats()
+    for drafted, accepted in ((3, 3), (3, 1), (3, 0), (0, 0)):  # the last round drafted nothing
+        stats.count_round(drafted, accepted)
+    block = DflashBlock.from_stats(stats, [1, 2, 3])
+    assert block.rounds == 4 and block.drafted == 9 and block.accepted == 4
+    assert block.acceptance_histogram == [1, 1, 0, 1]  # rounds accepting 0, 1, 2, 3 drafts
+    assert block.drafted_by_depth == [3, 3, 3] and block.acceptance_by_depth == [2 / 3, 1 / 3, 1 / 3]
+    assert DflashBlock.model_validate(block.model_dump()) == block  # what the server writes, the client reads
