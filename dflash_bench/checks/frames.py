@@ -12,8 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pandas as pd
+from rich.table import Table
 
 from dflash_bench.checks.receipt import Receipt
+from dflash_bench.checks.tables import num
 from dflash_bench.engine.errors import DFlashBenchError
 
 
@@ -124,3 +126,15 @@ def markdown(frame: pd.DataFrame, digits: int = 2) -> str:
         cells = ["—" if pd.isna(v) else f"{v:,.{digits}f}" if isinstance(v, float) else str(v) for v in row]
         lines.append("| " + " | ".join([str(name), *cells]) + " |")
     return "\n".join(lines)
+
+
+def frame_table(frame: pd.DataFrame, title: str, digits: int = 2) -> Table:
+    """A DataFrame as a rich table: its index (when named) then its columns."""
+    t = Table(title=title)
+    named = frame.index.name is not None
+    for col in ([frame.index.name] if named else []) + [str(c) for c in frame.columns]:
+        t.add_column(col)
+    for name, row in frame.iterrows():
+        cells = ["—" if pd.isna(v) else num(float(v), digits) if isinstance(v, float) else str(v) for v in row]
+        t.add_row(*([str(name)] if named else []), *cells)
+    return t

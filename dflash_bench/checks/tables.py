@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 
-import pandas as pd
 from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
@@ -302,18 +301,6 @@ def training(doc: TrainingReceipt) -> Group:
                   *[num(e.tokens_per_round_by_kind.get(k), 2) for k in kinds])
     head = Text.assemble(("training", "bold"), "  ", doc.date, "  ", (doc.git_revision or "no revision", "cyan"))
     return Group(head, Text(doc.command, style="dim"), t)
-
-
-def frame_table(frame: pd.DataFrame, title: str, digits: int = 2) -> Table:
-    """A DataFrame (checks/frames.py) as a rich table: its index (when named) then its columns."""
-    t = Table(title=title)
-    named = frame.index.name is not None
-    for col in ([frame.index.name] if named else []) + [str(c) for c in frame.columns]:
-        t.add_column(col)
-    for name, row in frame.iterrows():
-        cells = ["—" if pd.isna(v) else num(float(v), digits) if isinstance(v, float) else str(v) for v in row]
-        t.add_row(*([str(name)] if named else []), *cells)
-    return t
 
 
 def compare_table(result: CompareResult) -> Group:

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from dflash_bench.checks import compare as compare_mod
-from dflash_bench.checks import frames, tables
+from dflash_bench.checks import tables
 from dflash_bench.checks import schema as schema_mod
 from dflash_bench.checks.receipt import Receipt, canonical_json, write_atomic
 from dflash_bench.checks.schema import CompareDoc, ReceiptBase, TrainingReceipt, load_document
@@ -60,6 +60,8 @@ def compare(receipts: Annotated[list[Path], typer.Argument(
     Exit 1 on a drop or on any verdict failure in AFTER's receipts (drafted != plain, concurrent != solo, ...), 2 if a receipt on either side is incomplete, else 0. A trend only reports: exit 0.
     """
     if trend or len(receipts) > 2:
+        from dflash_bench.checks import frames  # pandas: imported only by the commands that use it
+
         try:
             frame = frames.trend(_receipts(receipts), metric)
         except DFlashBenchError as err:
@@ -69,7 +71,7 @@ def compare(receipts: Annotated[list[Path], typer.Argument(
         elif markdown:
             typer.echo(frames.markdown(frame))
         else:
-            tables.console().print(tables.frame_table(frame, "trend (receipts in the order they ran)"))
+            tables.console().print(frames.frame_table(frame, "trend (receipts in the order they ran)"))
         raise typer.Exit(0)
     if len(receipts) != 2:
         raise typer.BadParameter("give BEFORE and AFTER, or a series with --trend")
@@ -128,6 +130,8 @@ def table(receipts: Annotated[list[Path], typer.Argument(help="Receipts, or fold
                                                           "extra: pyarrow).")] = None):
     """Receipts as one pandas table: every aggregate metric (dotted name, value) or every record, each row
     with its receipt's path, kind, start time and commit; printed, or written with --csv / --parquet."""
+    from dflash_bench.checks import frames  # pandas: imported only by the commands that use it
+
     try:
         loaded = _receipts(receipts)
         frame = frames.records_frame(loaded) if records else frames.aggregates_frame(loaded)
@@ -138,7 +142,7 @@ def table(receipts: Annotated[list[Path], typer.Argument(help="Receipts, or fold
         typer.echo(f"{len(frame)} rows x {len(frame.columns)} columns -> {', '.join(str(p) for p in (csv, parquet) if p)}")
     else:
         shown = frames.printable(frame) if records else frame
-        tables.console().print(tables.frame_table(shown, "records" if records else "aggregates"))
+        tables.console().print(frames.frame_table(shown, "records" if records else "aggregates"))
 
 
 @app.command(rich_help_panel=PANEL)
