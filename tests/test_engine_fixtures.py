@@ -1,6 +1,6 @@
 """The exactness contract end to end in the engine: real targets and a real DFlash drafter.
 
-Random fixture checkpoints in the published layouts (dflash_bench.engine.fixtures) for each
+Random fixture checkpoints in the published layouts (dflash_bench.fixtures.small) for each
 family, with a DFlash v1 drafter matched to them. A random drafter is rarely right, so these tests
 prove the real arithmetic (taps, fused rows, rollback of partial windows) keeps drafted == plain,
 concurrent == solo and resumed == fresh; tests/test_engine_doubles.py drives every acceptance
@@ -16,8 +16,8 @@ import mlx.core as mx
 import pytest
 
 from dflash_bench.engine.engine import Engine, Settings
-from dflash_bench.engine.fixtures import write_fixture
 from dflash_bench.engine.request import Request
+from dflash_bench.fixtures.small import write_fixture
 
 FAMILIES = ["llama", "qwen3", "qwen3_5"]
 

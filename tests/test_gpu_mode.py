@@ -22,12 +22,12 @@ from typer.testing import CliRunner
 
 from dflash_bench.cli import app
 from dflash_bench.engine.backend import GPU
-from dflash_bench.engine.big_fixtures import write_big
 from dflash_bench.engine.engine import Engine, Settings
 from dflash_bench.engine.planner import PlanInputs, plan
 from dflash_bench.engine.request import Request
 from dflash_bench.engine.targets import Segment
 from dflash_bench.engine.tiles import Weight
+from dflash_bench.fixtures.big import write_big
 
 
 @pytest.fixture(scope="module")
