@@ -87,10 +87,11 @@ def test_cancel_mid_draft_and_mid_prefill_leaves_others_and_memory_unchanged(pai
     prefilling = engine.submit(Request(prompts(1, seed=14)[0] * 5 + [7] * 200, max_tokens=4))
     for round_no in range(300):
         if round_no == 3:
-            assert engine.lanes.streams[2].pending is not None and engine.lanes.streams[3].pending is None
+            streams = engine.status().streams
+            assert streams[2].prefill_done and not streams[3].prefill_done
             drafting.cancel()
             prefilling.cancel()
-        if not engine.lanes.busy:
+        if not engine.status().busy:
             break
         engine.step()
     assert [h.result().tokens for h in handles] == expected

@@ -323,7 +323,7 @@ def test_unknown_fields_are_ignored(server: LiveServer) -> None:
 
 # -- failures and disconnects ------------------------------------------------------------------
 def test_engine_failure_in_a_stream_sends_an_error_event_then_done(server: LiveServer) -> None:
-    target = server.engine.lanes.target
+    target = server.engine.target
     real, fail = target.forward, threading.Event()
 
     def forward(*args, **kwargs):

@@ -129,20 +129,21 @@ def run(plan: Plan, target: str, drafter: str | None, s: CheckSettings, receipt:
     handles = [engine.submit(r) for r in requests]
     state = {"target": 0, "drafter": 0}  # the largest stream's, when every prompt pass is done
     started, prefill_done = time.perf_counter(), None
-    while engine.lanes.busy:
+    while engine.status().busy:
         engine.step()
         advance(1)
+        now = engine.status()
         # how far it got, kept current: a run cut short (Ctrl-C, a time limit) still says it
         receipt.aggregates["progress"] = {
-            "rounds": engine.lanes.rounds, "seconds": time.perf_counter() - started, "load_seconds": load_seconds,
-            "prompt_tokens_done": sum(st.pos for st in engine.lanes.streams), "mlx_peak_bytes": mx.get_peak_memory()}
-        if engine.lanes.rounds % PROGRESS_EVERY == 0:
+            "rounds": now.rounds, "seconds": time.perf_counter() - started, "load_seconds": load_seconds,
+            "prompt_tokens_done": sum(st.pos for st in now.streams), "mlx_peak_bytes": mx.get_peak_memory()}
+        if now.rounds % PROGRESS_EVERY == 0:
             print(f"plan --check: {json.dumps(receipt.aggregates['progress'])}", file=sys.stderr, flush=True)
-        if prefill_done is None and all(st.pending is not None for st in engine.lanes.streams):
+        if prefill_done is None and all(st.prefill_done for st in now.streams):
             prefill_done = time.perf_counter() - started
-            for st in engine.lanes.streams:
-                state["target"] = max(state["target"], st.segment_state.nbytes)
-                state["drafter"] = max(state["drafter"], st.drafter_state.nbytes if st.drafter_state else 0)
+            for st in now.streams:
+                state["target"] = max(state["target"], st.target_state_bytes)
+                state["drafter"] = max(state["drafter"], st.drafter_state_bytes)
     run_seconds = time.perf_counter() - started
     results = [h.result() for h in handles]
     mlx_peak, rss_peak, mlx_cache = mx.get_peak_memory(), peak_rss_bytes(), mx.get_cache_memory()
@@ -188,7 +189,7 @@ def run(plan: Plan, target: str, drafter: str | None, s: CheckSettings, receipt:
         measured={"mlx_peak_bytes": mlx_peak, "mlx_load_peak_bytes": load_peak, "mlx_cache_bytes_after": mlx_cache,
                   "rss_peak_bytes": rss_peak, "rss_peak_scope": rss_peak_scope, "rss_before_load_bytes": rss_base,
                   "rss_beside_mlx_after_load_bytes": beside_mlx, "load_seconds": load_seconds,
-                  "run_seconds": run_seconds, "prefill_seconds": prefill_done, "rounds": engine.lanes.rounds,
+                  "run_seconds": run_seconds, "prefill_seconds": prefill_done, "rounds": engine.status().rounds,
                   "device": str(mx.default_device()), "backend": engine.backend.name,
                   "process_rss_on_gpu": process_cmp if on_gpu() else None},
         held=held,
