@@ -38,6 +38,7 @@ import mlx.core as mx
 from rich.table import Table
 
 from dflash_bench.checks.receipt import Receipt
+from dflash_bench.engine.constants import MIB
 from dflash_bench.engine.engine import Engine, Settings
 from dflash_bench.engine.planner import Plan
 from dflash_bench.engine.request import Request, token_sha
@@ -218,21 +219,21 @@ def table(r: Receipt) -> Table:
         t.add_column(col, justify="left" if col == "peak" else "right")
     for what, label in (("mlx", "MLX peak (the plan)"), ("process", "process RSS (plan + what loading left beside MLX)")):
         if what in c:
-            t.add_row(label, f"{c[what]['predicted_bytes'] / 2**20:,.1f}", f"{c[what]['measured_bytes'] / 2**20:,.1f}",
+            t.add_row(label, f"{c[what]['predicted_bytes'] / MIB:,.1f}", f"{c[what]['measured_bytes'] / MIB:,.1f}",
                       f"{c[what]['error']:+.1%}")
     held = r.aggregates.get("held") or {}
     if held:
         t.add_section()
     for name, h in held.items():
         err = f"{h['planned_bytes'] / h['measured_bytes'] - 1:+.1%}" if h["measured_bytes"] else "-"
-        t.add_row(f"held: {name.replace('_', ' ')}", f"{h['planned_bytes'] / 2**20:,.1f}",
-                  f"{h['measured_bytes'] / 2**20:,.1f}", err, style="dim")
+        t.add_row(f"held: {name.replace('_', ' ')}", f"{h['planned_bytes'] / MIB:,.1f}",
+                  f"{h['measured_bytes'] / MIB:,.1f}", err, style="dim")
     if d := r.aggregates.get("drafter"):
         t.add_section()
-        t.add_row("the drafter adds (plan with it less plan without)", f"{d['plan_added_bytes'] / 2**20:,.1f}", "",
+        t.add_row("the drafter adds (plan with it less plan without)", f"{d['plan_added_bytes'] / MIB:,.1f}", "",
                   "", style="cyan")
         t.add_row("the drafter holds (weights + every stream's context K/V after the prompt)",
-                  f"{d['planned_held_bytes'] / 2**20:,.1f}",
-                  f"{d['measured_held_bytes'] / 2**20:,.1f}",
+                  f"{d['planned_held_bytes'] / MIB:,.1f}",
+                  f"{d['measured_held_bytes'] / MIB:,.1f}",
                   f"{d['planned_held_bytes'] / max(d['measured_held_bytes'], 1) - 1:+.1%}", style="cyan")
     return t

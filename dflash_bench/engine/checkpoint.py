@@ -26,6 +26,7 @@ import mlx.core as mx
 
 from dflash_bench.engine import gguf
 from dflash_bench.engine.backend import FLOAT32_TENSORS
+from dflash_bench.engine.constants import MIB
 from dflash_bench.engine.errors import BadTargetConfig, CheckpointError
 from dflash_bench.engine.quantize import dequantize, quantization
 from dflash_bench.engine.target_config import TargetConfig, parse_target_config
@@ -384,7 +385,7 @@ def files_sha256(files: list[Path]) -> str:
     digest = hashlib.sha256()
     for f in files:
         with open(f, "rb") as fh:
-            while chunk := fh.read(1 << 20):
+            while chunk := fh.read(MIB):
                 digest.update(chunk)
     return digest.hexdigest()
 

@@ -24,15 +24,14 @@ import mlx.core as mx
 from dflash_bench.engine import backend as backends
 from dflash_bench.engine import selfcheck
 from dflash_bench.engine.checkpoint import LoadedTarget, load_target
+from dflash_bench.engine.constants import CHUNK, GIB
 from dflash_bench.engine.drafters.dflash import DFlashDrafter, load_drafter
-from dflash_bench.engine.lanes import CHUNK, Lanes
+from dflash_bench.engine.lanes import Lanes
 from dflash_bench.engine.prompt_cache import PromptCache
 from dflash_bench.engine.request import Handle, Request, Result
 from dflash_bench.engine.targets import Target, build_target
 from dflash_bench.engine.tiles import Weight
 from dflash_bench.engine.validate import check_checkpoints
-
-GIB = 1 << 30
 
 
 @dataclass(frozen=True)
