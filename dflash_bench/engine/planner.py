@@ -2,7 +2,7 @@
 
 A user must know before loading whether the streams fit, and the server must refuse what cannot
 fit instead of dying. So every term below prices a structure the engine actually allocates, with
-the engine's own growth rules (SPEC section 2, "Memory planner"):
+the engine's own growth rules (README.md's `plan` command):
 
 - weights: the target's tensors (`checkpoint.expected_shapes`), in the engine's mode (backend.py):
   dequantized to float32 in the cpu mode, kept packed (bits plus a bf16 scale and bias per group)
