@@ -15,7 +15,7 @@ import dflash_bench  # noqa: F401
 os.environ["DFLASH_BENCH_CACHE"] = tempfile.mkdtemp(prefix="dflash-bench-test-cache-")
 atexit.register(shutil.rmtree, os.environ["DFLASH_BENCH_CACHE"], True)
 
-# Verbatim copies of ../shared/fixtures/published (see tests/data/published/SOURCES.md).
+# Published configs and headers, copied verbatim (tests/data/published/SOURCES.md says where from).
 PUBLISHED = Path(__file__).parent / "data" / "published"
 
 

@@ -84,6 +84,10 @@ class OracleState:
     def length(self) -> int:
         return len(self.history)
 
+    @property
+    def nbytes(self) -> int:  # no arrays held
+        return 0
+
     def snapshot(self, length: int) -> "OracleState":
         return OracleState(self.history[:length])
 

@@ -14,7 +14,6 @@ from typer.testing import CliRunner
 
 from conftest import PUBLISHED
 from dflash_bench.cli import app
-from dflash_bench.engine import big_fixtures as B
 from dflash_bench.engine.backend import GPU
 from dflash_bench.engine.checkpoint import load_target
 from dflash_bench.engine.draft_config import parse_draft_config
@@ -23,6 +22,7 @@ from dflash_bench.engine.planner import PlanInputs, plan
 from dflash_bench.engine.preload import check_dirs, check_pair
 from dflash_bench.engine.target_config import parse_target_config
 from dflash_bench.engine.targets import Segment, build_target
+from dflash_bench.fixtures import big as B
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,8 @@ import pytest
 from typer.testing import CliRunner
 
 from dflash_bench.cli import app
-from dflash_bench.engine import fixtures, gguf
+from dflash_bench.engine import gguf
+from dflash_bench.fixtures import small as fixtures
 
 REPO = Path(__file__).resolve().parent.parent
 BASES = ("llama", "qwen3_5", "qwen3_5-4bit", "llama-gguf", "dflash")

@@ -22,8 +22,8 @@ from dflash_bench.checks import prompts
 from dflash_bench.cli import app
 from dflash_bench.engine import lanes
 from dflash_bench.engine.engine import Engine, Settings
-from dflash_bench.engine.fixtures import write_fixture
 from dflash_bench.engine.server import warm_up
+from dflash_bench.fixtures.small import write_fixture
 from test_server_api import LiveServer
 
 pytestmark = pytest.mark.slow

@@ -15,7 +15,7 @@ from conftest import write_short_prompts
 
 pytestmark = pytest.mark.slow
 
-fixtures = pytest.importorskip("dflash_bench.engine.fixtures")
+fixtures = pytest.importorskip("dflash_bench.fixtures.small")
 pytest.importorskip("dflash_bench.engine.server")
 
 

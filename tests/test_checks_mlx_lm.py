@@ -26,7 +26,7 @@ from dflash_bench.cli import app
 pytestmark = pytest.mark.slow
 
 pytest.importorskip("mlx_lm.server")
-fixtures = pytest.importorskip("dflash_bench.engine.fixtures")
+fixtures = pytest.importorskip("dflash_bench.fixtures.small")
 
 NO_DFLASH = "no `dflash` block"
 

@@ -23,13 +23,13 @@ import pytest
 from dflash_bench.engine.drafters.dflash import DFlashDrafter, Proposal, load_drafter
 from dflash_bench.engine.drafters.dflash2 import DFlash2Drafter
 from dflash_bench.engine.engine import Engine, Settings
-from dflash_bench.engine.fixtures import write_fixture
 from dflash_bench.engine.request import Request
 from dflash_bench.engine.sampling import SamplingParams
 from dflash_bench.engine.targets import Target
 from dflash_bench.engine.targets.base import Segment
 from dflash_bench.engine.checkpoint import load_target
 from dflash_bench.engine.targets import build_target
+from dflash_bench.fixtures.small import write_fixture
 
 FAMILIES = ["llama", "qwen3", "qwen3_5"]
 CONTEXT = 20  # context rows the drafter absorbs before it proposes (inside the fixtures' sliding window)

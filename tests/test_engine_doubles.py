@@ -92,16 +92,16 @@ def test_cancelled_streams_leave_others_unchanged_and_memory_at_baseline():
     for round_no in range(200):
         if round_no == 4:
             mid_draft.cancel()
-            assert e.lanes.streams[2].pending is not None, "the first victim should be decoding"
+            assert e.status().streams[2].prefill_done, "the first victim should be decoding"
             mid_prefill.cancel()
-            assert e.lanes.streams[3].pending is None, "the second victim should be mid-prompt"
-        if not e.lanes.busy:
+            assert not e.status().streams[3].prefill_done, "the second victim should be mid-prompt"
+        if not e.status().busy:
             break
         e.step()
     assert [h.result().tokens for h in handles] == expected
     assert mid_draft.result().finish == "cancelled"
     assert mid_prefill.result().finish == "cancelled"
-    assert e.lanes.streams == []
+    assert e.status().streams == ()
     assert mx.get_active_memory() <= baseline
     # later requests are unaffected too
     assert e.generate(Request(refs[0].prompt, max_tokens=40)).tokens == expected[0]

@@ -1,6 +1,6 @@
 """The exactness contract end to end in the engine: real targets and a real DFlash drafter.
 
-Random fixture checkpoints in the published layouts (dflash_bench.engine.fixtures) for each
+Random fixture checkpoints in the published layouts (dflash_bench.fixtures.small) for each
 family, with a DFlash v1 drafter matched to them. A random drafter is rarely right, so these tests
 prove the real arithmetic (taps, fused rows, rollback of partial windows) keeps drafted == plain,
 concurrent == solo and resumed == fresh; tests/test_engine_doubles.py drives every acceptance
@@ -16,8 +16,8 @@ import mlx.core as mx
 import pytest
 
 from dflash_bench.engine.engine import Engine, Settings
-from dflash_bench.engine.fixtures import write_fixture
 from dflash_bench.engine.request import Request
+from dflash_bench.fixtures.small import write_fixture
 
 FAMILIES = ["llama", "qwen3", "qwen3_5"]
 
@@ -87,10 +87,11 @@ def test_cancel_mid_draft_and_mid_prefill_leaves_others_and_memory_unchanged(pai
     prefilling = engine.submit(Request(prompts(1, seed=14)[0] * 5 + [7] * 200, max_tokens=4))
     for round_no in range(300):
         if round_no == 3:
-            assert engine.lanes.streams[2].pending is not None and engine.lanes.streams[3].pending is None
+            streams = engine.status().streams
+            assert streams[2].prefill_done and not streams[3].prefill_done
             drafting.cancel()
             prefilling.cancel()
-        if not engine.lanes.busy:
+        if not engine.status().busy:
             break
         engine.step()
     assert [h.result().tokens for h in handles] == expected

@@ -14,7 +14,6 @@ import pytest
 from typer.testing import CliRunner
 
 from dflash_bench.cli import app
-from dflash_bench.engine import fixtures as F
 from dflash_bench.engine.checkpoint import expected_shapes, load_target
 from dflash_bench.engine.draft_config import read_draft_config
 from dflash_bench.engine.errors import DFlashBenchError
@@ -22,6 +21,8 @@ from dflash_bench.engine.inventory import check_inventory, read_folder_header
 from dflash_bench.engine.preload import check_dirs
 from dflash_bench.engine.target_config import parse_target_config
 from dflash_bench.engine.tokenizer import Tokenizer
+from dflash_bench.fixtures import small as F
+from dflash_bench.fixtures import tokenizer as T
 
 PUBLISHED = Path(__file__).parent / "data" / "published"
 TARGETS = ("llama", "llama-gguf", "qwen3", "qwen3_5", "qwen3_5-4bit")
@@ -49,7 +50,7 @@ def test_every_kind_is_written_where_a_loader_looks(written: dict[str, Path]) ->
     for kind in set(F.FIXTURE_KINDS) - {"llama-gguf"}:
         assert (written[kind] / "config.json").is_file() and (written[kind] / "model.safetensors").is_file()
     for kind in ("llama", "qwen3", "qwen3_5", "qwen3_5-4bit"):
-        assert _json(written[kind] / "tokenizer_config.json")["chat_template"] == F.CHAT_TEMPLATE
+        assert _json(written[kind] / "tokenizer_config.json")["chat_template"] == T.CHAT_TEMPLATE
 
 
 @pytest.mark.parametrize(
@@ -65,10 +66,10 @@ def test_target_config_parses_as_its_family(
     written: dict[str, Path], kind: str, family: str, layers: int, tied: bool, quantization: dict | None
 ) -> None:
     cfg = parse_target_config(_json(written[kind] / "config.json"))
-    assert (cfg.family, cfg.num_layers, cfg.hidden_size, cfg.vocab_size) == (family, layers, 64, F.VOCAB_SIZE)
+    assert (cfg.family, cfg.num_layers, cfg.hidden_size, cfg.vocab_size) == (family, layers, 64, T.VOCAB_SIZE)
     assert cfg.tie_word_embeddings is tied
     assert cfg.quantization == quantization
-    assert cfg.eos_token_ids == (F.IM_END,)
+    assert cfg.eos_token_ids == (T.IM_END,)
     if family == "qwen3_5":
         assert cfg.layer_types == (("linear_attention",) * 3 + ("full_attention",)) * 2
         assert cfg.attn_output_gate and cfg.rope_dims == 8 and cfg.linear.conv_dim == 128
@@ -101,8 +102,8 @@ def test_drafter_fits_its_target_fixture(tmp_path: Path, kind: str, target: str)
     target_cfg, draft = check_dirs(target_dir, drafter_dir)  # raises on any refusal
     assert draft.variant == ("DFlash" if kind == "dflash" else "DFlash2")
     assert len(draft.taps) == (5 if kind == "dflash2" else target_cfg.num_layers // 2)
-    assert draft.mask_token_id == F.MASK
-    assert F.build_tokenizer().id_to_token(draft.mask_token_id) == "<|mask|>"
+    assert draft.mask_token_id == T.MASK
+    assert T.build_tokenizer().id_to_token(draft.mask_token_id) == "<|mask|>"
     assert "sliding_attention" in draft.layer_types
     assert ("full_attention" in draft.layer_types) is (kind == "dflash")
     check_inventory(draft, read_folder_header(drafter_dir))
@@ -184,9 +185,9 @@ def test_gguf_holds_llama_cpp_names_and_permuted_qk(written: dict[str, Path]) ->
     assert weights["blk.2.attn_norm.weight"].dtype == weights["output_norm.weight"].dtype == mx.float32
     assert meta["general.architecture"] == "llama" and meta["tokenizer.ggml.model"] == "gpt2"
     assert meta["llama.block_count"].item() == 6 and meta["llama.attention.head_count_kv"].item() == kv_heads
-    assert len(meta["tokenizer.ggml.tokens"]) == F.VOCAB_SIZE
-    assert meta["tokenizer.ggml.eos_token_id"].item() == F.IM_END
-    assert meta["tokenizer.chat_template"] == F.CHAT_TEMPLATE
+    assert len(meta["tokenizer.ggml.tokens"]) == T.VOCAB_SIZE
+    assert meta["tokenizer.ggml.eos_token_id"].item() == T.IM_END
+    assert meta["tokenizer.chat_template"] == T.CHAT_TEMPLATE
 
 
 @pytest.mark.parametrize("kind", F.FIXTURE_KINDS)
@@ -214,10 +215,10 @@ def test_same_seed_writes_identical_bytes_across_processes(tmp_path: Path, writt
 
 
 def test_fixture_tokenizer_round_trips_text(written: dict[str, Path]) -> None:
-    tok = F.build_tokenizer()
-    assert tok.get_vocab_size() == F.VOCAB_SIZE
+    tok = T.build_tokenizer()
+    assert tok.get_vocab_size() == T.VOCAB_SIZE
     assert tok.decode(tok.encode(TEXT).ids) == TEXT
-    assert tok.encode("".join(F.SPECIAL_TOKENS)).ids == list(range(len(F.SPECIAL_TOKENS)))
+    assert tok.encode("".join(T.SPECIAL_TOKENS)).ids == list(range(len(T.SPECIAL_TOKENS)))
     assert len(tok.encode(TEXT).ids) < len(TEXT.encode())  # merges were learned
     from_dir = Tokenizer.from_dir(written["llama"])
     from_gguf = Tokenizer.from_gguf_metadata(mx.load(str(written["llama-gguf"]), return_metadata=True)[1])
@@ -231,7 +232,7 @@ def test_fixture_tokenizer_round_trips_text(written: dict[str, Path]) -> None:
 def test_every_target_kind_loads_back(written: dict[str, Path], kind: str) -> None:
     loaded = load_target(written[kind])
     assert loaded.weights.keys() == expected_shapes(loaded.config).keys()
-    assert loaded.tokenizer.encode(TEXT) == F.build_tokenizer().encode(TEXT).ids
+    assert loaded.tokenizer.encode(TEXT) == T.build_tokenizer().encode(TEXT).ids
     family = "llama" if kind == "llama-gguf" else kind.removesuffix("-4bit")
     reference = load_target(written[family]).weights
     for name, w in loaded.weights.items():
@@ -251,7 +252,7 @@ def test_forward_argmax_is_varied(written: dict[str, Path], kind: str) -> None:
 
     model, _ = load_model(written[kind])
     model.set_dtype(mx.float32)
-    prompt = F.build_tokenizer().encode(TEXT).ids
+    prompt = T.build_tokenizer().encode(TEXT).ids
     argmax = mx.argmax(model(mx.array([prompt]))[0], axis=-1).tolist()
     assert len(set(argmax)) >= len(prompt) // 2
     assert sum(a == b for a, b in zip(argmax, prompt)) <= len(prompt) // 4
@@ -281,8 +282,8 @@ def test_cli_writes_a_fixture_and_prints_its_path(tmp_path: Path) -> None:
 def test_a_random_drafter_like_the_shipped_one_keeps_its_layout_not_its_weights(tmp_path):
     from dflash_bench.engine.defaults import default_drafter_for
     from dflash_bench.engine.draft_config import read_draft_config
-    from dflash_bench.engine.fixtures import write_random_like
     from dflash_bench.engine.inventory import check_inventory, read_folder_header
+    from dflash_bench.fixtures.small import write_random_like
 
     shipped_dir = default_drafter_for("default")
     out = write_random_like(shipped_dir, tmp_path / "random")

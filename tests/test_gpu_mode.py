@@ -22,12 +22,12 @@ from typer.testing import CliRunner
 
 from dflash_bench.cli import app
 from dflash_bench.engine.backend import GPU
-from dflash_bench.engine.big_fixtures import write_big
 from dflash_bench.engine.engine import Engine, Settings
 from dflash_bench.engine.planner import PlanInputs, plan
 from dflash_bench.engine.request import Request
 from dflash_bench.engine.targets import Segment
 from dflash_bench.engine.tiles import Weight
+from dflash_bench.fixtures.big import write_big
 
 
 @pytest.fixture(scope="module")
@@ -101,12 +101,12 @@ def test_the_gpu_plan_prices_what_the_gpu_mode_holds(engine: Engine) -> None:
     assert p.term("target weights").prompt == loaded
     assert p.term("drafter weights").prompt == engine.drafter.nbytes
     handle = engine.submit(Request(prompt, max_tokens=2, ignore_eos=True))
-    while not engine.lanes.streams or engine.lanes.streams[0].pending is None:
+    while not engine.status().streams or not engine.status().streams[0].prefill_done:
         engine.step()
-    s = engine.lanes.streams[0]
-    assert p.term("attention K/V").prompt + p.term("GatedDeltaNet state").prompt == s.segment_state.nbytes
-    assert p.term("drafter context K/V").prompt == s.drafter_state.nbytes
-    while engine.lanes.busy:
+    s = engine.status().streams[0]
+    assert p.term("attention K/V").prompt + p.term("GatedDeltaNet state").prompt == s.target_state_bytes
+    assert p.term("drafter context K/V").prompt == s.drafter_state_bytes
+    while engine.status().busy:
         engine.step()
     assert handle.result().finish == "length"
 

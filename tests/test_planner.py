@@ -18,6 +18,7 @@ from tiny_targets import config_dict, tiny_target
 
 from dflash_bench.cli import app
 from dflash_bench.engine.checkpoint import expected_shapes, read_target_config
+from dflash_bench.engine.constants import CHUNK, GIB
 from dflash_bench.engine.draft_config import parse_draft_config
 from dflash_bench.engine.drafters.dflash import DFlashDrafter
 from dflash_bench.engine.engine import Engine, Settings
@@ -25,7 +26,6 @@ from dflash_bench.engine.inventory import expected_inventory
 from dflash_bench.engine.backend import CPU, GPU
 from dflash_bench.engine.planner import (
     ATTN_ROW,
-    GIB,
     SDPA_SCORES,
     PlanInputs,
     admit,
@@ -76,7 +76,7 @@ def test_eight_tap_fusing_v1_drafter_prompt_taps_cost_2t_plus_2_hidden_rows():
     assert tap_row_bytes(d, act_bytes=2) == (2 * 8 + 2) * d.hidden_size * 2 == 18 * 2560 * 2
     target = parse_target_config(published("qwen3.5-4b.config.json"))
     p = plan(PlanInputs(target, d, context=8192, backend=GPU))
-    assert p.term("prompt tap rows").prompt == 18 * 2560 * 2 * 256  # a 256-row prompt chunk
+    assert p.term("prompt tap rows").prompt == 18 * 2560 * 2 * CHUNK  # a whole prompt chunk
 
 
 def test_dflash2_prompt_taps_cost_what_the_engine_holds_for_its_five_taps():
@@ -331,7 +331,7 @@ def test_plan_of_the_default_model_prices_its_shipped_drafter_as_serve_loads_it(
 
 PEAK_PROBE = """
 from dflash_bench.checks.memory import peak_rss_bytes, release_freed_heap, reset_peak_rss, rss_bytes
-MB = 2**20
+from dflash_bench.engine.constants import MIB as MB
 before = rss_bytes()
 blocks = [bytearray(b"x" * 4000) for _ in range(50_000)]  # 190 MB of small heap blocks, touched
 kept = blocks[::16]  # live blocks between the freed ones: free() alone gives nothing back

@@ -22,11 +22,11 @@ from tiny_targets import FAMILIES, tiny_target
 import mlx.core as mx
 
 from dflash_bench.engine.cache import TargetState
+from dflash_bench.engine.constants import CHUNK
 from dflash_bench.engine.engine import Engine, Settings
 from dflash_bench.engine.request import Request
 from dflash_bench.engine.targets import Segment, Target
 
-CHUNK = 256  # lanes.CHUNK
 TAPS = (0, 1)
 
 

@@ -1,4 +1,4 @@
-"""The exactness contract at the row level, bit for bit (SPEC.md section 2).
+"""The exactness contract at the row level, bit for bit (README.md, "The engine").
 
 For llama, qwen3 and qwen3_5, at hidden 64 (8-row matmul tiles for the small products) and at
 SmolLM2's hidden 576 / intermediate 1536 (16-row tiles):

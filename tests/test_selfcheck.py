@@ -27,10 +27,10 @@ from dflash_bench.cli import app
 from dflash_bench.engine import blas, selfcheck, tiles
 from dflash_bench.engine.drafters.dflash import DFlashDrafter
 from dflash_bench.engine.engine import Engine, Settings
-from dflash_bench.engine.fixtures import write_fixture
 from dflash_bench.engine.request import Request
 from dflash_bench.engine.targets import dense
 from dflash_bench.engine.targets.base import Segment
+from dflash_bench.fixtures.small import write_fixture
 
 UNDER_REFERENCE = os.environ.get("DFLASH_BENCH_BLAS") == "reference"
 

@@ -20,9 +20,9 @@ import uvicorn
 
 import dflash_bench  # noqa: F401
 from dflash_bench.engine.engine import Engine, Settings
-from dflash_bench.engine.fixtures import write_fixture
 from dflash_bench.engine.request import token_sha
 from dflash_bench.engine.server import create_app, warm_up
+from dflash_bench.fixtures.small import write_fixture
 
 PROMPT = "The quick brown fox jumps over the lazy dog."
 LONG = 480  # max_tokens that keeps a stream busy for seconds on the fixture (context 512)
@@ -323,7 +323,7 @@ def test_unknown_fields_are_ignored(server: LiveServer) -> None:
 
 # -- failures and disconnects ------------------------------------------------------------------
 def test_engine_failure_in_a_stream_sends_an_error_event_then_done(server: LiveServer) -> None:
-    target = server.engine.lanes.target
+    target = server.engine.target
     real, fail = target.forward, threading.Event()
 
     def forward(*args, **kwargs):

@@ -22,8 +22,8 @@ import pytest
 import dflash_bench  # noqa: F401
 from dflash_bench.engine import gguf
 from dflash_bench.engine.checkpoint import resolve
-from dflash_bench.engine.fixtures import write_fixture
 from dflash_bench.engine.request import token_sha
+from dflash_bench.fixtures.small import write_fixture
 
 from conftest import PUBLISHED
 

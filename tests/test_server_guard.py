@@ -16,9 +16,9 @@ import pytest
 
 from dflash_bench.checks.client import Client, Request
 from dflash_bench.checks.server import _health
-from dflash_bench.engine.fixtures import write_fixture
 from dflash_bench.engine.http_guard import Access, Hosts, default_body_limit
 from dflash_bench.engine.server import create_app
+from dflash_bench.fixtures.small import write_fixture
 
 from test_server_api import PROMPT, LiveServer, checkpoints, engine_for, server  # noqa: F401  (fixtures)
 from test_server_default import SERVE, ServeProcess

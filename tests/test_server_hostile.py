@@ -16,6 +16,7 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
+from dflash_bench.engine.constants import MIB
 from dflash_bench.engine.http_guard import Access, Hosts
 from dflash_bench.engine.openai_schema import MAX_DEPTH, UNSUPPORTED
 from dflash_bench.engine.server import create_app
@@ -193,8 +194,8 @@ def corpus() -> list[Case]:
     # oversize bodies: with a length over the limit (refused unread), and chunked (counted as they come);
     # a 10 GB Content-Length is in test_server_guard.py (no client here would send so little after it)
     for path in GOOD:
-        add("oversize body", path, body(path, padding="x" * (2 << 20)), status=413)
-        add("oversize chunked body", path, body(path, padding="x" * (2 << 20)), status=413, chunked=True)
+        add("oversize body", path, body(path, padding="x" * (2 * MIB)), status=413)
+        add("oversize chunked body", path, body(path, padding="x" * (2 * MIB)), status=413, chunked=True)
 
     # model ids
     for model in ("gpt-4", "", "../../etc/passwd", "target ", "TARGET", "x" * 10_000, "default"):

@@ -23,10 +23,10 @@ from dflash_bench.engine.checkpoint import load_target
 from dflash_bench.engine.draft_config import parse_draft_config
 from dflash_bench.engine.drafters.dflash import Proposal, load_drafter
 from dflash_bench.engine.engine import Engine
-from dflash_bench.engine.fixtures import write_fixture
 from dflash_bench.engine.request import Request
 from dflash_bench.engine.sampling import SamplingParams
 from dflash_bench.engine.targets import Segment, build_target
+from dflash_bench.fixtures.small import write_fixture
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 

@@ -15,6 +15,7 @@ from dflash_bench.checks import prompts as prompt_sets
 from dflash_bench.checks.client import ACTIVE_MEMORY_METRIC, Record, Request
 from dflash_bench.checks.prefill import NoTokenizer, lighthouse_ids
 from dflash_bench.checks.runner import NO_HASH, Context
+from dflash_bench.engine.constants import MIB
 
 CHECK = "cancel_changes_nothing"
 
@@ -26,7 +27,7 @@ class CancelSettings:
     drop_max_tokens: int = 512
     prefill_tokens: int = 6000
     drop_after_seconds: float = 0.5
-    memory_tolerance_bytes: int = 1 << 20
+    memory_tolerance_bytes: int = MIB
 
 
 class _Steps:

@@ -38,6 +38,7 @@ import mlx.core as mx
 from rich.table import Table
 
 from dflash_bench.checks.receipt import Receipt
+from dflash_bench.engine.constants import MIB
 from dflash_bench.engine.engine import Engine, Settings
 from dflash_bench.engine.planner import Plan
 from dflash_bench.engine.request import Request, token_sha
@@ -129,20 +130,21 @@ def run(plan: Plan, target: str, drafter: str | None, s: CheckSettings, receipt:
     handles = [engine.submit(r) for r in requests]
     state = {"target": 0, "drafter": 0}  # the largest stream's, when every prompt pass is done
     started, prefill_done = time.perf_counter(), None
-    while engine.lanes.busy:
+    while engine.status().busy:
         engine.step()
         advance(1)
+        now = engine.status()
         # how far it got, kept current: a run cut short (Ctrl-C, a time limit) still says it
         receipt.aggregates["progress"] = {
-            "rounds": engine.lanes.rounds, "seconds": time.perf_counter() - started, "load_seconds": load_seconds,
-            "prompt_tokens_done": sum(st.pos for st in engine.lanes.streams), "mlx_peak_bytes": mx.get_peak_memory()}
-        if engine.lanes.rounds % PROGRESS_EVERY == 0:
+            "rounds": now.rounds, "seconds": time.perf_counter() - started, "load_seconds": load_seconds,
+            "prompt_tokens_done": sum(st.pos for st in now.streams), "mlx_peak_bytes": mx.get_peak_memory()}
+        if now.rounds % PROGRESS_EVERY == 0:
             print(f"plan --check: {json.dumps(receipt.aggregates['progress'])}", file=sys.stderr, flush=True)
-        if prefill_done is None and all(st.pending is not None for st in engine.lanes.streams):
+        if prefill_done is None and all(st.prefill_done for st in now.streams):
             prefill_done = time.perf_counter() - started
-            for st in engine.lanes.streams:
-                state["target"] = max(state["target"], st.segment_state.nbytes)
-                state["drafter"] = max(state["drafter"], st.drafter_state.nbytes if st.drafter_state else 0)
+            for st in now.streams:
+                state["target"] = max(state["target"], st.target_state_bytes)
+                state["drafter"] = max(state["drafter"], st.drafter_state_bytes)
     run_seconds = time.perf_counter() - started
     results = [h.result() for h in handles]
     mlx_peak, rss_peak, mlx_cache = mx.get_peak_memory(), peak_rss_bytes(), mx.get_cache_memory()
@@ -188,7 +190,7 @@ def run(plan: Plan, target: str, drafter: str | None, s: CheckSettings, receipt:
         measured={"mlx_peak_bytes": mlx_peak, "mlx_load_peak_bytes": load_peak, "mlx_cache_bytes_after": mlx_cache,
                   "rss_peak_bytes": rss_peak, "rss_peak_scope": rss_peak_scope, "rss_before_load_bytes": rss_base,
                   "rss_beside_mlx_after_load_bytes": beside_mlx, "load_seconds": load_seconds,
-                  "run_seconds": run_seconds, "prefill_seconds": prefill_done, "rounds": engine.lanes.rounds,
+                  "run_seconds": run_seconds, "prefill_seconds": prefill_done, "rounds": engine.status().rounds,
                   "device": str(mx.default_device()), "backend": engine.backend.name,
                   "process_rss_on_gpu": process_cmp if on_gpu() else None},
         held=held,
@@ -217,21 +219,21 @@ def table(r: Receipt) -> Table:
         t.add_column(col, justify="left" if col == "peak" else "right")
     for what, label in (("mlx", "MLX peak (the plan)"), ("process", "process RSS (plan + what loading left beside MLX)")):
         if what in c:
-            t.add_row(label, f"{c[what]['predicted_bytes'] / 2**20:,.1f}", f"{c[what]['measured_bytes'] / 2**20:,.1f}",
+            t.add_row(label, f"{c[what]['predicted_bytes'] / MIB:,.1f}", f"{c[what]['measured_bytes'] / MIB:,.1f}",
                       f"{c[what]['error']:+.1%}")
     held = r.aggregates.get("held") or {}
     if held:
         t.add_section()
     for name, h in held.items():
         err = f"{h['planned_bytes'] / h['measured_bytes'] - 1:+.1%}" if h["measured_bytes"] else "-"
-        t.add_row(f"held: {name.replace('_', ' ')}", f"{h['planned_bytes'] / 2**20:,.1f}",
-                  f"{h['measured_bytes'] / 2**20:,.1f}", err, style="dim")
+        t.add_row(f"held: {name.replace('_', ' ')}", f"{h['planned_bytes'] / MIB:,.1f}",
+                  f"{h['measured_bytes'] / MIB:,.1f}", err, style="dim")
     if d := r.aggregates.get("drafter"):
         t.add_section()
-        t.add_row("the drafter adds (plan with it less plan without)", f"{d['plan_added_bytes'] / 2**20:,.1f}", "",
+        t.add_row("the drafter adds (plan with it less plan without)", f"{d['plan_added_bytes'] / MIB:,.1f}", "",
                   "", style="cyan")
         t.add_row("the drafter holds (weights + every stream's context K/V after the prompt)",
-                  f"{d['planned_held_bytes'] / 2**20:,.1f}",
-                  f"{d['measured_held_bytes'] / 2**20:,.1f}",
+                  f"{d['planned_held_bytes'] / MIB:,.1f}",
+                  f"{d['measured_held_bytes'] / MIB:,.1f}",
                   f"{d['planned_held_bytes'] / max(d['measured_held_bytes'], 1) - 1:+.1%}", style="cyan")
     return t

@@ -1,4 +1,4 @@
-"""Receipts: one canonical JSON file per run (SPEC section 5).
+"""Receipts: one canonical JSON file per run (README.md, "Receipts").
 
 Canonical means sorted keys, two-space indent, UTF-8, no NaN: the same run data always gives the
 same bytes, so receipts diff cleanly. Written atomically (a temporary file in the same folder, then

@@ -23,6 +23,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from dflash_bench.checks import aggregates as agg  # noqa: E402
 from dflash_bench.checks.receipt import Receipt  # noqa: E402
+from dflash_bench.engine.constants import GIB  # noqa: E402
 
 SIZE = (6.4, 3.6)  # inches at DPI: 640 x 360 pixels, small enough to commit
 DPI = 100
@@ -143,7 +144,7 @@ def planner(receipts: list[tuple[Path, Receipt]], out: Path) -> Plot:
     points = []
     for path, r in _of(receipts, "plan"):
         for what, c in r.typed().aggregates.peaks.items():
-            points.append((f"{path.stem}\n{what}", c.predicted_bytes / 2**30, c.measured_bytes / 2**30))
+            points.append((f"{path.stem}\n{what}", c.predicted_bytes / GIB, c.measured_bytes / GIB))
     if not points:
         return Plot("planner", title, None, "no plan --check receipt")
     fig, ax = plt.subplots(figsize=SIZE)

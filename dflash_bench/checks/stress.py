@@ -31,6 +31,7 @@ from dflash_bench.checks import prompts as prompt_sets
 from dflash_bench.checks.client import ACTIVE_MEMORY_METRIC, Record, Request
 from dflash_bench.checks.receipt import percentiles
 from dflash_bench.checks.runner import NO_HASH, Context
+from dflash_bench.engine.constants import MIB
 
 CHECK = "stress_changes_nothing"
 RSS_METRIC = "process_resident_memory_bytes"  # the Prometheus client's name for it
@@ -49,7 +50,7 @@ class StressSettings:
     probe_tokens: int = 32
     time_limit: float = 1800.0
     settle_seconds: float = 60.0
-    memory_tolerance_bytes: int = 1 << 20
+    memory_tolerance_bytes: int = MIB
 
 
 @dataclass

@@ -28,6 +28,7 @@ from dflash_bench.checks.receipt import Receipt, canonical_json, exit_code, utc_
 from dflash_bench.checks.runner import RunSpec, run_check
 from dflash_bench.checks.server import ServeSettings
 from dflash_bench.cli import app
+from dflash_bench.engine.constants import MIB
 
 SERVER = "Bundled server (ignored with --url)"
 OUTPUT = "Output"
@@ -164,7 +165,7 @@ def cancel(url: Url = None, target: Target = "default", drafter: Drafter = None,
            memory_tolerance_mib: Annotated[float, typer.Option(help="Active memory allowed above baseline.")] = 1.0):
     """Cancellation changes nothing: drops mid-reply, mid-prefill, beside a probe, and a refusal past the window."""
     s = cancel_check.CancelSettings(probe_tokens, drop_after_tokens, 512, prefill_tokens, drop_after_seconds,
-                                    int(memory_tolerance_mib * (1 << 20)))
+                                    int(memory_tolerance_mib * MIB))
     execute("cancel", out, url,
             serve_settings((target, drafter, parallel, context, prompt_cache_gib, drafter_bits, backend), parallel=2,
                            prompt_cache_gib=0, context=8192),
@@ -200,7 +201,7 @@ def stress(url: Url = None, target: Target = "default", drafter: Drafter = None,
     """
     s = stress_check.StressSettings(requests, concurrency, drop_fraction, seed, min_tokens, max_tokens,
                                     max_prompt_words, drop_within, probe_tokens, time_limit,
-                                    memory_tolerance_bytes=int(memory_tolerance_mib * (1 << 20)))
+                                    memory_tolerance_bytes=int(memory_tolerance_mib * MIB))
     if s.min_tokens > s.max_tokens:
         raise typer.BadParameter(f"--min-tokens {min_tokens} is above --max-tokens {max_tokens}")
     execute("stress", out, url,

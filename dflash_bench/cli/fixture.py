@@ -1,7 +1,7 @@
 """`dflash-bench fixture KIND DIR`: random checkpoints in the real published layouts.
 
-The small kinds are tiny (fixtures.py); `qwen3_5-9b-4bit` and `dflash-9b` are Qwen3.5-9B's shapes in
-the MLX 4-bit layout and its DFlash drafter's, written block by block (big_fixtures.py; `--preset
+The small kinds are tiny (fixtures/small.py); `qwen3_5-9b-4bit` and `dflash-9b` are Qwen3.5-9B's shapes in
+the MLX 4-bit layout and its DFlash drafter's, written block by block (fixtures/big.py; `--preset
 tiny` writes the same layout at small sizes).
 """
 
@@ -13,13 +13,13 @@ from pathlib import Path
 import typer
 
 from dflash_bench.cli import app
-from dflash_bench.engine import big_fixtures
-from dflash_bench.engine.fixtures import FIXTURE_KINDS, TARGET_KINDS, write_fixture, write_random_like
+from dflash_bench.fixtures import big
+from dflash_bench.fixtures.small import FIXTURE_KINDS, TARGET_KINDS, write_fixture, write_random_like
 
 # Typer turns an Enum into a choice: an unknown kind is a usage error (exit 2) naming the choices.
-FixtureKind = Enum("FixtureKind", {k: k for k in FIXTURE_KINDS + big_fixtures.KINDS}, type=str)
+FixtureKind = Enum("FixtureKind", {k: k for k in FIXTURE_KINDS + big.KINDS}, type=str)
 TargetKind = Enum("TargetKind", {k: k for k in TARGET_KINDS}, type=str)
-Preset = Enum("Preset", {k: k for k in big_fixtures.PRESETS}, type=str)
+Preset = Enum("Preset", {k: k for k in big.PRESETS}, type=str)
 
 
 @app.command()
@@ -35,8 +35,8 @@ def fixture(
 ) -> None:
     """Write a random checkpoint (targets: HF, GGUF, MLX 4-bit; drafters: DFlash, DFlash2; Qwen3.5-9B's
     shapes at 4 bits and its DFlash drafter's) and print the path to load: the folder, or the .gguf file."""
-    if kind.value in big_fixtures.KINDS:
-        typer.echo(str(big_fixtures.write_big(kind.value, out_dir, preset.value, seed)))
+    if kind.value in big.KINDS:
+        typer.echo(str(big.write_big(kind.value, out_dir, preset.value, seed)))
         return
     if like is not None:
         if kind.value not in ("dflash", "dflash2"):

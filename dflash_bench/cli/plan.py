@@ -25,10 +25,10 @@ from dflash_bench.checks.receipt import Receipt, canonical_json, utc_stamp
 from dflash_bench.checks.runner import make_progress
 from dflash_bench.cli import app
 from dflash_bench.engine import backend as backends
+from dflash_bench.engine.constants import GIB, MIB
 from dflash_bench.engine.defaults import chosen_drafter
 from dflash_bench.engine.errors import DFlashBenchError
 from dflash_bench.engine.planner import (
-    GIB,
     Plan,
     PlanInputs,
     admit,
@@ -39,11 +39,11 @@ from dflash_bench.engine.planner import (
 
 
 def _mib(n: int) -> str:
-    return f"{n / 2**20:,.1f}" if n else "-"
+    return f"{n / MIB:,.1f}" if n else "-"
 
 
 def _size(n: int) -> str:
-    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:,.1f} MiB"
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / MIB:,.1f} MiB"
 
 
 def plan_table(p: Plan) -> Group:

@@ -26,13 +26,13 @@ import uvicorn
 
 from dflash_bench.cli import app
 from dflash_bench.engine import backend as backends
+from dflash_bench.engine.constants import MIB
 from dflash_bench.engine.defaults import chosen_drafter
 from dflash_bench.engine.engine import Engine, Settings
 from dflash_bench.engine.errors import DFlashBenchError
 from dflash_bench.engine.http_guard import (
     API_KEY_ENV,
     BODY_BYTES_PER_TOKEN,
-    MIB,
     Access,
     Hosts,
     default_body_limit,

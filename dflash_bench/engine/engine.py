@@ -24,15 +24,14 @@ import mlx.core as mx
 from dflash_bench.engine import backend as backends
 from dflash_bench.engine import selfcheck
 from dflash_bench.engine.checkpoint import LoadedTarget, load_target
+from dflash_bench.engine.constants import CHUNK, GIB
 from dflash_bench.engine.drafters.dflash import DFlashDrafter, load_drafter
-from dflash_bench.engine.lanes import CHUNK, Lanes
+from dflash_bench.engine.lanes import Lanes
 from dflash_bench.engine.prompt_cache import PromptCache
 from dflash_bench.engine.request import Handle, Request, Result
 from dflash_bench.engine.targets import Target, build_target
 from dflash_bench.engine.tiles import Weight
 from dflash_bench.engine.validate import check_checkpoints
-
-GIB = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -44,6 +43,33 @@ class Settings:
     chunk: int = CHUNK
     backend: str | None = None  # the numeric mode (backend.py): 'cpu', 'gpu', or None for the device's
     fresh_selfcheck: bool = False  # run the self-check even where a cached verdict exists
+
+
+@dataclass(frozen=True)
+class StreamStatus:
+    """One stream holding a lane, as the engine sees it between rounds."""
+
+    pos: int  # prompt positions done (the prompt's length once decoding)
+    prefill_done: bool  # the prompt pass is over: the stream decodes
+    target_state_bytes: int  # its target state (attention K/V, GatedDeltaNet state)
+    drafter_state_bytes: int  # its drafter context (0 when it does not draft)
+
+
+@dataclass(frozen=True)
+class Status:
+    """What the server, its metrics and the memory check read of the lanes: a snapshot, not a handle."""
+
+    rounds: int  # target forwards since load
+    waiting_requests: int
+    streams: tuple[StreamStatus, ...]
+
+    @property
+    def active_streams(self) -> int:
+        return len(self.streams)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting_requests or self.streams)
 
 
 def preload(target: str, drafter: str | None) -> None:
@@ -187,10 +213,19 @@ class Engine:
             if not self.lanes.streams:
                 mx.clear_cache()
 
-    # -- memory --------------------------------------------------------------------------------
-    @property
-    def active_streams(self) -> int:
-        return len(self.lanes.streams)
+    # -- reading -------------------------------------------------------------------------------
+    def status(self) -> Status:
+        """The lanes now: safe to call beside a running round (a copy of the stream list, then reads)."""
+        streams = list(self.lanes.streams)
+        return Status(
+            rounds=self.lanes.rounds,
+            waiting_requests=len(self.lanes.waiting),
+            streams=tuple(
+                StreamStatus(s.pos, s.pending is not None, s.segment_state.nbytes,
+                             s.drafter_state.nbytes if s.drafter_state else 0)
+                for s in streams
+            ),
+        )
 
     def memory(self) -> dict[str, int]:
         return {

@@ -24,7 +24,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-MIB = 1 << 20
+from dflash_bench.engine.constants import MIB
+
 BODY_FLOOR = MIB  # every body limit allows at least this much: short chats with long system prompts
 BODY_BYTES_PER_TOKEN = 128  # a context token as JSON: a long token's text, escaped (\uXXXX), or an id and its comma
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})

@@ -17,11 +17,12 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from dflash_bench.engine.constants import MIB
 from dflash_bench.engine.draft_config import DraftConfig
 from dflash_bench.engine.errors import CheckpointError
 
 Shape = tuple[int, ...]
-MAX_HEADER_BYTES = 100 * 1024 * 1024
+MAX_HEADER_BYTES = 100 * MIB
 
 
 def _layer(draft: DraftConfig, i: int) -> dict[str, Shape]:

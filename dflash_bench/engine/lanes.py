@@ -22,13 +22,12 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from dflash_bench.engine.constants import CHUNK
 from dflash_bench.engine.drafters.dflash import DFlashDrafter, Proposal
 from dflash_bench.engine.prompt_cache import Entry, PromptCache, last_boundary
 from dflash_bench.engine.request import Event, Handle, Stats
 from dflash_bench.engine.sampling import SamplingParams, choose, seed_from_prompt
 from dflash_bench.engine.targets.base import Segment, Target
-
-CHUNK = 256  # prompt chunk; boundaries at multiples of it from position 0
 
 
 class ContextExceeded(ValueError):

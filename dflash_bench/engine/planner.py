@@ -2,7 +2,7 @@
 
 A user must know before loading whether the streams fit, and the server must refuse what cannot
 fit instead of dying. So every term below prices a structure the engine actually allocates, with
-the engine's own growth rules (SPEC section 2, "Memory planner"):
+the engine's own growth rules (README.md's `plan` command):
 
 - weights: the target's tensors (`checkpoint.expected_shapes`), in the engine's mode (backend.py):
   dequantized to float32 in the cpu mode, kept packed (bits plus a bf16 scale and bias per group)
@@ -44,14 +44,13 @@ from functools import lru_cache
 from dflash_bench.engine.backend import CPU, LOGIT_BYTES, STATE_BYTES, Backend
 from dflash_bench.engine.cache import GROW
 from dflash_bench.engine.checkpoint import expected_shapes, read_target_config
+from dflash_bench.engine.constants import CHUNK, GIB, MIB
 from dflash_bench.engine.draft_config import DraftConfig
 from dflash_bench.engine.inventory import expected_inventory
 from dflash_bench.engine.preload import check_dirs, read_target_json
 from dflash_bench.engine.target_config import TargetConfig
 from dflash_bench.engine.tiles import KEY_TILE, QUERY_TILE, ROW_TILE
 
-GIB = 1 << 30
-CHUNK = 256  # lanes.CHUNK: prompt chunks start at multiples of it from position 0
 ATTN_ROW = 6.5  # floats of hidden width a row holds beside the attention scores
 SDPA_SCORES = 1.0  # score-sized arrays a prompt chunk's unfused sdpa holds (CPU, over exactly its keys)
 MLP_ROW = (5.0, 3.0)  # floats a row in the MLP stage: x intermediate, x hidden
@@ -292,7 +291,7 @@ def plan(i: PlanInputs) -> Plan:
     t, d, act, be = i.target, i.drafter, i.backend.act_bytes, i.backend
     p = Plan(i)
     add = p.terms.append
-    mib = lambda n: f"{n / 2**20:,.1f} MiB"  # noqa: E731
+    mib = lambda n: f"{n / MIB:,.1f} MiB"  # noqa: E731
 
     params = expected_shapes(t)
     weights = sum(be.weight_bytes(s, t.quantization, name) for name, s in params.items())

@@ -1,4 +1,4 @@
-"""The row rule proven on the machine that serves, before it serves (SPEC.md section 2).
+"""The row rule proven on the machine that serves, before it serves (README.md, "The self-check").
 
 Drafted == plain and concurrent == solo hold only if a decode row's bits do not depend on how many
 rows share its forward or where it sits (tiles.py). Whether a kernel keeps that depends on the

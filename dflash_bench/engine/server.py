@@ -156,7 +156,7 @@ class Served:
 
     def attach(self, engine: Engine) -> None:
         """The engine is loaded (and running rounds): /health turns ready."""
-        self.metrics.rounds_base = engine.lanes.rounds
+        self.metrics.rounds_base = engine.status().rounds
         self.engine = engine
 
     def ready(self) -> Engine:
@@ -395,10 +395,10 @@ def create_app(engine: Engine | None = None, access: Access | None = None) -> Fa
         e = served.engine
         if e is None:
             return JSONResponse({"status": "warming"}, 503)
-        s = e.settings
+        s, now = e.settings, e.status()
         return JSONResponse({"status": "ready", "model": e.model_name, "drafter": e.drafter_kind,
-                             "parallel": s.parallel, "streams": s.parallel, "active_streams": e.active_streams,
-                             "waiting_requests": len(e.lanes.waiting), "context": s.context,
+                             "parallel": s.parallel, "streams": s.parallel, "active_streams": now.active_streams,
+                             "waiting_requests": now.waiting_requests, "context": s.context,
                              "prompt_cache_gib": s.prompt_cache_gib, "startup_line": e.startup_line(),
                              # the weights served, for receipts (checks copy every *sha256 key)
                              "target_sha256": e.loaded.weights_sha256 if e.loaded else None,

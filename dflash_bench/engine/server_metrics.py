@@ -38,12 +38,13 @@ class Metrics:
 
     def render(self, engine: Engine | None) -> str:
         """Prometheus text format: counters, then the engine's gauges."""
+        now = engine.status() if engine else None
         lines = ["# HELP dflash_requests_total Replies by outcome (finish reason, or why refused).",
                  "# TYPE dflash_requests_total counter"]
         with self.lock:
             lines += [f'dflash_requests_total{{outcome="{k}"}} {v}' for k, v in self.requests.items()]
             counters = {
-                "rounds": (engine.lanes.rounds - self.rounds_base if engine else 0, "Engine rounds (one target forward each)."),
+                "rounds": (now.rounds - self.rounds_base if now else 0, "Engine rounds (one target forward each)."),
                 **{k: (v, f"Sum over finished requests of {k.replace('_', ' ')}.") for k, v in self.totals.items()},
             }
         for name, (value, text) in counters.items():
@@ -51,8 +52,8 @@ class Metrics:
                       f"dflash_{name}_total {value}"]
         memory = engine.memory() if engine else {}
         gauges = {
-            "active_streams": (engine.active_streams if engine else 0, "Streams holding a lane."),
-            "waiting_requests": (len(engine.lanes.waiting) if engine else 0, "Requests waiting for a lane."),
+            "active_streams": (now.active_streams if now else 0, "Streams holding a lane."),
+            "waiting_requests": (now.waiting_requests if now else 0, "Requests waiting for a lane."),
             "peak_memory_bytes": (memory.get("peak_bytes", 0), "Peak MLX memory since start."),
             "active_memory_bytes": (memory.get("active_bytes", 0), "MLX memory in use now."),
             "baseline_memory_bytes": (memory.get("baseline_bytes", 0), "MLX memory in use once loaded, idle."),

@@ -13,8 +13,8 @@ Two regimes share a forward (targets/base.py):
 
 BLAS (OpenBLAS on Linux, cuBLAS on CUDA) picks a kernel by the shape of each call, so a row of
 `x @ W.T` computed among 1, 5 or 40 rows can differ in its last bits. Two rules make every row
-independent of its company (measured in ../shared/notes/row-independence.md, proven here by
-tests/test_rows.py):
+independent of its company (the measurement that set them is below; tests/test_rows.py proves
+them):
 
 - every projection runs in tiles of a fixed row count per weight (`row_tile`), each tile its own
   matmul call (a batched matmul over a broadcast weight would fold the tiles back into one call);

@@ -17,6 +17,7 @@ import dflash_bench  # noqa: F401  (loads OpenBLAS before mlx)
 import mlx.core as mx
 import numpy as np
 
+from dflash_bench.engine.constants import GIB
 from dflash_bench.engine.tokenizer import Tokenizer
 from train_drafter.corpus import Prompt
 from train_drafter.target import TrainTarget
@@ -157,7 +158,7 @@ class TapStore:
                 mx.eval(parts[-1])
             self.planes.append(mx.concatenate(parts) if len(parts) > 1 else parts[0])
             mx.eval(self.planes[-1])
-        gib = sum(p.nbytes for p in self.planes) / 2**30
+        gib = sum(p.nbytes for p in self.planes) / GIB
         log(f"tap planes of {len(order)} sequences ({gib:.1f} GiB) in {time.perf_counter() - start:.0f} s")
 
     def batch(self, rng: np.random.Generator, size: int, anchors: int) -> tuple[mx.array, ...]:

@@ -27,8 +27,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
-from dflash_bench.engine.checkpoint import dequantize_packed, quantize_packed
 from dflash_bench.engine.draft_config import DraftConfig, parse_draft_config
+from dflash_bench.engine.quantize import dequantize_packed, quantize_packed
 from dflash_bench.engine.target_config import TargetConfig
 
 GROUP_SIZE = 64  # quantization group: mlx-lm's default
@@ -203,7 +203,7 @@ def block_mask(anchors: mx.array, context: int, block: int, window: int | None, 
 
 def export(model: Drafter, config: dict, out_dir: Path) -> Path:
     """config.json + model.safetensors in the z-lab layout, what `load_drafter` reads: bf16, or with
-    config.json's `quantization` block every matrix packed (`checkpoint.quantize_packed`)."""
+    config.json's `quantization` block every matrix packed (`quantize.quantize_packed`)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -16,9 +16,10 @@ from pathlib import Path
 import mlx.core as mx
 
 from dflash_bench.engine.cache import AttentionCache
-from dflash_bench.engine.checkpoint import all_finite, dequantize_packed, files_sha256
+from dflash_bench.engine.checkpoint import all_finite, files_sha256
 from dflash_bench.engine.draft_config import DraftConfig, read_draft_config
 from dflash_bench.engine.errors import CheckpointError
+from dflash_bench.engine.quantize import dequantize_packed
 from dflash_bench.engine.sampling import SamplingParams, choose
 from dflash_bench.engine.targets.base import Target, repack
 from dflash_bench.engine.tiles import KEY_TILE, Weight, attention, key_mask, linear, pad_queries, pad_rows, query_positions
