@@ -4,6 +4,9 @@ Per probe (code, chat) and level L: L copies of the probe sent at once, `reps` t
 drafted then plain (the same requests with `"draft": false`), so slow drift hits both modes alike.
 Single-stream tok/s is the client's decode rate of the level-1 replies (tokens after the first
 chunk over the time after it); aggregate tok/s is all completion tokens over the wall time.
+Tokens a round come from each reply (our `dflash` block, llama.cpp's `timings`, SGLang's verify
+count) or, for vLLM, from its /metrics spec-decode counters taken before and after each cell
+(checks/adapters.py).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
+from dflash_bench.checks import adapters
 from dflash_bench.checks import prompts as prompt_sets
 from dflash_bench.checks.client import Record
 from dflash_bench.checks.receipt import summary
@@ -44,14 +48,17 @@ def run(ctx: Context, s: DecodeSettings) -> None:
             for rep in range(s.reps):
                 for mode, draft in modes.items():
                     req = probe.request(draft=draft, max_tokens=s.tokens, temperature=s.temperature, stream=True)
+                    before = ctx.client.spec_counters()
                     records, wall = ctx.send_many([req] * level, probe=role, level=level, rep=rep, mode=mode)
+                    server_rounds = adapters.tokens_per_round(before, ctx.client.spec_counters())
                     advance(level)
                     for rec in records:
                         if rec.status != "ok":
                             ctx.receipt.fail("decode", f"{role} x{level} rep {rep} {mode}",
                                              f"request {rec.status}: {rec.error}")
                     agg[role][level][mode].append(sum(r.completion_tokens or 0 for r in records) / wall)
-                    rounds[role][level][mode] += [r.tokens_per_round for r in records]
+                    rounds[role][level][mode] += [r.tokens_per_round for r in records] if server_rounds is None \
+                        else [server_rounds]
                     if level == 1:
                         single[role][mode].append(records[0].decode_tps)
                         first.setdefault((role, mode), records[0])

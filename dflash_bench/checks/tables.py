@@ -46,6 +46,12 @@ def header(r: Receipt) -> Text:
                          "  ", state)
     if server.get("startup_line"):
         text.append(f"\n{server['startup_line']}", style="dim")
+    for label, side in (("engine", server), ("plain server", server.get("plain"))):
+        adapter = (side or {}).get("adapter")
+        if adapter:
+            where = f"{side.get('url')}: " if side is not server else ""
+            text.append(f"\n{label}: {where}{adapter.get('engine')} ({adapter.get('detected_from')}); "
+                        f"evidence: {adapter.get('evidence') or 'none'}", style="dim")
     return text
 
 
@@ -62,14 +68,14 @@ def verdict(r: Receipt) -> Group:
 def exactness(r: Receipt) -> Table:
     t = Table(title="drafted vs draft:false (greedy, ignore_eos)")
     t.add_column("prompt", no_wrap=True)
-    for col in ("kind", "prompt tok", "drafted sha", "plain sha", "result", "first diff", "tok/round drafted",
-                "plain", "answer"):
+    for col in ("kind", "prompt tok", "drafted sha", "plain sha", "result", "first diff", "evidence",
+                "tok/round drafted", "plain", "answer"):
         t.add_column(col)
     for row in r.aggregates.get("prompts", []):
         known = row.get("known_answer")
         t.add_row(row["prompt_id"], row["kind"], num(row.get("prompt_tokens")), row.get("drafted_sha") or "—",
                   row.get("plain_sha") or "—", MARK[row.get("equal")], num(row.get("first_diff")),
-                  num(row.get("drafted_tokens_per_round"), 2), num(row.get("plain_tokens_per_round"), 2),
+                  row.get("evidence") or "—", num(row.get("drafted_tokens_per_round"), 2), num(row.get("plain_tokens_per_round"), 2),
                   "—" if known is None else Text("right" if known else "wrong", style="green" if known else "red"))
     return t
 
