@@ -72,9 +72,10 @@ def _health(url: str) -> dict | None:
     if r.status_code != 200:
         return None
     try:
-        return r.json()
+        body = r.json()
     except ValueError:
-        return None
+        return {}  # a 200 with no JSON (vLLM's /health answers an empty body) is alive, naming nothing
+    return body if isinstance(body, dict) else {}
 
 
 class AttachedServer:
