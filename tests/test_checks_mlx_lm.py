@@ -1,6 +1,7 @@
 """The checks against a real `mlx_lm.server` (mlx-lm's own OpenAI-compatible server) on the tiny llama
-fixture: the harness must work with a server that knows nothing of `draft`, token ids, /tokenize or
-ids only in non-streamed `logprobs`, and report what it cannot check as not run or unverified, never as passed.
+fixture: the harness must work with a server that knows nothing of `draft`, /tokenize or /metrics and
+gives token ids only in non-streamed `logprobs`, and report what it cannot check as not run or
+unverified, never as passed.
 
 The server runs with its prompt cache off (`--prompt-cache-size 0`: prefill must be cold) and with no
 Hugging Face cache folder, where its /v1/models answers 200 with an empty body.
