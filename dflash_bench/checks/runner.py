@@ -106,7 +106,8 @@ class Context:
             refused = (getattr(self.server, "health", None) or {}).get("drafting_refused")
             token_ids = rec.token_ids is not None
             if self.plain is not None:  # both servers must give tokens for a comparison to mean anything
-                other = self.send_plain(Request("capability-probe", prompt="Hello", max_tokens=4), step="probe")
+                other = self.send_plain(Request("capability-probe", prompt="Hello", max_tokens=4, draft=False),
+                                        step="probe")
                 token_ids = token_ids and other.token_ids is not None
             self.caps = Capabilities(dflash=rec.has_dflash, token_ids=token_ids,
                                      cached_tokens=rec.cached_tokens is not None, drafter=rec.drafter,
