@@ -49,7 +49,8 @@ def test_exactness_drafted_equals_plain_on_the_bundled_server(pair, tmp_path, fe
                        "--long-tokens", "8")
     assert code == 0, data["verdict"]
     assert data["server"]["capabilities"] == {"dflash": True, "token_ids": True, "cached_tokens": True,
-                                              "drafter": "DFlash", "probe_error": None, "refused": None}
+                                              "drafter": "DFlash", "probe_error": None, "refused": None,
+                                              "two_server": False}
     rows = data["aggregates"]["prompts"]
     assert [r["kind"] for r in rows] == ["known"] * 3 + ["code", "chat", "long"]
     assert all(r["equal"] is True for r in rows) and rows[-1]["prompt_tokens"] > 512

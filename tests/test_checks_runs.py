@@ -42,12 +42,15 @@ def test_concurrent_fails_when_sampled_replies_ignore_the_seed(tmp_path):
     assert "T=0.7 x2 rep 0 stream 0" in failed and not any(s.startswith("T=0.0") for s in failed)
 
 
-def test_concurrent_without_hashes_is_not_run(tmp_path):
+def test_concurrent_on_a_text_only_server_compares_its_retokenized_text(tmp_path):
+    """No ids and no `draft`: the replies' text, re-tokenized by the server's /tokenize, is compared
+    (marked text-level); drafted == plain stays not run."""
     with FakeServer(mlx_lm_like=True) as fake:
         res, data = run("concurrent", fake.url, tmp_path, "--tokens", "8", "--reps", "1", "--levels", "1")
     assert res.exit_code == 2
-    assert {n["check"] for n in data["not_run"]} == {"concurrent_equals_solo", "solo_drafted_equals_plain"}
-    assert all(c["equal"] == 0 for c in data["aggregates"]["cells"])
+    assert {n["check"] for n in data["not_run"]} == {"solo_drafted_equals_plain"}
+    assert all(c["equal"] == 1 for c in data["aggregates"]["cells"])
+    assert {r["evidence"] for r in data["records"]} == {"text"}
 
 
 def test_resumed_equals_fresh_and_plain(tmp_path):

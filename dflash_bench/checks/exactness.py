@@ -1,5 +1,8 @@
 """exactness: every prompt drafted and with `"draft": false` (greedy, ignore_eos) gives the same tokens.
 
+In two-server mode (--plain-url, checks/pair.py) the plain reply comes from the second server, and
+each row says what the comparison rests on (token ids, token pieces or re-tokenized text).
+
 Prompts: the known-answer questions (each also checked for its expected answer), the code and chat
 probes, and prompts longer than the drafter's sliding window (so its full layer is exercised).
 """
@@ -8,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dflash_bench.checks import pair
 from dflash_bench.checks import prompts as prompt_sets
 from dflash_bench.checks.runner import NO_DFLASH, NO_HASH, Context
 
@@ -34,7 +38,7 @@ def run(ctx: Context, s: ExactnessSettings) -> None:
     compare = caps.drafts and caps.hashes
     if caps.refused:
         pass  # capabilities() filed the refusal as not run
-    elif not caps.dflash:
+    elif not caps.dflash and not caps.two_server:
         ctx.receipt.skip(CHECK, NO_DFLASH)
     elif not caps.hashes:
         ctx.receipt.skip(CHECK, NO_HASH)
@@ -53,11 +57,14 @@ def run(ctx: Context, s: ExactnessSettings) -> None:
         if drafted.status != "ok" and not compare:
             ctx.receipt.fail(CHECK, prompt.id, f"{prompt.id}: drafted request {drafted.status}: {drafted.error}")
         if compare:
-            plain = ctx.send(prompt.request(draft=False, max_tokens=max_tokens), mode="plain", kind=prompt.kind)
+            plain = ctx.send_plain(prompt.request(draft=False, max_tokens=max_tokens), mode="plain",
+                                   kind=prompt.kind)
             advance()
-            cmp = ctx.expect_equal(CHECK, prompt.id, drafted, plain, "drafted and plain replies")
+            what = "the drafted server's and the plain server's replies" if caps.two_server \
+                else "drafted and plain replies"
+            cmp = ctx.expect_equal(CHECK, prompt.id, drafted, plain, what)
             row.update(plain_sha=plain.token_sha, plain_tokens_per_round=plain.tokens_per_round,
-                       equal=cmp.equal, first_diff=cmp.index)
+                       equal=cmp.equal, first_diff=cmp.index, evidence=pair.evidence(drafted, plain))
             if (plain.drafted or 0) > 0 or (plain.tokens_per_round or 0) > 1.0:
                 ctx.receipt.fail(CHECK, prompt.id, f"{prompt.id}: the draft:false reply reports {plain.drafted} "
                                  f"drafted tokens and {plain.tokens_per_round} tokens a round: the server drafted anyway")
@@ -77,6 +84,7 @@ def _totals(ctx: Context, rows: list[dict]) -> None:
     ctx.receipt.aggregates.update(
         prompts=rows,
         equal=sum(r["equal"] is True for r in rows), compared=sum(r["equal"] is not None for r in rows),
+        differ=sum(r["equal"] is False for r in rows), evidence=pair.weakest(rows),
         known_answers={"right": sum(known), "asked": len(known)},
     )
 

@@ -6,6 +6,7 @@ marked incomplete with the reason (checks/lifecycle.py); the exit code says whic
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from dataclasses import dataclass, field
@@ -16,6 +17,8 @@ import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from dflash_bench.checks import pair
+from dflash_bench.checks.adapters import EngineClient
 from dflash_bench.checks.client import PEAK_MEMORY_METRIC, Client, Record, Request
 from dflash_bench.checks.lifecycle import receipt_run
 from dflash_bench.checks.receipt import Receipt
@@ -24,7 +27,7 @@ from dflash_bench.engine.errors import DFlashBenchError
 from dflash_bench.engine.http_guard import API_KEY_ENV
 
 NO_DFLASH = ("the server's replies carry no `dflash` block, so whether it honours `draft` is unknown "
-             "(e.g. mlx_lm.server)")
+             "(e.g. mlx_lm.server; --plain-url URL compares it with a server of the same model that does not draft)")
 NO_HASH = "the server returns neither `dflash.token_sha` nor token ids, so replies cannot be compared"
 NO_CACHED = "the server does not report usage.prompt_tokens_details.cached_tokens"
 
@@ -39,6 +42,7 @@ class Capabilities:
     drafter: str | None
     probe_error: str | None = None
     refused: str | None = None  # why the server will not draft (its self-check failed), from /health
+    two_server: bool = False  # plain replies come from --plain-url (checks/pair.py), not from `draft: false`
 
     @property
     def hashes(self) -> bool:
@@ -47,7 +51,7 @@ class Capabilities:
     @property
     def drafts(self) -> bool:
         """Whether `draft: true` can make the server draft, so drafted-vs-plain means something."""
-        return self.dflash and self.refused is None
+        return (self.dflash or self.two_server) and self.refused is None
 
 
 @dataclass
@@ -91,19 +95,26 @@ class Context:
     caps: Capabilities | None = None
     extras: dict = field(default_factory=dict)
     pending: dict[str, str] = field(default_factory=dict)  # subject -> check, in the order planned
+    plain: Client | None = None  # --plain-url's client in two-server mode (checks/pair.py)
 
     def capabilities(self) -> Capabilities:
         """Probes once with a tiny drafted request asking for token ids, and records what came back."""
         if self.caps is None:
             rec = self.send(Request("capability-probe", prompt="Hello", max_tokens=4, draft=True), step="probe")
             refused = (getattr(self.server, "health", None) or {}).get("drafting_refused")
-            self.caps = Capabilities(dflash=rec.has_dflash, token_ids=rec.token_ids is not None,
+            token_ids = rec.token_ids is not None
+            if self.plain is not None:  # both servers must give tokens for a comparison to mean anything
+                other = self.send_plain(Request("capability-probe", prompt="Hello", max_tokens=4, draft=False),
+                                        step="probe")
+                token_ids = token_ids and other.token_ids is not None
+            self.caps = Capabilities(dflash=rec.has_dflash, token_ids=token_ids,
                                      cached_tokens=rec.cached_tokens is not None, drafter=rec.drafter,
-                                     probe_error=None if rec.ok else rec.error, refused=refused)
+                                     probe_error=None if rec.ok else rec.error, refused=refused,
+                                     two_server=self.plain is not None)
             self.receipt.server["capabilities"] = vars(self.caps)
             if refused:  # drafted requests decode plainly: no drafted-vs-plain comparison may pass
                 self.receipt.skip("drafting", f"the server refused to draft: {refused}")
-            elif self.caps.dflash and self.caps.drafter is None and rec.ok:
+            elif self.caps.dflash and self.caps.drafter is None and rec.ok and self.plain is None:
                 self.receipt.warn("drafter", "server", "the server reports no drafter (dflash.drafter is null): "
                                   "drafted requests decode plainly, so drafted-vs-plain comparisons are trivial")
         return self.caps
@@ -115,6 +126,12 @@ class Context:
 
     def send(self, req: Request, **labels) -> Record:
         return self.keep(self.client.send(req), **labels)
+
+    def send_plain(self, req: Request, **labels) -> Record:
+        """The plain reply: from --plain-url in two-server mode, else `"draft": false` on the one server."""
+        if self.plain is None:
+            return self.send(req, **labels)
+        return self.keep(self.plain.send(req), server="plain", **labels)
 
     def send_many(self, requests: list[Request], **labels) -> tuple[list[Record], float]:
         records, wall = self.client.send_many(requests)
@@ -159,6 +176,8 @@ class RunSpec:
     kind: str
     out: Path
     url: str | None = None
+    plain_url: str | None = None  # two-server mode (checks/pair.py)
+    tokenizer: Callable[[str], list[int]] | None = None  # re-tokenizes text-only replies (checks/adapters.py)
     serve: ServeSettings = field(default_factory=ServeSettings)
     startup_timeout: float = 600.0
     request_timeout: float = 600.0
@@ -196,7 +215,7 @@ def run_check(spec: RunSpec, settings: dict, body: Callable[[Context], None],
 
     with receipt_run(receipt, spec.out, (httpx.HTTPError, DFlashBenchError), reason) as run:
         run.before_write.append(before_write)
-        with progress, server:
+        with progress, server, contextlib.ExitStack() as stack:
             receipt.server.update(server.describe())
             health = server.health or {}
             receipt.server.update(target=health.get("model"), drafter=health.get("drafter"),
@@ -205,11 +224,14 @@ def run_check(spec: RunSpec, settings: dict, body: Callable[[Context], None],
                 receipt.server["startup_line"] = health["startup_line"]
             if "selfcheck" in health:  # the serving machine's proof of the row rule (engine/selfcheck.py)
                 receipt.environment["selfcheck"] = health["selfcheck"]
-            client = Client(server.url, spec.request_timeout, spec.api_key)
+            client = EngineClient(server.url, spec.request_timeout, spec.api_key, spec.tokenizer)
             try:
+                receipt.server["adapter"] = client.describe()
                 client.pick_model(health)
                 receipt.server["model"] = client.model
-                contexts.append(Context(client, receipt, server, progress, spec.out))
+                plain = stack.enter_context(pair.plain_side(spec.plain_url, spec.request_timeout, spec.api_key,
+                                                            receipt, spec.tokenizer))
+                contexts.append(Context(client, receipt, server, progress, spec.out, plain=plain))
                 body(contexts[0])
                 _read_peak(client, receipt)
             finally:

@@ -74,13 +74,22 @@ def _health(url: str) -> dict | None:
     if r.status_code != 200:
         return None
     try:
-        return r.json()
+        body = r.json()
     except ValueError:
-        return None
+        return {}  # a 200 with no JSON (vLLM's /health answers an empty body) is alive, naming nothing
+    return body if isinstance(body, dict) else {}
+
+
+def _answers(url: str, path: str) -> bool:
+    try:
+        return httpx.get(f"{url}{path}", timeout=5.0).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 class AttachedServer:
-    """A server someone else runs: we only read it."""
+    """A server someone else runs: we only read it. A server without /health (llama-cpp-python's)
+    counts as up while GET /v1/models answers 200; its health is then empty."""
 
     managed = False
 
@@ -91,17 +100,19 @@ class AttachedServer:
     def __enter__(self) -> AttachedServer:
         self.health = _health(self.url)
         if self.health is None:
-            raise ServerFailed(f"--url {self.url}: GET /health did not answer 200")
+            if not _answers(self.url, "/v1/models"):
+                raise ServerFailed(f"--url {self.url}: neither GET /health nor GET /v1/models answered 200")
+            self.health = {}
         return self
 
     def __exit__(self, *exc) -> None:
         return None
 
     def alive(self) -> bool:
-        return _health(self.url) is not None
+        return _health(self.url) is not None or _answers(self.url, "/v1/models")
 
     def death(self) -> str | None:
-        return None if self.alive() else f"the server at {self.url} stopped answering /health"
+        return None if self.alive() else f"the server at {self.url} stopped answering /health and /v1/models"
 
     def describe(self) -> dict:
         return {"url": self.url, "managed": False, "health": self.health}

@@ -64,6 +64,12 @@ def header(r: Receipt) -> Text:
                          "  ", state)
     if server.get("startup_line"):
         text.append(f"\n{server['startup_line']}", style="dim")
+    for label, side in (("engine", server), ("plain server", server.get("plain"))):
+        adapter = (side or {}).get("adapter")
+        if adapter:
+            where = f"{side.get('url')}: " if side is not server else ""
+            text.append(f"\n{label}: {where}{adapter.get('engine')} ({adapter.get('detected_from')}); "
+                        f"evidence: {adapter.get('evidence') or 'none'}", style="dim")
     return text
 
 
@@ -80,13 +86,13 @@ def verdict(r: Receipt) -> Group:
 def exactness(a: agg.ExactnessAggregates, r: Receipt) -> Table:
     t = Table(title="drafted vs draft:false (greedy, ignore_eos)")
     t.add_column("prompt", no_wrap=True)
-    for col in ("kind", "prompt tok", "drafted sha", "plain sha", "result", "first diff", "tok/round drafted",
-                "plain", "answer"):
+    for col in ("kind", "prompt tok", "drafted sha", "plain sha", "result", "first diff", "evidence",
+                "tok/round drafted", "plain", "answer"):
         t.add_column(col)
     for row in a.prompts:
         known = row.known_answer
         t.add_row(row.prompt_id, row.kind, num(row.prompt_tokens), row.drafted_sha or "—", row.plain_sha or "—",
-                  MARK[row.equal], num(row.first_diff), num(row.drafted_tokens_per_round, 2),
+                  MARK[row.equal], num(row.first_diff), row.evidence or "—", num(row.drafted_tokens_per_round, 2),
                   num(row.plain_tokens_per_round, 2),
                   "—" if known is None else Text("right" if known else "wrong", style="green" if known else "red"))
     return t

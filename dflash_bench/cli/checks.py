@@ -35,6 +35,12 @@ OUTPUT = "Output"
 
 Url = Annotated[Optional[str], typer.Option(help="Check a running OpenAI-compatible server instead of starting "
                                                  "the bundled one.", rich_help_panel=SERVER)]
+PlainUrl = Annotated[Optional[str], typer.Option(
+    help="Two-server mode: a server of the same model and settings without speculative decoding; every "
+         "request also goes there and the replies are compared token for token with --url's (any engine).")]
+TokenizerPath = Annotated[Optional[str], typer.Option(
+    "--tokenizer", help="The model's folder or GGUF, to re-tokenize replies of a server that returns only "
+                        "text and has no tokenize endpoint (the receipt then marks its evidence as text-level).")]
 Target = Annotated[str, typer.Option(help="Target for the bundled server.", rich_help_panel=SERVER)]
 Drafter = Annotated[Optional[str], typer.Option(help="Drafter folder for the bundled server (default: the target's "
                                                      "shipped drafter; 'none': serve without one).",
@@ -93,11 +99,30 @@ def serve_settings(given: tuple, **defaults) -> ServeSettings:
     return ServeSettings(**{k: v if v is not None else defaults.get(k) for k, v in zip(names, given)})
 
 
+def local_tokenizer(path: str | None) -> Callable[[str], list[int]] | None:
+    """--tokenizer read here, or a one-line error naming it."""
+    if path is None:
+        return None
+    try:
+        return prefill_check.LocalTokenizer(path).tokenize
+    except (DFlashBenchError, OSError, ValueError, KeyError) as err:
+        raise typer.BadParameter(f"--tokenizer {path}: cannot read a tokenizer there ({err})") from None
+
+
+def two_servers(url: str | None, plain_url: str | None) -> None:
+    if plain_url and not url:
+        raise typer.BadParameter("--plain-url needs --url (the server that drafts)")
+    if plain_url and url and plain_url.rstrip("/") == url.rstrip("/"):
+        raise typer.BadParameter(f"--plain-url {plain_url} is --url itself: two-server mode needs two servers")
+
+
 def execute(kind: str, out: Path | None, url: str | None, serve: ServeSettings, startup: float, timeout: float,
-            settings, body: Callable, json_out: bool) -> None:
+            settings, body: Callable, json_out: bool, plain_url: str | None = None,
+            tokenizer: str | None = None) -> None:
     """Runs one check, prints its table (or JSON) and exits with its code."""
+    two_servers(url, plain_url)
     spec = RunSpec(kind=kind, out=out or default_out(kind), url=url, serve=serve, startup_timeout=startup,
-                   request_timeout=timeout)
+                   request_timeout=timeout, plain_url=plain_url, tokenizer=local_tokenizer(tokenizer))
     receipt, code = run_check(spec, asdict(settings), lambda ctx: body(ctx, settings))
     report(receipt, spec.out, json_out)
     raise typer.Exit(code)
@@ -113,7 +138,7 @@ def report(receipt: Receipt, path: Path, json_out: bool) -> None:
 
 
 @app.command(rich_help_panel="Checks")
-def exactness(url: Url = None, target: Target = "default", drafter: Drafter = None, parallel: Parallel = None,
+def exactness(url: Url = None, plain_url: PlainUrl = None, tokenizer: TokenizerPath = None, target: Target = "default", drafter: Drafter = None, parallel: Parallel = None,
               context: ContextSize = None, prompt_cache_gib: Cache = None, drafter_bits: Bits = None, backend: Backend = None,
               startup_timeout: Startup = 600.0, timeout: Timeout = 600.0, out: Out = None, json_out: Json = False,
               known_tokens: int = 64, probe_tokens: int = 256, long_tokens: int = 256,
@@ -121,11 +146,11 @@ def exactness(url: Url = None, target: Target = "default", drafter: Drafter = No
     """Drafted equals `"draft": false`, token for token: known-answer prompts, code and chat probes, long prompts."""
     s = exactness_check.ExactnessSettings(known_tokens, probe_tokens, long_tokens, window)
     execute("exactness", out, url, serve_settings((target, drafter, parallel, context, prompt_cache_gib, drafter_bits, backend)),
-            startup_timeout, timeout, s, exactness_check.run, json_out)
+            startup_timeout, timeout, s, exactness_check.run, json_out, plain_url, tokenizer)
 
 
 @app.command(rich_help_panel="Checks")
-def concurrent(url: Url = None, target: Target = "default", drafter: Drafter = None, parallel: Parallel = None,
+def concurrent(url: Url = None, plain_url: PlainUrl = None, tokenizer: TokenizerPath = None, target: Target = "default", drafter: Drafter = None, parallel: Parallel = None,
                context: ContextSize = None, prompt_cache_gib: Cache = None, drafter_bits: Bits = None, backend: Backend = None,
                startup_timeout: Startup = 600.0, timeout: Timeout = 600.0, out: Out = None, json_out: Json = False,
                levels: Levels = "1,4", tokens: Tokens = 256, reps: Reps = 3,
@@ -139,11 +164,11 @@ def concurrent(url: Url = None, target: Target = "default", drafter: Drafter = N
                                             seed)
     execute("concurrent", out, url,
             serve_settings((target, drafter, parallel, context, prompt_cache_gib, drafter_bits, backend), parallel=max(lv)),
-            startup_timeout, timeout, s, concurrent_check.run, json_out)
+            startup_timeout, timeout, s, concurrent_check.run, json_out, plain_url, tokenizer)
 
 
 @app.command(rich_help_panel="Checks")
-def resume(url: Url = None, target: Target = "default", drafter: Drafter = None, parallel: Parallel = None,
+def resume(url: Url = None, plain_url: PlainUrl = None, tokenizer: TokenizerPath = None, target: Target = "default", drafter: Drafter = None, parallel: Parallel = None,
            context: ContextSize = None, prompt_cache_gib: Cache = None, drafter_bits: Bits = None, backend: Backend = None,
            startup_timeout: Startup = 600.0, timeout: Timeout = 600.0, out: Out = None, json_out: Json = False,
            tokens: Tokens = 256,
@@ -152,7 +177,7 @@ def resume(url: Url = None, target: Target = "default", drafter: Drafter = None,
     s = resume_check.ResumeSettings(tokens, prompt)
     execute("resume", out, url,
             serve_settings((target, drafter, parallel, context, prompt_cache_gib, drafter_bits, backend), prompt_cache_gib=1.0),
-            startup_timeout, timeout, s, resume_check.run, json_out)
+            startup_timeout, timeout, s, resume_check.run, json_out, plain_url, tokenizer)
 
 
 @app.command(rich_help_panel="Checks")
