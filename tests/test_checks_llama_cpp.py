@@ -129,6 +129,7 @@ def test_resume_compares_the_first_and_the_repeated_request(servers, tmp_path, s
     data = json.loads(out.read_text())
     assert data["complete"], data["incomplete_reason"]
     assert [s["step"] for s in data["aggregates"]["steps"]] == ["fresh", "resumed"]
-    assert data["aggregates"]["equal"] is not None and data["aggregates"]["evidence"] == "token pieces"
+    # token pieces where every piece maps to an id; re-tokenized text where one is half a UTF-8 character
+    assert data["aggregates"]["equal"] is not None and data["aggregates"]["evidence"] in ("token pieces", "text")
     assert any("cached_tokens" in w["message"] for w in data["verdict"]["warnings"])
     assert res.exit_code == (0 if data["aggregates"]["equal"] else 1), res.output
