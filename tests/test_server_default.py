@@ -206,7 +206,9 @@ def test_drafter_for_another_target_stops_startup_before_the_weights_load(tmp_pa
     code, output, peak = run_refused(["default", "--drafter", str(drafter)], tmp_path)
     assert code == 1
     assert output.strip() == "DraftForAnotherTarget: hidden_size is 64 in the drafter, 576 in the target"
-    assert peak < gguf_float32_bytes(resolve("default")) / 4
+    # A load holds the float32 weights (538 MB); a refusing process holds the interpreter, its libraries
+    # and the GGUF header's metadata (136 MB measured): a third of the weights tells them apart.
+    assert peak < gguf_float32_bytes(resolve("default")) / 3
 
 
 def test_published_target_refuses_a_drafter_for_another_target_from_configs_alone(tmp_path: Path) -> None:
