@@ -40,3 +40,16 @@ def write_short_prompts(folder: Path, known_prompts: int = 2, long_paragraphs: i
     long["prompts"] = [first]
     (folder / "long.json").write_text(json.dumps(long))
     return folder
+
+
+def stop_server(proc, log) -> None:
+    """End a server process the tests started (SIGTERM, then SIGKILL after 15 s) and close its log."""
+    import subprocess
+
+    proc.terminate()
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=15)
+    log.close()

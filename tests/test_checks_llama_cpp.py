@@ -24,7 +24,7 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from conftest import write_short_prompts
+from conftest import stop_server, write_short_prompts
 from dflash_bench.checks import prompts
 from dflash_bench.checks.adapters import EngineClient
 from dflash_bench.checks.client import Request
@@ -73,13 +73,7 @@ def servers(tmp_path_factory):
         yield started[0][1], started[1][1]
     finally:
         for proc, _, log in started:
-            proc.terminate()
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=15)
-            log.close()
+            stop_server(proc, log)
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ import httpx
 import pytest
 from typer.testing import CliRunner
 
-from conftest import write_short_prompts
+from conftest import stop_server, write_short_prompts
 from dflash_bench.checks import prompts
 from dflash_bench.checks.server import free_port
 from dflash_bench.cli import app
@@ -61,13 +61,7 @@ def mlx_lm_server(model, tmp_path_factory):
             time.sleep(0.2)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=15)
-        log.close()
+        stop_server(proc, log)
 
 
 @pytest.fixture
