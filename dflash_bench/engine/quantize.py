@@ -22,11 +22,12 @@ def dequantize(
 
 
 def quantize_packed(weights: dict[str, mx.array], group_size: int, bits: int) -> dict[str, mx.array]:
-    """The inverse of `dequantize_packed`, as a drafter is stored: every matrix (a 2-D tensor) packed by
+    """The inverse of `dequantize_packed`, as a drafter is stored: every matrix (a 2-D `.weight`) packed by
     `mx.quantize` beside float16 scales and biases (bf16 would add up to half a step of error at 8
-    bits); the rest passes through."""
+    bits); the rest passes through, DFlash2's bare codebooks included (validate.py reads a packed
+    tensor only under a `.weight` name)."""
     out = dict(weights)
-    for name in [k for k, v in weights.items() if v.ndim == 2]:
+    for name in [k for k, v in weights.items() if v.ndim == 2 and k.endswith(".weight")]:
         module = name.removesuffix(".weight")
         packed, scales, biases = mx.quantize(weights[name].astype(mx.float32), group_size=group_size, bits=bits)
         out |= {name: packed, f"{module}.scales": scales.astype(mx.float16), f"{module}.biases": biases.astype(mx.float16)}

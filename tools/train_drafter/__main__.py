@@ -137,7 +137,7 @@ def cmd_train(args, recipe: Recipe, target: TrainTarget, loaded, seqs: Sequences
     log(f"held-out: {json.dumps(held_eval)}")
     return {
         "schema": 1,
-        "what": "training receipt of a DFlash v1 drafter (tools/train_drafter)",
+        "what": f"training receipt of a {draft_cfg.kind} drafter (tools/train_drafter)",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["python -m train_drafter", *sys.argv[1:]]),
         **_source(),
@@ -155,7 +155,12 @@ def cmd_train(args, recipe: Recipe, target: TrainTarget, loaded, seqs: Sequences
                          "mask_token_id": draft_cfg.mask_token_id, "params": int(params),
                          "stored": f"{recipe.shape.bits}-bit matrices (groups of {GROUP_SIZE}), bf16 norms"
                          if recipe.shape.bits else "bf16",
-                         "frozen": "the target's embedding and (tied) lm_head"},
+                         "frozen": "the target's embedding and (tied) lm_head"}
+                        | ({"variant": "DFlash2", "conv_kernel": draft_cfg.conv_kernel_size,
+                            "conv_group": draft_cfg.conv_group_size, "selector_rank": draft_cfg.selector_rank,
+                            "selector_top_k": draft_cfg.selector_top_k,
+                            "loss": "block cross-entropy plus the selector's over each row's top-k (gold injected)"}
+                           if draft_cfg.is_dflash2 else {}),
         "training": {"steps": trained.steps_done, "steps_planned": trained.steps_planned,
                      "seconds": round(trained.seconds, 1), "time_budget_s": budget,
                      "blocks_per_step": recipe.batch * recipe.anchors, "loss_curve": trained.curve},

@@ -1,4 +1,4 @@
-"""The DFlash v1 drafter as training runs it: many blocks of one sequence in one pass.
+"""The DFlash v1 and DFlash2 drafters as training runs them: many blocks of one sequence in one pass.
 
 It computes what the engine's drafter (dflash_bench/engine/drafters/dflash.py) computes, laid out
 for training. There, a stream's context is the fused rows of the tokens before its last token L,
@@ -11,6 +11,10 @@ the context rows before its own anchor, so every block is exactly an engine prop
 - a sliding layer sees context rows within its window of the query; a full layer sees them all;
 - inside the block a layer is causal when the config says so (sliding layers, without `is_causal`);
 - rows 1..B-1 -> norm -> the target's (frozen, shared) lm_head.
+
+DFlash2 (dflash_bench/engine/drafters/dflash2.py) adds a grouped dynamic causal conv on each
+sublayer's input and output (block-local: blocks are contiguous rows here, so a shift along the
+block axis is the engine's shift) and the candidate selector, whose walk `drafts` replays.
 
 The parameters carry the published tensor names, so export is a rename-free save (tests/test_train_smoke.py
 checks the engine reads the export and proposes what this module proposes).
@@ -49,14 +53,20 @@ class Shape:
     mask_token_id: int
     layer_types: tuple[str, ...] = ()  # default: all sliding but the last, which is full
     bits: int = 0  # storage: 0 for bf16, else matrices in mlx-lm's affine layout (groups of GROUP_SIZE)
+    variant: str = "dflash"  # or "dflash2": the fields below then shape its convs and selector
+    conv_kernel: int = 2
+    conv_group: int = 64
+    selector_rank: int = 8
+    selector_top_k: int = 16
 
     def kinds(self) -> list[str]:
         return list(self.layer_types) or ["sliding_attention"] * (self.layers - 1) + ["full_attention"]
 
 
 def drafter_config(shape: Shape, target: TargetConfig, eps: float = 1e-6) -> dict:
-    """config.json in the z-lab layout (keys as z-lab/Qwen3.5-4B-DFlash publishes them)."""
-    return {
+    """config.json in the z-lab layout (keys as z-lab/Qwen3.5-4B-DFlash and z-lab's Qwen3.8-27B-DFlash2
+    publish them)."""
+    config = {
         "architectures": ["DFlashDraftModel"], "attention_bias": False, "attention_dropout": 0.0,
         "auto_map": {"AutoModel": "dflash.DFlashDraftModel"}, "bos_token_id": None,
         "dflash_config": {
@@ -72,6 +82,13 @@ def drafter_config(shape: Shape, target: TargetConfig, eps: float = 1e-6) -> dic
         "sliding_window": shape.window, "tie_word_embeddings": True, "use_cache": True,
         "use_sliding_window": True, "vocab_size": target.vocab_size,
     } | ({"quantization": {"group_size": GROUP_SIZE, "bits": shape.bits}} if shape.bits else {})
+    if shape.variant == "dflash2":  # the published DFlash2 head: no auto_map, is_causal false
+        del config["auto_map"]
+        config["architectures"] = ["DFlash2DraftModel"]
+        config["is_causal"] = False
+        config["dflash_config"] |= {"conv_kernel_size": shape.conv_kernel, "conv_group_size": shape.conv_group,
+                                    "selector_rank": shape.selector_rank, "selector_top_k": shape.selector_top_k}
+    return config
 
 
 class Attention(nn.Module):
@@ -98,6 +115,60 @@ class MLP(nn.Module):
         return self.down_proj(mx.sigmoid(g) * g * self.up_proj(x))
 
 
+class Conv(nn.Module):
+    """DFlash2's grouped dynamic causal conv around one sublayer: `prepare` convolves the sublayer's
+    normed input (base kernel 0 plus the first half of the dynamic kernel projected from that input)
+    and returns the second half, with which `convolve` then mixes the sublayer's output (base kernel 1).
+    It starts as the identity (tap 0 one, the rest zero, the projection zero)."""
+
+    def __init__(self, c: DraftConfig):
+        super().__init__()
+        self.kernel, self.group = c.conv_kernel_size, c.conv_group_size
+        self.groups = c.hidden_size // self.group
+        base = mx.zeros((2, self.kernel, c.hidden_size))
+        base[:, 0] = 1.0
+        self.base_kernel = base
+        self.kernel_projection = nn.Linear(c.hidden_size, self.groups * 2 * self.kernel, bias=False)
+        self.kernel_projection.weight = mx.zeros_like(self.kernel_projection.weight)
+
+    def prepare(self, x: mx.array, block: int) -> tuple[mx.array, mx.array]:
+        s, rows, _ = x.shape
+        dynamic = self.kernel_projection(x).reshape(s, rows // block, block, 2, self.kernel, self.groups)
+        return self.convolve(x, dynamic[:, :, :, 0], 0, block), dynamic[:, :, :, 1]
+
+    def convolve(self, x: mx.array, dynamic: mx.array, which: int, block: int) -> mx.array:
+        """Row t of each block: sum over taps o of (base[which][o] + dynamic[t][o]) * row t - o of
+        the same block (zero before its first row)."""
+        s, rows, hidden = x.shape
+        values = x.reshape(s, rows // block, block, self.groups, self.group)
+        out = mx.zeros_like(values)
+        for o in range(self.kernel):
+            shifted = values if o == 0 else mx.pad(values[:, :, :-o], [(0, 0), (0, 0), (o, 0), (0, 0), (0, 0)])
+            out = out + self.base_kernel[which, o].reshape(self.groups, self.group) * shifted
+            out = out + dynamic[:, :, :, o, :, None] * shifted
+        return out.reshape(s, rows, hidden)
+
+
+class CandidateSelector(nn.Module):
+    """DFlash2's pairwise term: predecessor codebook row of the previous token, times the position's
+    projected hidden row, times each candidate's successor codebook row, summed over the rank. It
+    starts at zero (the hidden projection zero; the codebooks random, so its gradient is not)."""
+
+    def __init__(self, c: DraftConfig):
+        super().__init__()
+        self.top_k = c.selector_top_k
+        self.hidden_projection = nn.Linear(c.hidden_size, c.selector_rank, bias=False)
+        self.hidden_projection.weight = mx.zeros_like(self.hidden_projection.weight)
+        self.predecessor_codebook = mx.zeros((c.vocab_size, c.selector_rank))
+        self.successor_codebook = mx.zeros((c.vocab_size, c.selector_rank))
+
+    def pairwise(self, hidden: mx.array, previous: mx.array, candidates: mx.array) -> mx.array:
+        """hidden (..., hidden), previous (...), candidates (..., k) -> (..., k), in float32."""
+        projected = self.hidden_projection(hidden).astype(mx.float32)
+        before = self.predecessor_codebook[previous].astype(mx.float32)
+        return ((before * projected)[..., None, :] * self.successor_codebook[candidates].astype(mx.float32)).sum(-1)
+
+
 class Layer(nn.Module):
     def __init__(self, c: DraftConfig):
         super().__init__()
@@ -105,6 +176,17 @@ class Layer(nn.Module):
         self.mlp = MLP(c)
         self.input_layernorm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        if c.is_dflash2:
+            self.attention_conv = Conv(c)
+            self.mlp_conv = Conv(c)
+
+    def sublayer(self, conv: str, x: mx.array, block: int, fn) -> mx.array:
+        """fn over the normed rows x, between the layer's two convs when it has them (DFlash2)."""
+        if "attention_conv" not in self:
+            return fn(x)
+        c: Conv = self[conv]
+        x, dynamic = c.prepare(x, block)
+        return c.convolve(fn(x), dynamic, 1, block)
 
 
 class Drafter(nn.Module):
@@ -117,13 +199,21 @@ class Drafter(nn.Module):
         self.hidden_norm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.norm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.layers = [Layer(c) for _ in range(c.num_layers)]
+        if c.is_dflash2:
+            self.candidate_selector = CandidateSelector(c)
 
     def init(self, seed: int, std: float = 0.02) -> None:
-        """Projections ~N(0, std) (the published initializer_range), norms at one."""
+        """Projections ~N(0, std) (the published initializer_range), norms at one; DFlash2's convs
+        as the identity and its pairwise term zero (codebooks ~N(0, 1)), so a fresh DFlash2 body
+        drafts what a v1 body with the same weights drafts."""
         params = dict(tree_flatten(self.parameters()))
         keys = mx.random.split(mx.random.key(seed), len(params))
         for key, (name, w) in zip(keys, sorted(params.items())):
-            if w.ndim == 2:
+            if name.endswith("codebook"):
+                params[name] = mx.random.normal(w.shape, key=key)
+            elif name.endswith("kernel_projection.weight") or name.endswith("hidden_projection.weight"):
+                params[name] = mx.zeros_like(w)
+            elif w.ndim == 2:
                 params[name] = std * mx.random.normal(w.shape, key=key)
         self.load_weights(list(params.items()))
 
@@ -159,18 +249,21 @@ class Drafter(nn.Module):
 
         for layer, kind, causal in zip(self.layers, c.layer_types, c.causal):
             a = layer.self_attn
-            x = layer.input_layernorm(h)
-            q = block_heads(a.q_proj(x), heads, a.q_norm)
-            k = block_heads(a.k_proj(x), kv, a.k_norm)
-            v = block_heads(a.v_proj(x), kv, None)
-            kc = self._rope(a.k_norm(a.k_proj(ctx).reshape(s, t, kv, d)).transpose(0, 2, 1, 3), 0)
-            vc = a.v_proj(ctx).reshape(s, t, kv, d).transpose(0, 2, 1, 3)
-            o = mx.fast.scaled_dot_product_attention(
-                q, mx.concatenate([kc, k], axis=2), mx.concatenate([vc, v], axis=2),
-                scale=d**-0.5, mask=masks[(kind, causal)],
-            )
-            h = h + a.o_proj(o.transpose(0, 2, 1, 3).reshape(s, n * b, heads * d))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+
+            def attend(x: mx.array) -> mx.array:
+                q = block_heads(a.q_proj(x), heads, a.q_norm)
+                k = block_heads(a.k_proj(x), kv, a.k_norm)
+                v = block_heads(a.v_proj(x), kv, None)
+                kc = self._rope(a.k_norm(a.k_proj(ctx).reshape(s, t, kv, d)).transpose(0, 2, 1, 3), 0)
+                vc = a.v_proj(ctx).reshape(s, t, kv, d).transpose(0, 2, 1, 3)
+                o = mx.fast.scaled_dot_product_attention(
+                    q, mx.concatenate([kc, k], axis=2), mx.concatenate([vc, v], axis=2),
+                    scale=d**-0.5, mask=masks[(kind, causal)],
+                )
+                return a.o_proj(o.transpose(0, 2, 1, 3).reshape(s, n * b, heads * d))
+
+            h = h + layer.sublayer("attention_conv", layer.input_layernorm(h), b, attend)
+            h = h + layer.sublayer("mlp_conv", layer.post_attention_layernorm(h), b, layer.mlp)
         return self.norm(h).reshape(s, n, b, -1)
 
     def logits(self, hidden: mx.array, head: mx.array) -> mx.array:
@@ -182,6 +275,22 @@ class Drafter(nn.Module):
         if c.final_logit_softcapping:
             out = mx.tanh(out / c.final_logit_softcapping) * c.final_logit_softcapping
         return out
+
+
+    def drafts(self, hidden: mx.array, logits: mx.array, first: mx.array) -> mx.array:
+        """Greedy drafts of rows 1..B-1 (S, N, B-1): v1 each row's argmax; DFlash2 the selector's walk
+        over each row's top-k from the block's first token (`first` (S, N)), as the engine walks it."""
+        if not self.config.is_dflash2:
+            return mx.argmax(logits, axis=-1)
+        sel: CandidateSelector = self.candidate_selector
+        candidates = mx.argpartition(logits, -sel.top_k, axis=-1)[..., -sel.top_k :]
+        unary = mx.take_along_axis(logits, candidates, axis=-1).astype(mx.float32)
+        previous, picks = first, []
+        for j in range(logits.shape[2]):
+            scores = unary[:, :, j] + sel.pairwise(hidden[:, :, j + 1], previous, candidates[:, :, j])
+            previous = mx.take_along_axis(candidates[:, :, j], mx.argmax(scores, axis=-1)[..., None], axis=-1)[..., 0]
+            picks.append(previous)
+        return mx.stack(picks, axis=-1)
 
 
 def block_mask(anchors: mx.array, context: int, block: int, window: int | None, causal: bool) -> mx.array:
@@ -261,6 +370,8 @@ def start_from(model: Drafter, config: dict, source: Path) -> str:
     if not differs - {"quantization"}:
         model.load_weights(list(weights.items()))
         return "same architecture"
+    if model.config.is_dflash2 and "DFlashDraftModel" in theirs.get("architectures", []):
+        return _v1_into_dflash2(model, config, theirs, weights, source)
     have, want = theirs["num_hidden_layers"], config["num_hidden_layers"]
     kinds, their_kinds = config["layer_types"], theirs["layer_types"]
     placed = list(range(have - 1)) + [want - 1]
@@ -279,3 +390,24 @@ def start_from(model: Drafter, config: dict, source: Path) -> str:
         layer.mlp.down_proj.weight = mx.zeros_like(layer.mlp.down_proj.weight)
     model.load_weights(list(moved.items()), strict=False)
     return f"grown from {have} to {want} layers: source layers -> {placed}, the others start as the identity"
+
+
+DFLASH2_OWN = {"architectures", "auto_map", "is_causal", "dflash_config", "layer_types", "sliding_window",
+               "quantization", "transformers_version", "pad_token_id"}
+
+
+def _v1_into_dflash2(model: Drafter, config: dict, theirs: dict, weights: dict[str, mx.array], source: Path) -> str:
+    """A v1 drafter's body into a DFlash2 one of the same dimensions: its tensors keep their names,
+    the convs stay the identity and the pairwise term zero (Drafter.init), so the new drafter starts
+    from the v1 drafter's function, changed only where DFlash2's layout differs (every layer sliding
+    and bidirectional inside the block)."""
+    differs = {k for k in set(config) | set(theirs) if config.get(k) != theirs.get(k)} - DFLASH2_OWN
+    ours_d, theirs_d = config["dflash_config"], theirs["dflash_config"]
+    differs |= {f"dflash_config.{k}" for k in ("block_size", "mask_token_id", "target_layer_ids")
+                if ours_d.get(k) != theirs_d.get(k)}
+    if differs:
+        raise ValueError(f"--init {source}: a v1 drafter becomes a DFlash2 one only at the same dimensions; "
+                         f"it differs in {sorted(differs)}")
+    model.load_weights(list(weights.items()), strict=False)
+    return (f"DFlash2 from the v1 drafter {source}: its {len(weights)} tensors as they are; convs the identity, "
+            f"the selector's pairwise term zero; every layer sliding ({config['sliding_window']}) and bidirectional")

@@ -62,6 +62,18 @@ SMOLLM2 = Recipe(
     logits_dtype="bfloat16",
 )
 
+# DFlash2 for SmolLM2-135M, grown from the shipped v1 drafter (model.start_from): the same body, every
+# layer sliding over 2,048 rows and bidirectional inside the block (the published DFlash2 layout), a
+# kernel-2 conv on 9 groups of 64 channels around each sublayer, and a rank-8 selector over each row's
+# top 16. Its bare codebooks (2 x 49,152 x 8, bf16: 1.6 MB) and conv projections (36 x 576 each) fit
+# beside the 14.0 MB body under the 16 MB budget; the published rank 256 and groups of 16 would not.
+SMOLLM2_DFLASH2 = replace(
+    SMOLLM2,
+    shape=replace(SMOLLM2.shape, variant="dflash2", layer_types=("sliding_attention",) * 5, window=2048,
+                  conv_kernel=2, conv_group=64, selector_rank=8, selector_top_k=16),
+    lr=2e-4,
+)
+
 # The fixture target (tiny llama, 6 layers of hidden 64, vocab 512, <|mask|> = 3): seconds on a CPU.
 SMOKE = Recipe(
     shape=Shape(taps=(1, 3, 5), block=8, layers=2, heads=4, kv_heads=2, head_dim=16, intermediate=64,
@@ -70,7 +82,14 @@ SMOKE = Recipe(
     steps=8, batch=4, anchors=4, gen_batch=6, tap_batch=4, tap_chunk=6, warmup=2, lr=3e-3,
 )
 
-RECIPES = {"smollm2": SMOLLM2, "smoke": SMOKE}
+# DFlash2 on the fixture target: five taps (the engine runs DFlash2 with exactly five), every layer sliding.
+SMOKE_DFLASH2 = replace(
+    SMOKE,
+    shape=replace(SMOKE.shape, taps=(1, 2, 3, 4, 5), layer_types=("sliding_attention",) * 2, variant="dflash2",
+                  conv_kernel=2, conv_group=16, selector_rank=4, selector_top_k=4),
+)
+
+RECIPES = {"smollm2": SMOLLM2, "smollm2-dflash2": SMOLLM2_DFLASH2, "smoke": SMOKE, "smoke-dflash2": SMOKE_DFLASH2}
 
 
 def with_overrides(recipe: Recipe, layers: int | None = None, bits: int | None = None, **changes) -> Recipe:
@@ -79,7 +98,8 @@ def with_overrides(recipe: Recipe, layers: int | None = None, bits: int | None =
     layer count takes the default layer kinds: all sliding but the last."""
     shape = recipe.shape
     if layers is not None:
-        shape = replace(shape, layers=layers, layer_types=())
+        kinds = ("sliding_attention",) * layers if shape.variant == "dflash2" else ()  # DFlash2: all sliding
+        shape = replace(shape, layers=layers, layer_types=kinds)
     if bits is not None:
         shape = replace(shape, bits=bits)
     return replace(recipe, shape=shape, **{k: v for k, v in changes.items() if v is not None})

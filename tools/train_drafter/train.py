@@ -1,9 +1,10 @@
-"""The DFlash v1 recipe: random anchors in the target's replies, weighted block loss, AdamW.
+"""The DFlash recipe: random anchors in the target's replies, weighted block loss, AdamW.
 
 Each step draws sequences, and in each sequence random anchor positions inside the reply. Block
 row j (1..B-1) of the block at anchor a is trained to predict the target's token at a + j, with
 weight exp(-(j - 1) / gamma): an early row matters more, since a draft is only kept when every row
-before it was. The embedding and lm_head are the target's and stay frozen.
+before it was. The embedding and lm_head are the target's and stay frozen. A DFlash2 drafter adds
+its selector's loss to each row's (`selector_loss`).
 
 Held-out evaluation replays decoding: for every reply position a of a held-out greedy sequence,
 `accepted[a]` is how many of the block's drafts match the reply from a + 1 on; walking rounds
@@ -74,7 +75,28 @@ def block_loss(model: Drafter, taps, tokens, targets, anchors, length, embed, he
     logits = model.logits(hidden.astype(head.dtype), head).astype(mx.float32)
     labels, weights = labels_and_weights(targets, anchors, length, model.config.block_size, gamma)
     ce = nn.losses.cross_entropy(logits, labels, reduction="none")
+    if model.config.is_dflash2:
+        previous = mx.concatenate([mx.take_along_axis(tokens, anchors, axis=1)[..., None], labels[..., :-1]], axis=-1)
+        ce = ce + selector_loss(model, hidden[:, :, 1:], logits, labels, previous)
     return (ce * weights).sum() / mx.maximum(weights.sum(), 1e-6)
+
+
+def selector_loss(model: Drafter, hidden: mx.array, logits: mx.array, labels: mx.array, previous: mx.array) -> mx.array:
+    """DFlash2's selector loss per block row: cross-entropy over the row's top-k candidates (the gold
+    token put in place of the weakest when it is missing), scored as the engine's walk scores them
+    (unary logit plus the pairwise term), with the previous row's gold token as the predecessor:
+    the walk's state whenever every earlier draft was kept, the only case in which the row counts."""
+    k = model.config.selector_top_k
+    candidates = mx.stop_gradient(mx.argpartition(logits, -k, axis=-1)[..., -k:])
+    found = candidates == labels[..., None]
+    weakest = mx.argmin(mx.take_along_axis(logits, candidates, axis=-1), axis=-1, keepdims=True)
+    swap = ~found.any(axis=-1, keepdims=True) & (mx.arange(k) == weakest)
+    candidates = mx.stop_gradient(mx.where(swap, labels[..., None], candidates))  # indices: no gradient
+    previous = mx.stop_gradient(previous)
+    scores = mx.take_along_axis(logits, candidates, axis=-1)
+    scores = scores + model.candidate_selector.pairwise(hidden, previous, candidates)
+    gold = mx.argmax(candidates == labels[..., None], axis=-1)
+    return nn.losses.cross_entropy(scores, gold, reduction="none")
 
 
 def train(model: Drafter, target: TrainTarget, store: TapStore, s: Schedule, log=print, checkpoint=None) -> TrainLog:
@@ -143,7 +165,8 @@ def accepted_lengths(model: Drafter, target: TrainTarget, taps: mx.array, tokens
     for i in range(0, len(anchors), chunk):
         part = anchors[i : i + chunk]
         a = mx.array(np.pad(part, (0, chunk - len(part)), mode="edge")[None].astype(np.int32))
-        drafts = mx.argmax(model.logits(model(taps, tokens, a, target.embed), target.head), axis=-1)
+        hidden = model(taps, tokens, a, target.embed)
+        drafts = model.drafts(hidden, model.logits(hidden, target.head), mx.take_along_axis(tokens, a, axis=1))
         labels, weights = labels_and_weights(targets, a, mx.array([length]), block, 1.0)
         match = (drafts == labels) & (weights > 0)
         run = mx.cumprod(match.astype(mx.int32), axis=-1).sum(axis=-1)
