@@ -10,7 +10,8 @@ mx.synchronize), so the per-op figures include one launch's overhead each, as th
 - per distinct projection weight: `tiles.linear` at 16 rows (the engine's decode tile) and the same
   product at 1 row (what a one-token step of mlx-lm multiplies);
 - one attention layer's decode attention (`tiles.attention`) at 1 and 16 query rows;
-- qwen3_5's recurrence (`gated_delta_ops`) at 1 and 16 rows;
+- qwen3_5's decode recurrence, the one the layer runs here (`GatedDeltaNet.recurrence`: the CUDA
+  kernel on a CUDA GPU, `gated_delta_ops` elsewhere), at 1 and 16 rows and for 4 streams of 16;
 - mlx-lm's own model on the same files, one token after a `--context`-token prompt (its cache grows
   by one key a call), for qwen3_5, qwen3 and llama checkpoint folders.
 """
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import dflash_bench  # noqa: F401  (loads the BLAS before mlx.core)
 import mlx.core as mx
-from mlx_lm.models.gated_delta import compute_g, gated_delta_ops
+from mlx_lm.models.gated_delta import compute_g
 
 from dflash_bench.engine import backend as backends
 from dflash_bench.engine import selfcheck
@@ -34,7 +35,7 @@ from dflash_bench.engine.checkpoint import load_target
 from dflash_bench.engine.targets import build_target
 from dflash_bench.engine.targets.base import Segment, Target
 from dflash_bench.engine.targets.dense import SelfAttention
-from dflash_bench.engine.targets.qwen3_5 import GatedDeltaNet
+from dflash_bench.engine.targets.qwen3_5 import RECURRENCES, GatedDeltaNet
 from dflash_bench.engine.tiles import ROW_TILE, attention, key_mask, linear, pad_queries, query_positions
 
 REPS, WARM = 10, 3
@@ -98,16 +99,18 @@ def attention_ms(a: SelfAttention, context: int, dtype: mx.Dtype) -> dict[str, f
     return out
 
 
-def recurrence_ms(m: GatedDeltaNet) -> dict[str, float]:
-    out = {}
+def recurrence_ms(m: GatedDeltaNet) -> dict[str, float | str]:
+    def window(rows: int) -> tuple[mx.array, ...]:
+        return (mx.random.normal((rows, m.hk, m.dk)), mx.random.normal((rows, m.hk, m.dk)),
+                mx.random.normal((rows, m.hv, m.dv)), compute_g(m.A_log, mx.random.normal((rows, m.hv)), m.dt_bias),
+                mx.sigmoid(mx.random.normal((rows, m.hv))), mx.zeros((m.hv, m.dv, m.dk)))
+
+    run, out = RECURRENCES[m.recurrence], {"recurrence": m.recurrence}
     for rows in (1, 16):
-        q = mx.random.normal((1, rows, m.hk, m.dk))
-        k = mx.random.normal((1, rows, m.hk, m.dk))
-        v = mx.random.normal((1, rows, m.hv, m.dv))
-        g = compute_g(m.A_log, mx.random.normal((1, rows, m.hv)), m.dt_bias)
-        beta = mx.sigmoid(mx.random.normal((1, rows, m.hv)))
-        state = mx.zeros((1, m.hv, m.dv, m.dk))
-        out[f"{rows} rows"] = timed(lambda: gated_delta_ops(q, k, v, g, beta, state))
+        one = [window(rows)]
+        out[f"{rows} rows"] = timed(lambda: [a for pair in run(one) for a in pair])
+    four = [window(16) for _ in range(4)]
+    out["4 streams of 16 rows"] = timed(lambda: [a for pair in run(four) for a in pair])
     return out
 
 

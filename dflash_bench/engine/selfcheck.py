@@ -13,7 +13,9 @@ target, on the device and dtype that will serve:
   fail by being non-deterministic;
 - decode attention, per attention shape: a 16-row window whose positions cross a key tile equals
   the same queries fed one at a time; the tiled path first, else the elementwise one (tiles.py);
-- qwen3_5's conv and recurrence, per shape: a window equals single rows (no other path exists);
+- qwen3_5's conv and decode recurrence, per shape: a window equals single rows, in the recurrence
+  the layers run on this device (qwen3_5.py's `decode_recurrence`: the CUDA kernel on a CUDA GPU,
+  mlx-lm's `gated_delta_ops` elsewhere; no other path is tried);
 - the model itself with those choices: a window of 16 tokens equals 16 single steps (logits and
   the state after keeping all of it, or part of it), and a window packed beside another stream's
   step equals each alone.
@@ -36,13 +38,13 @@ from pathlib import Path
 from typing import Callable, TypeVar
 
 import mlx.core as mx
-from mlx_lm.models.gated_delta import compute_g, gated_delta_ops
+from mlx_lm.models.gated_delta import compute_g
 
 from dflash_bench.engine import blas
 from dflash_bench.engine.cache import TargetState, tiles_for
 from dflash_bench.engine.targets.base import Segment, Target
 from dflash_bench.engine.targets.dense import SelfAttention
-from dflash_bench.engine.targets.qwen3_5 import GatedDeltaNet
+from dflash_bench.engine.targets.qwen3_5 import RECURRENCES, GatedDeltaNet
 from dflash_bench.engine.tiles import (
     KEY_TILE, ROW_TILE, AttentionPath, Weight, attention, key_mask, pad_queries, query_positions, row_tile,
 )
@@ -126,10 +128,10 @@ def _cpu_signature() -> str:
 def _code_hash() -> str:
     """The sources whose arithmetic the verdict is about: a change to any of them re-runs the check."""
     from dflash_bench.engine import cache, tiles
-    from dflash_bench.engine.targets import base, dense, qwen3_5
+    from dflash_bench.engine.targets import base, delta_kernel, dense, qwen3_5
 
     h = hashlib.sha256()
-    for module in (tiles, cache, base, dense, qwen3_5):
+    for module in (tiles, cache, base, dense, qwen3_5, delta_kernel):
         h.update(Path(module.__file__).read_bytes())
     h.update(Path(__file__).read_bytes())
     return h.hexdigest()[:16]
@@ -156,7 +158,8 @@ def attention_key(a: SelfAttention) -> str:
 
 
 def recurrence_key(m: GatedDeltaNet) -> str:
-    return f"{m.hk}/{m.hv} heads of {m.dk}/{m.dv}, conv {m.kernel}x{m.conv_dim}"
+    """The shapes and the decode recurrence the layer runs: a layer that changes path is proven again."""
+    return f"{m.hk}/{m.hv} heads of {m.dk}/{m.dv}, conv {m.kernel}x{m.conv_dim}, {m.recurrence}"
 
 
 def shapes(target: Target) -> dict:
@@ -227,7 +230,8 @@ def attention_fault(a: SelfAttention, dtype: mx.Dtype, path: AttentionPath, seed
 
 
 def recurrence_fault(m: GatedDeltaNet, seed: int = 0) -> str | None:
-    """qwen3_5's conv and gated delta rule over a WINDOW-row window beside the same rows one at a time."""
+    """qwen3_5's conv and the layer's own decode recurrence (`m.recurrence`) over a WINDOW-row window
+    beside the same rows one at a time."""
     span = m.kernel - 1
     inputs = _rand((span + WINDOW, m.conv_dim), seed, mx.float32)
     q, k, v = m.mix(inputs, WINDOW)
@@ -236,18 +240,18 @@ def recurrence_fault(m: GatedDeltaNet, seed: int = 0) -> str | None:
                 if not all(mx.array_equal(a[t : t + 1], b).item() for a, b in ((q, qs), (k, ks), (v, vs)))]
     if conv_bad:
         return f"conv rows {conv_bad[:4]} differ from single rows"
+    recurrence = RECURRENCES[m.recurrence]
     g = compute_g(m.A_log, _rand((WINDOW, m.hv), seed + 1, mx.float32), m.dt_bias)
     beta = mx.sigmoid(_rand((WINDOW, m.hv), seed + 2, mx.float32))
-    state0 = _rand((1, m.hv, m.dv, m.dk), seed + 3, mx.float32) * 0.1
-    y, state = gated_delta_ops(q[None], k[None], v[None], g[None], beta[None], state0)
+    state0 = _rand((m.hv, m.dv, m.dk), seed + 3, mx.float32) * 0.1
+    [(y, state)] = recurrence([(q, k, v, g, beta, state0)])
     ys, s = [], state0
     for t in range(WINDOW):
-        yt, s = gated_delta_ops(q[None, t : t + 1], k[None, t : t + 1], v[None, t : t + 1], g[None, t : t + 1],
-                                beta[None, t : t + 1], s)
+        [(yt, s)] = recurrence([(q[t : t + 1], k[t : t + 1], v[t : t + 1], g[t : t + 1], beta[t : t + 1], s)])
         ys.append(yt)
-    steps = mx.concatenate(ys, axis=1)
+    steps = mx.concatenate(ys)
     mx.eval(y, steps, state, s)
-    if bad := _differing(y[0], steps[0]):
+    if bad := _differing(y, steps):
         return f"recurrence rows {bad[:4]} differ from single rows"
     if not mx.array_equal(state, s).item():
         return "the state after a window differs from the state after single rows"
@@ -344,7 +348,7 @@ def _run(target: Target, key: str, mach: dict) -> Verdict:
             chosen_paths[akey] = path
     for rkey, m in sorted({recurrence_key(m): m for m in mixers if isinstance(m, GatedDeltaNet)}.items()):
         fault = recurrence_fault(m)
-        paths.append(PathResult(f"recurrence {rkey}", fault is None, "per-row loop" if fault is None else "", fault or ""))
+        paths.append(PathResult(f"recurrence {rkey}", fault is None, m.recurrence if fault is None else "", fault or ""))
     verdict = Verdict(passed=False, paths=paths, tiles=tiles, attention=chosen_paths, seconds=0.0, machine=mach, key=key)
     apply(target, verdict)
     faults = model_faults(target)

@@ -2,13 +2,18 @@
 
 Three of every four layers are GatedDeltaNet (a depthwise causal conv, then a gated delta-rule
 recurrence over a (Hv, Dv, Dk) state); the rest are full attention with a sigmoid output gate
-(`SelfAttention(gated=True)`). Projections run over the packed rows in fixed tiles; the conv and
-the recurrence run per segment, so a row's result depends only on its own stream's rows:
+(`SelfAttention(gated=True)`). Projections run over the packed rows in fixed tiles; the conv runs per
+segment and the recurrence per segment or, on a CUDA GPU, every decode segment in one launch, so a
+row's result depends only on its own stream's rows:
 
 - the conv is written with elementwise products and sums in a fixed order (`mx.conv1d` may choose
   its algorithm by length, so a window's rows could differ from the same rows fed one at a time);
-- a decode window's recurrence is mlx-lm's `gated_delta_ops`, a loop of the same compiled one-row
-  step, so n rows at once are bit-equal to n single rows by construction on every backend;
+- a decode window's recurrence (`RECURRENCES`) is, on a CUDA GPU, our kernel (delta_kernel.py): it
+  walks each segment's rows in order doing one step's arithmetic per row, every segment of the
+  forward in one launch; elsewhere it is mlx-lm's `gated_delta_ops`, a loop of the same compiled
+  one-row step, a call per segment. Either way n rows at once are bit-equal to n single rows by
+  construction. The two differ in the last bits, so a layer picks one when it is built
+  (`decode_recurrence`) and its rollback (`redo_fn`) runs the same one;
 - a prompt chunk's (a prefill segment, base.py) is the chunkwise-parallel form (chunked_delta.py):
   sub-chunks at fixed offsets from the chunk's start, a few dozen batched ops per chunk, so its rows
   are a deterministic function of the chunk, which is all a prompt row needs. It replaced
@@ -24,11 +29,14 @@ conv_dim floats per linear layer); a prompt chunk is always kept whole, so it le
 
 from __future__ import annotations
 
+from typing import Callable
+
 import mlx.core as mx
 from mlx_lm.models.gated_delta import compute_g, gated_delta_ops, normalize_qk
 
 from dflash_bench.engine.cache import AttentionCache, LinearCache, TargetState
 from dflash_bench.engine.target_config import TargetConfig
+from dflash_bench.engine.targets import delta_kernel
 from dflash_bench.engine.targets.base import Segment, Target, as_weight
 from dflash_bench.engine.targets.chunked_delta import chunked_gated_delta, log_gate
 from dflash_bench.engine.targets.dense import SelfAttention
@@ -39,8 +47,35 @@ def silu(x: mx.array) -> mx.array:
     return x * mx.sigmoid(x)
 
 
+def per_window_ops(windows: list[delta_kernel.Window]) -> list[tuple[mx.array, mx.array]]:
+    """mlx-lm's `gated_delta_ops`, one call per window: each window's (y, state after its last row)."""
+    outs = []
+    for q, k, v, g, beta, state in windows:
+        y, state = gated_delta_ops(q[None], k[None], v[None], g[None], beta[None], state[None])
+        outs.append((y[0], state[0]))
+    return outs
+
+
+# The decode recurrences by name (a layer's `recurrence`, and the self-check's key): each takes the
+# windows of a forward's decode segments and returns each one's (y, new state).
+RECURRENCES: dict[str, Callable[[list[delta_kernel.Window]], list[tuple[mx.array, mx.array]]]] = {
+    "gated_delta_ops": per_window_ops,
+    "delta_kernel": delta_kernel.delta_windows,
+}
+
+
+def decode_recurrence(heads: tuple[int, int, int, int], device: mx.Device, cuda: bool) -> str:
+    """The decode recurrence a layer of `heads` (Hk, Hv, Dk, Dv) runs when MLX computes on `device`:
+    the CUDA kernel on a GPU of a CUDA build (`cuda`: `mx.cuda.is_available()`) when its launch covers
+    the heads, mlx-lm's `gated_delta_ops` everywhere else (a CPU, a Metal GPU)."""
+    if device.type == mx.DeviceType.gpu and cuda and delta_kernel.fits(*heads):
+        return "delta_kernel"
+    return "gated_delta_ops"
+
+
 class GatedDeltaNet:
-    """One linear-attention layer: packed projections, then conv and recurrence per segment."""
+    """One linear-attention layer: packed projections, the conv per segment, then the recurrence (a
+    prompt chunk's alone, the decode segments' together: `recurrence`)."""
 
     def __init__(self, config: TargetConfig, weights: dict, prefix: str, dtype: mx.Dtype = mx.float32):
         lin = config.linear
@@ -60,6 +95,8 @@ class GatedDeltaNet:
         self.A_log = weights[f"{prefix}.A_log"]
         self.norm = weights[f"{prefix}.norm.weight"]
         self.eps = config.rms_norm_eps
+        heads = (self.hk, self.hv, self.dk, self.dv)
+        self.recurrence = decode_recurrence(heads, mx.default_device(), mx.cuda.is_available())
 
     @property
     def projections(self) -> tuple[Weight, ...]:
@@ -74,27 +111,34 @@ class GatedDeltaNet:
     def __call__(self, x: mx.array, segments: list[Segment], layout: Layout, layer: int) -> mx.array:
         qkv, z = linear(x, self.qkv, layout), linear(x, self.z, layout)
         b, a = linear(x, self.b, layout), linear(x, self.a, layout)
-        outs = []
-        for seg, (lo, hi) in zip(segments, layout.spans):
+        ys: list[mx.array | None] = []
+        windows: list[delta_kernel.Window] = []  # the decode segments' recurrence inputs, run together below
+        decoding: list[tuple[int, LinearCache]] = []
+        for i, (seg, (lo, hi)) in enumerate(zip(segments, layout.spans)):
             cache = seg.state.layers[layer]
             assert isinstance(cache, LinearCache)
             n = hi - lo
             inputs = mx.concatenate([cache.conv, qkv[lo:hi]])  # (kernel - 1 + n, conv_dim)
             q, k, v = self.mix(inputs, n)
             beta = mx.sigmoid(b[lo:hi])
-            if seg.prefill:
-                y, state = chunked_gated_delta(q, k, v, log_gate(self.A_log, a[lo:hi], self.dt_bias), beta, cache.state)
+            if seg.prefill:  # a prompt chunk is kept whole: no rollback record
+                log_g = log_gate(self.A_log, a[lo:hi], self.dt_bias)
+                y, cache.state = chunked_gated_delta(q, k, v, log_g, beta, cache.state)
+                cache.redo = None
             else:
-                g = compute_g(self.A_log, a[lo:hi], self.dt_bias)
-                y, state = gated_delta_ops(q[None], k[None], v[None], g[None], beta[None], cache.state[None])
-                y, state = y[0], state[0]
-            prev_conv, prev_state = cache.conv, cache.state
-            cache.conv, cache.state = mx.contiguous(inputs[n:]), state  # a copy: a view would pin the chunk
-            windowed = n > 1 and not seg.prefill  # a prompt chunk is kept whole: no rollback record
-            cache.redo = self.redo_fn(prev_conv, prev_state, inputs, a[lo:hi], b[lo:hi]) if windowed else None
+                y = None
+                windows.append((q, k, v, compute_g(self.A_log, a[lo:hi], self.dt_bias), beta, cache.state))
+                decoding.append((i, cache))
+                cache.redo = self.redo_fn(cache.conv, cache.state, inputs, a[lo:hi], b[lo:hi]) if n > 1 else None
+            ys.append(y)
+            cache.conv = mx.contiguous(inputs[n:])  # a copy: a view would pin the chunk
             cache.window_start = seg.start
             cache.length = seg.start + n
-            outs.append(self.gated_norm(y, z[lo:hi].reshape(n, self.hv, self.dv)).reshape(n, -1))
+        if windows:
+            for (i, cache), (y, state) in zip(decoding, RECURRENCES[self.recurrence](windows)):
+                ys[i], cache.state = y, state
+        outs = [self.gated_norm(y, z[lo:hi].reshape(hi - lo, self.hv, self.dv)).reshape(hi - lo, -1)
+                for y, (lo, hi) in zip(ys, layout.spans)]
         return linear(layout.pack(outs), self.out, layout)
 
     def mix(self, inputs: mx.array, n: int) -> tuple[mx.array, mx.array, mx.array]:
@@ -113,7 +157,8 @@ class GatedDeltaNet:
         """The (conv, state) after the first m rows of this window, from the state before it.
 
         It keeps the conv inputs and the gates, not q/k/v: rows 0..m-1 of the conv are recomputed
-        with the same elementwise ops, so they are the same bits at half the memory held.
+        with the same elementwise ops, so they are the same bits at half the memory held, and the
+        recurrence is the layer's own (`recurrence`), so its state is the window's after m rows.
         """
         span = self.kernel - 1
 
@@ -122,8 +167,8 @@ class GatedDeltaNet:
                 return prev_conv, prev_state
             q, k, v = self.mix(inputs[: m + span], m)
             g, beta = compute_g(self.A_log, a[:m], self.dt_bias), mx.sigmoid(b[:m])
-            _, state = gated_delta_ops(q[None], k[None], v[None], g[None], beta[None], prev_state[None])
-            return mx.contiguous(inputs[m : m + span]), state[0]
+            [(_, state)] = RECURRENCES[self.recurrence]([(q, k, v, g, beta, prev_state)])
+            return mx.contiguous(inputs[m : m + span]), state
 
         return redo
 

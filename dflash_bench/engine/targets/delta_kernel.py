@@ -1,0 +1,188 @@
+"""qwen3_5's decode-window recurrence as one CUDA kernel, row-independent by construction.
+
+What it computes: mlx-lm's `gated_delta_ops` (scalar gate per head, no mask) for several decode
+windows (one per stream) in one launch. mlx-lm's version is a Python loop of a compiled one-row step:
+on an H200 at Qwen3.5-9B's heads (16 key heads, 32 value heads of 128) it took 2.4 ms for one row
+and 2.7 ms for 16, where this kernel takes 0.2 ms for either, and 1.2 ms against 5.5 ms for four
+16-row windows, one launch against four calls (docs/gpu-round-profile.md: that loop, once per
+stream, was most of a verify window's cost there).
+
+Why a window's rows equal the same rows one at a time, bit for bit (what drafted == plain and
+rollback need, targets/base.py): every thread owns `EPL` float32 elements of one (window, value
+head, dv-row) of the state, keeps them in registers and walks its window's rows in order, doing for
+each row exactly one step of the recurrence
+
+    s = s * g;  kv = sum_dk s * k;  delta = (v - kv) * beta;  s = s + k * delta;  y = sum_dk s * q
+
+in float32 with explicit round-to-nearest intrinsics (`__fmul_rn`, `__fadd_rn`, `__fsub_rn`, so
+the compiler cannot contract a product and a sum into an FMA). Each sum over Dk has one fixed order:
+a lane adds its EPL contiguous products in ascending order from 0, then an xor butterfly over the
+LANES lanes (xor 1, 2, ..., LANES / 2) leaves the same bits in every lane. Nothing in a row's
+arithmetic depends on how many rows its window has, where the row sits in it, or which other windows
+share the launch, and the state round-trips through float32 memory exactly between launches. So a
+row gives the same y and the same state after it alone, inside a window, in a prefix of one
+(`GatedDeltaNet.redo_fn`) or beside other streams' windows. It differs from `gated_delta_ops` in the
+last bits (another summation order, about 1e-7 relative), which is why on a CUDA GPU the window path
+and the rollback both run this kernel (qwen3_5.py). tests/test_delta_kernel.py checks all of it on
+a CUDA GPU; the engine's self-check (selfcheck.py) proves it again on the machine that serves.
+
+Launch geometry: LANES = min(32, Dk) lanes per dv-row (Dk a multiple of 32, or a power of two below
+32 with 32 // Dk dv-rows sharing a warp), EPL = Dk // LANES; the grid (in threads, as MLX's
+`cuda_kernel` takes it) is (Dv * LANES, Hv, windows) and a block gcd(Dv * LANES, 256) threads, so
+there are no partial blocks or warps: no bounds check, and full-mask shuffles are valid. Inputs are
+row-contiguous: q, k (rows, Hk, Dk), v and y (rows, Hv, Dv), g and beta (rows, Hv), states
+(windows, Hv, Dv, Dk), and int32 offsets (windows + 1): window w owns rows offsets[w] .. offsets[w+1]-1.
+Value head hv reads key head hv // (Hv / Hk), what `mx.repeat(q, Hv // Hk, -2)` gives.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from itertools import accumulate
+
+import mlx.core as mx
+
+Window = tuple[mx.array, mx.array, mx.array, mx.array, mx.array, mx.array]  # q, k, v, g, beta, state
+
+_HEADER = r"""
+__device__ __forceinline__ float dw_to_f(float x) { return x; }
+__device__ __forceinline__ float dw_to_f(__half x) { return __half2float(x); }
+__device__ __forceinline__ float dw_to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T dw_from_f(float x);
+template <> __device__ __forceinline__ float dw_from_f<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half dw_from_f<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 dw_from_f<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+"""
+
+# Template constants: Dk, Dv, Hk, Hv, LANES (ints), YT (y's dtype). The source avoids the substrings
+# `_shape`, `_strides` and `_ndim`, which would make MLX add those kernel parameters.
+_SOURCE = r"""
+  constexpr int EPL = Dk / LANES;       // state elements per thread
+  constexpr int RF = Hv / Hk;           // value heads per key head (mx.repeat along heads)
+  const int seg = blockIdx.z;
+  const int hv = blockIdx.y;
+  const int t = blockIdx.x * blockDim.x + threadIdx.x;   // 0 .. Dv*LANES-1 (exact: no tail)
+  const int dv = t / LANES;
+  const int lane = t % LANES;
+  const int hk = hv / RF;
+
+  const int lo = offsets[seg];
+  const int hi = offsets[seg + 1];
+
+  const long long sbase = (((long long)seg * Hv + hv) * Dv + dv) * Dk + lane * EPL;
+  float s[EPL];
+#pragma unroll
+  for (int i = 0; i < EPL; ++i) {
+    s[i] = dw_to_f(state_in[sbase + i]);
+  }
+
+  for (int r = lo; r < hi; ++r) {
+    const long long qk = ((long long)r * Hk + hk) * Dk + lane * EPL;
+    const long long gb = (long long)r * Hv + hv;
+    const float gt = dw_to_f(g[gb]);
+    const float bt = dw_to_f(beta[gb]);
+    const float vt = dw_to_f(v[gb * Dv + dv]);
+    float kk[EPL];
+    float qq[EPL];
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+      kk[i] = dw_to_f(k[qk + i]);
+      qq[i] = dw_to_f(q[qk + i]);
+    }
+
+    // decay, then kv = state . k
+    float acc = 0.0f;
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+      s[i] = __fmul_rn(s[i], gt);
+      acc = __fadd_rn(acc, __fmul_rn(s[i], kk[i]));
+    }
+#pragma unroll
+    for (int m = 1; m < LANES; m <<= 1) {
+      acc = __fadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, m));
+    }
+    const float delta = __fmul_rn(__fsub_rn(vt, acc), bt);
+
+    // state += k * delta, then y = state . q
+    float out = 0.0f;
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+      s[i] = __fadd_rn(s[i], __fmul_rn(kk[i], delta));
+      out = __fadd_rn(out, __fmul_rn(s[i], qq[i]));
+    }
+#pragma unroll
+    for (int m = 1; m < LANES; m <<= 1) {
+      out = __fadd_rn(out, __shfl_xor_sync(0xffffffffu, out, m));
+    }
+    if (lane == 0) {
+      y[gb * Dv + dv] = dw_from_f<YT>(out);
+    }
+  }
+
+#pragma unroll
+  for (int i = 0; i < EPL; ++i) {
+    state_out[sbase + i] = s[i];
+  }
+"""
+
+
+def _lanes(dk: int) -> int | None:
+    """Lanes per dv-row: 32 for Dk a multiple of 32, Dk itself for a power of two below 32, else None."""
+    if dk >= 32:
+        return 32 if dk % 32 == 0 else None
+    return dk if dk > 0 and dk & (dk - 1) == 0 else None
+
+
+def fits(hk: int, hv: int, dk: int, dv: int) -> bool:
+    """Whether the launch covers these heads: Hv a multiple of Hk, Dk as `_lanes` takes it, and each
+    value head's Dv * LANES threads whole warps."""
+    lanes = _lanes(dk)
+    return hv % hk == 0 and lanes is not None and (dv * lanes) % 32 == 0
+
+
+@lru_cache(maxsize=1)
+def _kernel():
+    return mx.fast.cuda_kernel(
+        name="dflash_delta_window",
+        input_names=["q", "k", "v", "g", "beta", "state_in", "offsets"],
+        output_names=["y", "state_out"],
+        source=_SOURCE,
+        header=_HEADER,
+        ensure_row_contiguous=True,
+    )
+
+
+@lru_cache(maxsize=256)
+def _offsets(starts: tuple[int, ...]) -> mx.array:
+    """The kernel's copy of each window's first row and the end, made once per layout of windows."""
+    return mx.array(starts, dtype=mx.int32)
+
+
+def delta_windows(windows: list[Window]) -> list[tuple[mx.array, mx.array]]:
+    """Each window's (y, state after its last row), in one launch.
+
+    A window is (q, k, v, g, beta, state): q and k (n, Hk, Dk) normalized as mlx-lm's `normalize_qk`
+    leaves them, v (n, Hv, Dv), g and beta (n, Hv) (g from mlx-lm's `compute_g`), state (Hv, Dv, Dk),
+    n >= 1. Every window has the same heads and dtypes. y is (n, Hv, Dv) in q's dtype; the state is
+    float32."""
+    starts = (0, *accumulate(w[0].shape[0] for w in windows))
+    assert windows and all(a < b for a, b in zip(starts, starts[1:])), f"every window needs a row: {starts}"
+    q, k, v, g, beta = (mx.concatenate([w[i] for w in windows]) if len(windows) > 1 else windows[0][i]
+                        for i in range(5))
+    states = mx.stack([w[5] for w in windows])
+    (rows, hk, dk), (hv, dv) = q.shape, v.shape[1:]
+    assert fits(hk, hv, dk, dv), f"no launch for {hk}/{hv} heads of {dk}/{dv}"
+    lanes = _lanes(dk)
+    y, new_states = _kernel()(
+        inputs=[q, k, v, g, beta, states, _offsets(starts)],
+        template=[("Dk", dk), ("Dv", dv), ("Hk", hk), ("Hv", hv), ("LANES", lanes), ("YT", q.dtype)],
+        grid=(dv * lanes, hv, len(windows)),
+        threadgroup=(math.gcd(dv * lanes, 256), 1, 1),
+        output_shapes=[(rows, hv, dv), (len(windows), hv, dv, dk)],
+        output_dtypes=[q.dtype, mx.float32],
+    )
+    return [(y[a:b], new_states[i]) for i, (a, b) in enumerate(zip(starts, starts[1:]))]

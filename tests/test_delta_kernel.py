@@ -1,0 +1,205 @@
+"""qwen3_5's decode recurrence: the CUDA kernel on a CUDA GPU, mlx-lm's `gated_delta_ops` elsewhere
+(engine/targets/delta_kernel.py, qwen3_5.py's `decode_recurrence`).
+
+On any machine: a layer takes the kernel only when MLX computes on a GPU of a CUDA build and the
+kernel's launch covers its heads; every decode segment of a forward goes through the layer's
+recurrence in one call, and its rollback through the same one, which leaves for every acceptance
+length the state of the kept rows fed one at a time; the self-check proves and keys the recurrence
+the layer runs. On a CUDA GPU only (skipped elsewhere): the kernel computes what `gated_delta_ops`
+computes (1e-5 relative); a window's rows, and the state after them, are the bits of the same rows
+one at a time, and so are windows of several streams in one launch; and the Qwen3.5-9B-shaped
+fixture in gpu mode drafts exactly what it decodes plainly, alone and beside another stream.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from tiny_targets import tiny_target
+
+import mlx.core as mx
+from mlx_lm.models.gated_delta import compute_g, normalize_qk
+
+from dflash_bench.engine import selfcheck
+from dflash_bench.engine.engine import Engine, Settings
+from dflash_bench.engine.request import Request
+from dflash_bench.engine.targets import Segment
+from dflash_bench.engine.targets.delta_kernel import delta_windows
+from dflash_bench.engine.targets.qwen3_5 import RECURRENCES, GatedDeltaNet, decode_recurrence, per_window_ops
+from dflash_bench.fixtures.big import write_big
+
+ON_CUDA = mx.default_device().type == mx.DeviceType.gpu and mx.cuda.is_available()
+on_cuda = pytest.mark.skipif(not ON_CUDA, reason="the kernel runs only where MLX computes on a CUDA GPU")
+# (key heads, value heads, key dim, value dim): the tiny targets', a Dv unlike Dk, Qwen3.5-9B's
+HEADS = {"small": (2, 4, 16, 16), "smol": (2, 4, 64, 64), "dv48": (4, 4, 64, 48), "9b": (16, 32, 128, 128)}
+
+
+def linear_layers(target) -> list[GatedDeltaNet]:
+    return [m for m in target.mixer_layers() if isinstance(m, GatedDeltaNet)]
+
+
+# -- everywhere: which recurrence, and that the engine and the self-check run it ----------------------
+def test_the_kernel_is_chosen_only_where_mlx_computes_on_a_cuda_gpu() -> None:
+    cpu, gpu = mx.Device(mx.DeviceType.cpu), mx.Device(mx.DeviceType.gpu)
+    for heads in HEADS.values():
+        assert decode_recurrence(heads, gpu, cuda=True) == "delta_kernel"
+        assert decode_recurrence(heads, cpu, cuda=True) == "gated_delta_ops"  # a CUDA build told to use its CPU
+        assert decode_recurrence(heads, gpu, cuda=False) == "gated_delta_ops"  # a Metal GPU
+        assert decode_recurrence(heads, cpu, cuda=False) == "gated_delta_ops"
+    # heads the launch does not cover: Hv not a multiple of Hk, Dk of 48, Dv x Dk lanes short of a warp
+    for heads in ((3, 4, 16, 16), (2, 4, 48, 48), (2, 4, 8, 2)):
+        assert decode_recurrence(heads, gpu, cuda=True) == "gated_delta_ops", heads
+    target, _ = tiny_target("qwen3_5", "small", layers=4, seed=20)
+    assert {m.recurrence for m in linear_layers(target)} == {"delta_kernel" if ON_CUDA else "gated_delta_ops"}
+
+
+def test_every_decode_segment_and_the_rollback_go_through_the_layers_recurrence(monkeypatch) -> None:
+    """One call per layer for all decode windows of a forward (a prompt chunk takes the chunked form),
+    and `keep` of part of a window recomputes the kept rows with the same recurrence."""
+    target, _ = tiny_target("qwen3_5", "small", layers=4, seed=21)  # 3 linear layers
+    calls: list[list[int]] = []
+
+    def spy(windows):
+        calls.append([w[0].shape[0] for w in windows])
+        return per_window_ops(windows)
+
+    monkeypatch.setitem(RECURRENCES, "spy", spy)
+    for m in linear_layers(target):
+        m.recurrence = "spy"
+    window_state, step_state = target.new_state(), target.new_state()
+    for state, prompt in ((window_state, list(range(30, 50))), (step_state, list(range(60, 69)))):
+        target.forward([Segment(prompt, 0, state, prefill=True)])
+        state.keep(len(prompt))
+    assert calls == []
+    target.forward([Segment(list(range(100, 140)), 0, target.new_state(), [39], prefill=True),
+                    Segment([7, 8, 9, 10, 11], 20, window_state, list(range(5))),
+                    Segment([12], 9, step_state, [0])])
+    assert calls == [[5, 1]] * 3
+    window_state.keep(22)
+    assert calls == [[5, 1]] * 3 + [[2]] * 3
+
+
+def test_the_self_check_proves_and_keys_the_recurrence_the_layers_run(monkeypatch) -> None:
+    """A recurrence whose rows follow the window's length, run by the layers, fails the check's
+    recurrence path (so the check runs the layer's own, not a fixed one); a layer that changes
+    recurrence changes the verdict's key."""
+    target, _ = tiny_target("qwen3_5", "small", layers=2, seed=22)
+    before = selfcheck.shapes(target)["recurrence"]
+    assert all(key.endswith(m.recurrence) for key, m in zip(before, linear_layers(target)))
+
+    def skewed(windows):
+        return [(y + (w[0].shape[0] - 1) * 2**-10, s) for w, (y, s) in zip(windows, per_window_ops(windows))]
+
+    monkeypatch.setitem(RECURRENCES, "skewed", skewed)
+    for m in linear_layers(target):
+        m.recurrence = "skewed"
+    assert selfcheck.shapes(target)["recurrence"] != before
+    fault = selfcheck.recurrence_fault(linear_layers(target)[0])
+    assert fault is not None and fault.startswith("recurrence rows"), fault
+
+
+# -- on a CUDA GPU: the kernel itself ------------------------------------------------------------------
+def window(heads: tuple[int, int, int, int], n: int, seed: int) -> tuple[mx.array, ...]:
+    """One stream's recurrence inputs as the layer makes them: normalized q and k, g from `compute_g`."""
+    hk, hv, dk, dv = heads
+    r = [mx.random.normal(shape, key=mx.random.key(seed * 10 + i))
+         for i, shape in enumerate([(n, hk, dk), (n, hk, dk), (n, hv, dv), (n, hv), (n, hv), (hv, dv, dk), (hv,)])]
+    q, k = normalize_qk(r[0], r[1], inv_scale=dk**-0.5, eps=1e-6)
+    g = compute_g(mx.log(mx.abs(r[6]) * 8 + 1), r[3], mx.ones((hv,)))
+    return q, k, r[2], g, mx.sigmoid(r[4]), r[5] * 0.1
+
+
+def relative(got: mx.array, want: mx.array) -> float:
+    return (mx.abs(got - want).max() / mx.abs(want).max()).item()
+
+
+def same(a: mx.array, b: mx.array) -> bool:
+    return a.shape == b.shape and mx.array_equal(a, b).item()
+
+
+@on_cuda
+@pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
+def test_the_kernel_computes_what_gated_delta_ops_computes(heads) -> None:
+    windows = [window(heads, n, seed=n) for n in (1, 5, 16, 2)]
+    for one in windows:
+        [(y, s)], [(y_ref, s_ref)] = delta_windows([one]), per_window_ops([one])
+        errors = relative(y, y_ref), relative(s, s_ref)
+        assert max(errors) <= 1e-5, f"{one[0].shape[0]} rows: y {errors[0]:.2e}, state {errors[1]:.2e} relative"
+    for (y, s), (y_ref, s_ref) in zip(delta_windows(windows), per_window_ops(windows)):
+        assert relative(y, y_ref) <= 1e-5 and relative(s, s_ref) <= 1e-5
+
+
+@on_cuda
+@pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
+def test_a_window_equals_its_rows_one_at_a_time_bit_for_bit(heads) -> None:
+    q, k, v, g, beta, state0 = window(heads, 16, seed=3)
+    [(y, state)] = delta_windows([(q, k, v, g, beta, state0)])
+    ys, s = [], state0
+    for t in range(16):
+        [(yt, s)] = delta_windows([(q[t : t + 1], k[t : t + 1], v[t : t + 1], g[t : t + 1], beta[t : t + 1], s)])
+        ys.append(yt)
+        [(_, prefix)] = delta_windows([(q[: t + 1], k[: t + 1], v[: t + 1], g[: t + 1], beta[: t + 1], state0)])
+        assert same(prefix, s), f"the state after a window's first {t + 1} rows differs from single rows"
+    assert same(y, mx.concatenate(ys)) and same(state, s)
+
+
+@on_cuda
+@pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
+def test_windows_of_several_streams_in_one_launch_equal_each_alone(heads) -> None:
+    windows = [window(heads, n, seed=40 + i) for i, n in enumerate((1, 5, 16, 2))]
+    together = delta_windows(windows)
+    for one, (y, s) in zip(windows, together):
+        [(y_alone, s_alone)] = delta_windows([one])
+        assert same(y, y_alone) and same(s, s_alone)
+
+
+# -- on a CUDA GPU: the engine with it -----------------------------------------------------------------
+def test_rollback_to_every_acceptance_length_equals_the_kept_rows_one_at_a_time() -> None:
+    """The layer's `redo` after a 16-row window (what `keep` calls) gives, for every m, the conv and
+    state of its first m rows fed one at a time through the same layer: the kernel on a CUDA GPU,
+    gated_delta_ops elsewhere (so this one runs everywhere)."""
+    target, _ = tiny_target("qwen3_5", "smol", layers=2, seed=23)
+    m = linear_layers(target)[0]
+    assert m.recurrence == ("delta_kernel" if ON_CUDA else "gated_delta_ops")
+    span, n = m.kernel - 1, 16
+    keys = iter(mx.random.split(mx.random.key(5), 4))
+    inputs = mx.random.normal((span + n, m.conv_dim), key=next(keys))
+    a, b = mx.random.normal((n, m.hv), key=next(keys)), mx.random.normal((n, m.hv), key=next(keys))
+    state0 = mx.random.normal((m.hv, m.dv, m.dk), key=next(keys)) * 0.1
+    redo = m.redo_fn(inputs[:span], state0, inputs, a, b)
+    s = state0
+    for t in range(n):
+        q, k, v = m.mix(inputs[t : t + span + 1], 1)
+        [(_, s)] = RECURRENCES[m.recurrence]([(q, k, v, compute_g(m.A_log, a[t : t + 1], m.dt_bias),
+                                               mx.sigmoid(b[t : t + 1]), s)])
+        conv, state = redo(t + 1)
+        assert same(state, s) and same(conv, inputs[t + 1 : t + 1 + span]), f"redo({t + 1})"
+
+
+@pytest.fixture(scope="module")
+def gpu_engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    if not ON_CUDA:
+        pytest.skip("the kernel runs only where MLX computes on a CUDA GPU")
+    root = tmp_path_factory.mktemp("delta-kernel")
+    pair = write_big("qwen3_5-9b-4bit", root / "target", "tiny"), write_big("dflash-9b", root / "drafter", "tiny")
+    return Engine(*pair, Settings(parallel=2, context=256, chunk=32, backend="gpu"))
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(8, 1000) for _ in range(rng.randrange(20, 50))] for _ in range(n)]
+
+
+@on_cuda
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_drafted_equals_plain_on_the_qwen3_5_fixture_in_gpu_mode(gpu_engine: Engine, temperature: float) -> None:
+    assert {m.recurrence for m in linear_layers(gpu_engine.target)} == {"delta_kernel"}
+    assert gpu_engine.selfcheck.passed, gpu_engine.selfcheck.line()
+    reqs = [dict(prompt=p, max_tokens=12, temperature=temperature, seed=i, ignore_eos=True)
+            for i, p in enumerate(prompts(2, seed=int(temperature * 10)))]
+    plain = [gpu_engine.generate(Request(**r, draft=False)).tokens for r in reqs]
+    alone = [gpu_engine.generate(Request(**r)) for r in reqs]
+    assert [r.tokens for r in alone] == plain and all(r.stats.drafted > 0 for r in alone)
+    together = gpu_engine.run([Request(**r) for r in reqs])  # two streams' windows in one launch a layer
+    assert [r.tokens for r in together] == plain
