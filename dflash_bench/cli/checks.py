@@ -42,8 +42,9 @@ TokenizerPath = Annotated[Optional[str], typer.Option(
     "--tokenizer", help="The model's folder or GGUF, to re-tokenize replies of a server that returns only "
                         "text and has no tokenize endpoint (the receipt then marks its evidence as text-level).")]
 Target = Annotated[str, typer.Option(help="Target for the bundled server.", rich_help_panel=SERVER)]
-Drafter = Annotated[Optional[str], typer.Option(help="Drafter folder for the bundled server (default: the target's "
-                                                     "shipped drafter; 'none': serve without one).",
+Drafter = Annotated[Optional[str], typer.Option(help="Drafter folder, or a shipped drafter's name ('dflash', 'dflash2'), "
+                                                     "for the bundled server (default: the target's shipped v1 "
+                                                     "drafter; 'none': serve without one).",
                                                 rich_help_panel=SERVER)]
 Parallel = Annotated[Optional[int], typer.Option(help="Streams (--parallel) for the bundled server.",
                                                  rich_help_panel=SERVER)]

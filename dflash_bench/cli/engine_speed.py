@@ -13,12 +13,13 @@ from dflash_bench.checks.receipt import Receipt, canonical_json
 from dflash_bench.cli import app
 from dflash_bench.cli.checks import Json, Out, default_out, ints, numbers
 from dflash_bench.engine.defaults import chosen_drafter
+from dflash_bench.engine.errors import DFlashBenchError
 
 
 @app.command("engine-speed")
 def engine_speed_cmd(
     target: Annotated[str, typer.Argument(help="Target checkpoint ('default', a .gguf, or a directory).")] = "default",
-    drafter: Annotated[Optional[str], typer.Option(help="Drafter folder (default: the target's shipped drafter).")] = None,
+    drafter: Annotated[Optional[str], typer.Option(help="Drafter folder or shipped name ('dflash', 'dflash2'; default: the target's shipped v1 drafter).")] = None,
     levels: Annotated[str, typer.Option(help="Stream counts, comma-separated.")] = "1,4",
     tokens: Annotated[int, typer.Option(help="Tokens each stream decodes (ignore_eos).")] = 64,
     reps: Annotated[int, typer.Option(help="Repetitions of each cell.")] = 2,
@@ -29,8 +30,13 @@ def engine_speed_cmd(
 ) -> None:
     """Plain and drafted decode at each level in one process, and mlx-lm on the same weights (ratios)."""
     bits = numbers(drafter_bits, "--drafter-bits", int, 0)
+    try:
+        drafter = chosen_drafter(target, drafter)
+    except DFlashBenchError as err:
+        typer.echo(err.line(), err=True)
+        raise typer.Exit(1) from None
     settings = engine_speed.SpeedSettings(
-        target=target, drafter=chosen_drafter(target, drafter),
+        target=target, drafter=drafter,
         levels=ints(levels, "--levels"), tokens=tokens, reps=reps, drafter_bits=bits, mlx_lm=mlx_lm,
     )
     receipt = Receipt.new("engine-speed", sys.argv, settings.__dict__)

@@ -18,6 +18,7 @@ from rich.table import Table
 
 from dflash_bench.checks import tables
 from dflash_bench.cli import app
+from dflash_bench.engine.defaults import DEFAULT_NAME, chosen_drafter, shipped_drafters
 from dflash_bench.engine.draft_config import DraftConfig, read_draft_config
 from dflash_bench.engine.errors import CheckpointError, DFlashBenchError
 from dflash_bench.engine.inventory import (
@@ -129,6 +130,17 @@ def drafter_summary(draft: DraftConfig, folder: Path) -> dict[str, Any]:
     return summary
 
 
+def _shipped_table(shipped: dict[str, dict[str, Any]]) -> Table:
+    """One row a shipped drafter: the name `--drafter` takes, and what it is."""
+    table = Table(title="Shipped drafters (--drafter NAME)")
+    for column in ("name", "kind", "layers", "block", "selector", "weight bytes", "folder"):
+        table.add_column(column)
+    for name, d in shipped.items():
+        table.add_row(name + (" (default)" if d["default"] else ""), d["kind"], str(d["layers"]), str(d["block_size"]),
+                      d.get("selector", "-"), f"{d['weight_bytes']:,}" if d["weight_bytes"] else "-", d["source"])
+    return table
+
+
 def _table(title: str, rows: dict[str, Any]) -> Table:
     table = Table(title=title, show_header=False, title_justify="left")
     table.add_column(style="bold")
@@ -147,17 +159,25 @@ def _table(title: str, rows: dict[str, Any]) -> Table:
 @app.command("inspect")
 def inspect_command(
     target: str = typer.Argument(..., help="A folder with config.json, a .gguf file, or 'default'."),
-    drafter: Optional[Path] = typer.Option(None, "--drafter", help="The drafter's folder (config.json, safetensors)."),
+    drafter: Optional[str] = typer.Option(None, "--drafter", help="The drafter's folder (config.json, safetensors), "
+                                                                  "or a shipped drafter's name ('dflash', 'dflash2')."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of tables."),
 ) -> None:
-    """Describe a target (and drafter) from configs and headers alone, refusing a pair the engine would."""
+    """Describe a target (and drafter) from configs and headers alone, refusing a pair the engine would;
+    a target that ships drafters lists them by the names `--drafter` takes."""
     try:
         target_cfg, source, nbytes = load_target(target)
-        report: dict[str, Any] = {"target": target_summary(target_cfg, source, nbytes), "drafter": None}
+        report: dict[str, Any] = {"target": target_summary(target_cfg, source, nbytes), "drafter": None,
+                                  "shipped_drafters": {}}
         if drafter is not None:
-            draft = read_draft_config(drafter)
+            folder = Path(chosen_drafter(target, drafter) or drafter)
+            draft = read_draft_config(folder)
             check_pair(target_cfg, draft)
-            report["drafter"] = drafter_summary(draft, drafter)
+            report["drafter"] = drafter_summary(draft, folder)
+        for name, folder in shipped_drafters(target).items():
+            draft = read_draft_config(folder)
+            check_pair(target_cfg, draft)
+            report["shipped_drafters"][name] = drafter_summary(draft, folder) | {"default": name == DEFAULT_NAME}
     except DFlashBenchError as err:
         typer.echo(err.line(), err=True)
         raise typer.Exit(1) from None
@@ -168,3 +188,5 @@ def inspect_command(
     console.print(_table("Target", report["target"]))
     if report["drafter"]:
         console.print(_table("Drafter", report["drafter"]))
+    if report["shipped_drafters"]:
+        console.print(_shipped_table(report["shipped_drafters"]))

@@ -96,8 +96,8 @@ def plan_command(
     out: Annotated[Optional[Path], typer.Option(help="--check receipt path (default receipts/plan-<UTC stamp>.json).")] = None,
 ):
     """Price serving N streams of C tokens from config.json files alone; --check measures it."""
-    drafter = chosen_drafter(target, drafter, no_drafter)
     try:
+        drafter = chosen_drafter(target, drafter, no_drafter)
         mode = backends.resolve(backend)
         tcfg, dcfg = read_configs(target, drafter)
         memory_bytes = int(memory_gib * GIB) if memory_gib is not None else backend_memory_bytes()

@@ -48,7 +48,8 @@ SHUTDOWN_GRACE_SECONDS = 5
 @app.command(rich_help_panel="Server")
 def serve(
     target: Annotated[str, typer.Argument(help="'default' (SmolLM2-135M-Instruct), a .gguf file, or a checkpoint folder.")] = "default",
-    drafter: Annotated[Optional[str], typer.Option(help="DFlash drafter folder (default: the target's shipped drafter, if any; 'none': no drafter).")] = None,
+    drafter: Annotated[Optional[str], typer.Option(help="DFlash drafter folder, or a shipped drafter's name ('dflash', 'dflash2' for 'default'; default: "
+                                                                "the target's shipped v1 drafter, if any; 'none': no drafter).")] = None,
     no_drafter: Annotated[bool, typer.Option("--no-drafter", help="Serve without a drafter (plain decode only).")] = False,
     parallel: Annotated[int, typer.Option(min=1, help="Streams that share rounds.")] = 4,
     context: Annotated[int, typer.Option(min=2, help="Tokens a stream holds: prompt plus max_tokens.")] = 4096,
@@ -70,8 +71,8 @@ def serve(
 ) -> None:
     """Serve TARGET (and its drafter) with an OpenAI-compatible API: /v1/completions, /v1/chat/completions,
     /health, /metrics, /tokenize, /detokenize."""
-    drafter = chosen_drafter(target, drafter, no_drafter)
     try:  # the pre-load refusals and the memory plan, from the configs and tensor headers alone
+        drafter = chosen_drafter(target, drafter, no_drafter)
         mode = backends.resolve(backend)
         tcfg, dcfg = check_checkpoints(target, drafter)
         decision = admit(PlanInputs(tcfg, dcfg, parallel, context, prompt_cache_gib, drafter_bits if dcfg else 0,
