@@ -21,11 +21,10 @@ from mlx.utils import tree_flatten
 
 from dflash_bench.engine.checkpoint import load_target
 from dflash_bench.engine.draft_config import parse_draft_config
-from dflash_bench.engine.drafters.dflash import Proposal, load_drafter
+from dflash_bench.engine.drafters.dflash import load_drafter
 from dflash_bench.engine.engine import Engine
 from dflash_bench.engine.request import Request
-from dflash_bench.engine.sampling import SamplingParams
-from dflash_bench.engine.targets import Segment, build_target
+from dflash_bench.engine.targets import build_target
 from dflash_bench.fixtures.small import write_fixture
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
@@ -35,6 +34,7 @@ from train_drafter.model import Drafter, drafter_config, export, load, start_fro
 from train_drafter.recipe import SMOKE_DFLASH2  # noqa: E402
 from train_drafter.target import TrainTarget  # noqa: E402
 from train_drafter.train import selector_loss  # noqa: E402
+from test_train_smoke import engine_proposal  # noqa: E402
 
 SHAPE = replace(SMOKE_DFLASH2.shape, window=12)
 
@@ -53,19 +53,6 @@ def randomized(model: Drafter, seed: int) -> None:
         if "conv" in name or "candidate_selector" in name:
             params[name] = 0.3 * mx.random.normal(params[name].shape, key=key)
     model.load_weights(list(params.items()))
-
-
-def engine_drafts(drafter, target, tokens: list[int], anchor: int) -> tuple[mx.array, list[int]]:
-    """The engine's draft logits and greedy drafts for a stream at `anchor`."""
-    state = target.new_state()
-    taps = target.forward([Segment(tokens[:anchor], 0, state, want_taps=True)], drafter.taps)[0].taps
-    dstate = drafter.new_state()
-    drafter.absorb([(dstate, taps)])
-    seen = []
-    original = drafter.logits
-    drafter.logits = lambda x: seen.append(original(x)) or seen[-1]
-    drafts = drafter.propose([Proposal(dstate, tokens[anchor], drafter.block - 1, SamplingParams())])[0]
-    return seen[0], drafts
 
 
 def test_training_dflash2_computes_the_engine_dflash2(fixture_target, tmp_path) -> None:
@@ -92,7 +79,7 @@ def test_training_dflash2_computes_the_engine_dflash2(fixture_target, tmp_path) 
     walked = back.drafts(hidden, logits, mx.take_along_axis(mx.array([tokens]), a, axis=1))[0]
     argmax_differs = False
     for n, anchor in enumerate(anchors):
-        ref, drafts = engine_drafts(drafter, target, tokens, anchor)
+        ref, drafts = engine_proposal(drafter, target, tokens, anchor)
         err = mx.abs(logits[0, n] - ref).max().item()
         assert err <= 1e-3 * max(1.0, mx.abs(ref).max().item()), f"anchor {anchor}: max |training - engine| = {err:.3g}"
         assert walked[n].tolist() == drafts, f"anchor {anchor}: the selector walks differ"

@@ -43,8 +43,9 @@ def fixture_target(tmp_path_factory):
     return load_target(write_fixture("llama", tmp_path_factory.mktemp("target")))
 
 
-def engine_logits(drafter, target, tokens: list[int], anchor: int) -> mx.array:
-    """The engine's draft logits for a stream whose context is tokens[:anchor] and last token tokens[anchor]."""
+def engine_proposal(drafter, target, tokens: list[int], anchor: int) -> tuple[mx.array, list[int]]:
+    """The engine's draft logits and greedy drafts for a stream whose context is tokens[:anchor] and
+    last token tokens[anchor]."""
     state = target.new_state()
     taps = target.forward([Segment(tokens[:anchor], 0, state, want_taps=True)], drafter.taps)[0].taps
     dstate = drafter.new_state()
@@ -53,8 +54,14 @@ def engine_logits(drafter, target, tokens: list[int], anchor: int) -> mx.array:
     original = drafter.logits
     drafter.logits = lambda x: seen.append(original(x)) or seen[-1]
     drafts = drafter.propose([Proposal(dstate, tokens[anchor], drafter.block - 1, SamplingParams())])[0]
-    assert drafts == mx.argmax(seen[0], axis=-1).tolist()
-    return seen[0]
+    return seen[0], drafts
+
+
+def engine_logits(drafter, target, tokens: list[int], anchor: int) -> mx.array:
+    """The engine's v1 draft logits at `anchor`, whose greedy drafts are their argmax."""
+    logits, drafts = engine_proposal(drafter, target, tokens, anchor)
+    assert drafts == mx.argmax(logits, axis=-1).tolist()
+    return logits
 
 
 @pytest.mark.parametrize("is_causal", [None, False], ids=["sliding-causal-full-bidirectional", "all-bidirectional"])
@@ -259,24 +266,6 @@ def test_average_is_the_mean_of_the_sources_weights(tmp_path) -> None:
     other = export(Drafter(parse_draft_config(deeper)), deeper, tmp_path / "d3")
     with pytest.raises(ValueError, match="d3"):
         train_main(["average", "--out", str(tmp_path / "bad"), "--drafter", str(exports[0]), str(other)])
-
-
-def test_default_model_ships_its_drafter() -> None:
-    """The default target's default drafter is the shipped one: it passes the pre-load checks against
-    the default model, is what the SmolLM2 recipe describes, fits the 16 MB budget, and other
-    targets get none."""
-    from dflash_bench.engine.checkpoint import read_target_config
-    from dflash_bench.engine.defaults import default_drafter_for
-    from dflash_bench.engine.draft_config import read_draft_config
-    from dflash_bench.engine.preload import check_pair
-    from train_drafter.recipe import SMOLLM2
-
-    path = default_drafter_for("default")
-    assert path is not None and path.name == "smollm2-135m-dflash"
-    check_pair(read_target_config("default"), read_draft_config(path))
-    assert json.loads((path / "config.json").read_text()) == drafter_config(SMOLLM2.shape, read_target_config("default"))
-    assert sum(f.stat().st_size for f in path.iterdir()) <= 16_000_000
-    assert default_drafter_for("/some/other/model") is None
 
 
 def test_tap_store_batches_carry_each_sequences_own_taps(fixture_target) -> None:
