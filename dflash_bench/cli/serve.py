@@ -15,6 +15,8 @@ beyond loopback prints a warning line, louder without a key.
 
 from __future__ import annotations
 
+from enum import Enum
+
 import logging
 import sys
 import threading
@@ -45,6 +47,11 @@ from dflash_bench.engine.validate import check_checkpoints
 SHUTDOWN_GRACE_SECONDS = 5
 
 
+class VerifyBudget(str, Enum):
+    fixed = "fixed"
+    auto = "auto"
+
+
 @app.command(rich_help_panel="Server")
 def serve(
     target: Annotated[str, typer.Argument(help="'default' (SmolLM2-135M-Instruct), a .gguf file, or a checkpoint folder.")] = "default",
@@ -57,6 +64,9 @@ def serve(
     drafter_bits: Annotated[int, typer.Option(help="Quantize the drafter's matrices to this many bits (0: keep them).")] = Settings.drafter_bits,
     backend: Annotated[str, typer.Option(help="Engine mode: auto (the default device's), cpu (float32) or gpu "
                                               "(packed quantized weights, bf16).")] = "auto",
+    verify_budget: Annotated[VerifyBudget, typer.Option(
+        help="Drafts a stream verifies a round: fixed (a full block) or auto (chosen each round from its recent "
+             "acceptance and a cost model timed at load; never changes the output).")] = VerifyBudget.fixed,
     host: Annotated[str, typer.Option(help="Address to listen on (loopback unless you mean otherwise).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535, help="Port to listen on.")] = 8000,
     api_key: Annotated[Optional[str], typer.Option(envvar=API_KEY_ENV, show_envvar=True,
@@ -85,7 +95,7 @@ def serve(
         raise typer.Exit(1)
     _request_log()
     settings = Settings(parallel=decision.streams, context=context, prompt_cache_gib=prompt_cache_gib,
-                        drafter_bits=drafter_bits, backend=mode.name)
+                        drafter_bits=drafter_bits, backend=mode.name, verify_budget=verify_budget.value)
     if not is_loopback(host):
         guard = "clients need --api-key" if api_key else "no --api-key: anyone who reaches it can use the engine"
         typer.echo(f"warning: serving on {host}, beyond loopback; {guard}", err=True)

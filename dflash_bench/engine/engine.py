@@ -23,6 +23,7 @@ import mlx.core as mx
 
 from dflash_bench.engine import backend as backends
 from dflash_bench.engine import selfcheck
+from dflash_bench.engine.budget import Budget, measure_cost
 from dflash_bench.engine.checkpoint import LoadedTarget, load_target
 from dflash_bench.engine.constants import CHUNK, GIB
 from dflash_bench.engine.drafters.dflash import DFlashDrafter, load_drafter
@@ -43,6 +44,7 @@ class Settings:
     chunk: int = CHUNK
     backend: str | None = None  # the numeric mode (backend.py): 'cpu', 'gpu', or None for the device's
     fresh_selfcheck: bool = False  # run the self-check even where a cached verdict exists
+    verify_budget: str = "fixed"  # drafts a stream verifies a round: a full block, or "auto" (budget.py)
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,10 @@ class Engine:
         self.target = model
         self.drafter = draft_model
         self.tokenizer = self.loaded.tokenizer if self.loaded else None
+        self.budget: Budget | None = None
+        if draft_model is not None:  # the auto budget's cost model is timed here, on the machine that serves
+            cost = measure_cost(model, draft_model, settings.parallel) if settings.verify_budget == "auto" else None
+            self.budget = Budget(settings.verify_budget, draft_model.block, cost)
         self.lanes = Lanes(
             model,
             draft_model,
@@ -118,6 +124,7 @@ class Engine:
             PromptCache(int(settings.prompt_cache_gib * GIB)),
             tuple(eos_ids or ()),
             settings.chunk,
+            self.budget,
         )
         self._lock = threading.Lock()  # one round at a time
         self._wake = threading.Condition()  # submit() wakes the background loop
@@ -146,7 +153,11 @@ class Engine:
         cache = f", prompt cache {s.prompt_cache_gib:g} GiB" if s.prompt_cache_gib else ""
         mode = ", gpu mode (packed weights, bf16)" if self.backend.name == "gpu" else ""
         proof = f"; {self.drafting_refused or self.selfcheck.line()}" if self.selfcheck else ""
-        return f"serving {self.model_name}: {drafts}, {s.parallel} streams of {s.context} tokens{cache}{mode}{where}{proof}"
+        budget = ""
+        if self.budget is not None and self.budget.cost is not None:
+            budget = f", verify budget auto ({self.budget.cost.describe()})"
+        return (f"serving {self.model_name}: {drafts}{budget}, {s.parallel} streams of {s.context} tokens{cache}{mode}"
+                f"{where}{proof}")
 
     # -- requests ------------------------------------------------------------------------------
     def submit(self, request: Request) -> Handle:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from dflash_bench.engine.budget import Acceptance, Budget
 from dflash_bench.engine.constants import CHUNK
 from dflash_bench.engine.drafters.dflash import DFlashDrafter, Proposal
 from dflash_bench.engine.prompt_cache import Entry, PromptCache, last_boundary
@@ -57,6 +58,8 @@ class Stream:
     decode_started: float = 0.0
     emitted: int = 0
     finished: bool = False
+    acceptance: Acceptance | None = None  # its kept drafts by depth, for the verify budget
+    idle: int = 0  # rounds in a row the budget gave it no drafts
 
     @property
     def request(self):
@@ -77,8 +80,10 @@ class Lanes:
         prompt_cache: PromptCache,
         eos_ids: tuple[int, ...],
         chunk: int = CHUNK,
+        budget: Budget | None = None,
     ):
         self.target, self.drafter = target, drafter
+        self.budget = budget or (Budget("fixed", drafter.block) if drafter is not None else None)
         self.parallel, self.context, self.chunk = parallel, context, chunk
         self.prompt_cache = prompt_cache
         self.eos = frozenset(eos_ids)
@@ -130,7 +135,8 @@ class Lanes:
             drafter=self.drafter.kind if drafting else None,
             seed=seed,
         )
-        return Stream(handle, state, dstate, params, drafting, n, stats, time.perf_counter())
+        acceptance = self.budget.new_stream() if drafting else None
+        return Stream(handle, state, dstate, params, drafting, n, stats, time.perf_counter(), acceptance=acceptance)
 
     # -- one round ---------------------------------------------------------------------------
     def round(self) -> None:
@@ -153,11 +159,15 @@ class Lanes:
                 absorb.append((s.drafter_state, kept_taps))
         if self.drafter is not None:
             self.drafter.absorb(absorb)
-            for s in self.streams:
-                if s.drafting and s.pending is not None:
-                    count = min(self.drafter.block - 1, s.request.max_tokens - s.emitted - 1)
-                    if count > 0:
-                        proposals.append((s, Proposal(s.drafter_state, s.pending, count, s.params)))
+            ready = [s for s in self.streams if s.drafting and s.pending is not None]
+            limits = [max(0, min(self.drafter.block - 1, s.request.max_tokens - s.emitted - 1)) for s in ready]
+            others = [1 if s.pending is not None else min(self.chunk, len(s.prompt) - s.pos)
+                      for s in self.streams if s not in ready]  # the next round's other rows
+            counts = self.budget.counts(limits, [s.acceptance for s in ready], [s.idle for s in ready], others)
+            for s, count, limit in zip(ready, counts, limits):
+                s.idle = s.idle + 1 if count == 0 and limit > 0 else 0
+                if count > 0:
+                    proposals.append((s, Proposal(s.drafter_state, s.pending, count, s.params)))
             drafts = self.drafter.propose([p for _, p in proposals])
             for (s, _), d in zip(proposals, drafts):
                 s.drafts = tuple(d)
@@ -199,6 +209,8 @@ class Lanes:
             k += 1
         s.segment_state.keep(seg.start + k + 1)
         s.stats.count_round(len(s.drafts), k)
+        if s.acceptance is not None:
+            self.budget.record(s.acceptance, len(s.drafts), k)
         s.drafts = ()
         s.pending = chosen[k]
         self.emit(s, chosen[: k + 1], from_round=True)
