@@ -49,9 +49,9 @@ class CostModel:
         return forward + (self.draft_base + self.draft_per_stream * drafting if drafting else 0.0)
 
     def describe(self) -> str:
-        ms = lambda x: f"{x * 1e3:.2f}"  # noqa: E731
-        return (f"a forward {ms(self.base)} ms + {ms(self.per_segment)} a stream + {ms(self.per_row)} a row; "
-                f"a drafter pass {ms(self.draft_base)} + {ms(self.draft_per_stream)} a stream")
+        b, s, r, d, ds = (f"{x * 1e3:.2f}" for x in (self.base, self.per_segment, self.per_row, self.draft_base,
+                                                      self.draft_per_stream))
+        return f"a forward {b} ms + {s} a stream + {r} a row; a drafter pass {d} + {ds} a stream"
 
 
 @dataclass
