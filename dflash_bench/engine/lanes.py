@@ -159,10 +159,13 @@ class Lanes:
                 absorb.append((s.drafter_state, kept_taps))
         if self.drafter is not None:
             self.drafter.absorb(absorb)
-            ready = [s for s in self.streams if s.drafting and s.pending is not None]
+            ready, others = [], []  # the drafting streams that decode; the next round's other rows
+            for s in self.streams:
+                if s.drafting and s.pending is not None:
+                    ready.append(s)
+                else:
+                    others.append(1 if s.pending is not None else min(self.chunk, len(s.prompt) - s.pos))
             limits = [max(0, min(self.drafter.block - 1, s.request.max_tokens - s.emitted - 1)) for s in ready]
-            others = [1 if s.pending is not None else min(self.chunk, len(s.prompt) - s.pos)
-                      for s in self.streams if s not in ready]  # the next round's other rows
             counts = self.budget.counts(limits, [s.acceptance for s in ready], [s.idle for s in ready], others)
             for s, count, limit in zip(ready, counts, limits):
                 s.idle = s.idle + 1 if count == 0 and limit > 0 else 0
