@@ -83,7 +83,7 @@ class Lanes:
         budget: Budget | None = None,
     ):
         self.target, self.drafter = target, drafter
-        self.budget = budget or (Budget("fixed", drafter.block) if drafter is not None else None)
+        self.budget = budget  # the engine's, whenever there is a drafter
         self.parallel, self.context, self.chunk = parallel, context, chunk
         self.prompt_cache = prompt_cache
         self.eos = frozenset(eos_ids)
