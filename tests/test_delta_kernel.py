@@ -16,6 +16,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from gpu import ON_CUDA, on_cuda
 from tiny_targets import tiny_target
 
 import mlx.core as mx
@@ -29,8 +30,6 @@ from dflash_bench.engine.targets.delta_kernel import delta_windows
 from dflash_bench.engine.targets.qwen3_5 import RECURRENCES, GatedDeltaNet, decode_recurrence, per_window_ops
 from dflash_bench.fixtures.big import write_big
 
-ON_CUDA = mx.default_device().type == mx.DeviceType.gpu and mx.cuda.is_available()
-on_cuda = pytest.mark.skipif(not ON_CUDA, reason="the kernel runs only where MLX computes on a CUDA GPU")
 # (key heads, value heads, key dim, value dim): the tiny targets', a Dv unlike Dk, Qwen3.5-9B's
 HEADS = {"small": (2, 4, 16, 16), "smol": (2, 4, 64, 64), "dv48": (4, 4, 64, 48), "9b": (16, 32, 128, 128)}
 

@@ -29,6 +29,8 @@ from dflash_bench.engine.targets import Segment
 from dflash_bench.engine.tiles import Weight
 from dflash_bench.fixtures.big import write_big
 
+pytestmark = pytest.mark.gpu  # run on this CPU in CI, and with `pytest -m gpu` on the GPU machine
+
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:

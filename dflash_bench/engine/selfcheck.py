@@ -10,7 +10,9 @@ target, on the device and dtype that will serve:
 - projections: every distinct weight (kind and shape) at its row tile: each row rolled through
   every position of the tile, beside other rows, alone among zero rows, and the call repeated. A
   tile that fails is halved (16, 8, 4, 2, 1 rows a call) until one passes: one row a call can only
-  fail by being non-deterministic;
+  fail by being non-deterministic. On a CUDA GPU the row-independent kernel (matmul_kernel.py) is
+  tried first, over KERNEL_ROWS rows (three 16-row MMA tiles, the last partial): rows rolled, beside
+  other rows, a row alone in a one-row call, a 16-row slice alone, the call repeated;
 - decode attention, per attention shape: a 16-row window whose positions cross a key tile equals
   the same queries fed one at a time; the tiled path first, else the elementwise one (tiles.py);
 - qwen3_5's conv and decode recurrence, per shape: a window equals single rows, in the recurrence
@@ -40,7 +42,7 @@ from typing import Callable, TypeVar
 import mlx.core as mx
 from mlx_lm.models.gated_delta import compute_g
 
-from dflash_bench.engine import blas
+from dflash_bench.engine import blas, matmul_kernel
 from dflash_bench.engine.cache import TargetState, tiles_for
 from dflash_bench.engine.targets.base import Segment, Target
 from dflash_bench.engine.targets.dense import SelfAttention
@@ -52,6 +54,8 @@ from dflash_bench.engine.tiles import (
 VERSION = 1
 WINDOW = ROW_TILE  # the widest decode window a stream feeds (a drafter's block of 16)
 PROMPT = KEY_TILE - WINDOW // 2  # so a window's positions cross a key tile boundary
+KERNEL = 0  # a weight's "tile" when the row kernel takes all its decode rows in one call
+KERNEL_ROWS = 2 * ROW_TILE + 3
 ATTENTION_PATHS: tuple[AttentionPath, ...] = ("tiled", "elementwise")
 T = TypeVar("T")
 
@@ -90,10 +94,12 @@ class Verdict:
             more = f" (+{len(self.failures) - 1} more)" if len(self.failures) > 1 else ""
             why = first.detail.rsplit("; ", 1)[-1]  # the last configuration tried, the most conservative
             return f"self-check FAILED on {self.machine['device']} {self.machine['dtype']}: {first.path}: {why}{more} ({when})"
-        tiles = "/".join(str(t) for t in sorted(set(self.tiles.values()), reverse=True))
+        sizes = sorted(set(self.tiles.values()), reverse=True)
+        ways = ([f"{'/'.join(str(t) for t in sizes if t != KERNEL)}-row tiles"] if set(sizes) - {KERNEL} else [])
+        ways += ["the row kernel"] if KERNEL in sizes else []
         paths = ", ".join(sorted(set(self.attention.values())))
         return (f"self-check passed on {self.machine['device']} {self.machine['dtype']}: {len(self.tiles)} projection "
-                f"shapes in {tiles}-row tiles, {paths or 'no'} attention, window == steps ({when})")
+                f"shapes in {' and '.join(ways)}, {paths or 'no'} attention, window == steps ({when})")
 
     def as_dict(self) -> dict:
         return {"version": VERSION, "passed": self.passed, "line": self.line(), "seconds": self.seconds,
@@ -131,7 +137,7 @@ def _code_hash() -> str:
     from dflash_bench.engine.targets import base, delta_kernel, dense, qwen3_5
 
     h = hashlib.sha256()
-    for module in (tiles, cache, base, dense, qwen3_5, delta_kernel):
+    for module in (tiles, matmul_kernel, cache, base, dense, qwen3_5, delta_kernel):
         h.update(Path(module.__file__).read_bytes())
     h.update(Path(__file__).read_bytes())
     return h.hexdigest()[:16]
@@ -188,18 +194,29 @@ def _differing(got: mx.array, want: mx.array) -> list[int]:
     return [i for i, ok in enumerate(same.tolist()) if not ok]
 
 
+def kernel_fits(w: Weight, dtype: mx.Dtype) -> bool:
+    """Whether the row kernel can take `w` here: a CUDA GPU, bf16 rows, bf16 weights or scales, its shapes."""
+    held = w.scales if w.bits else w.w
+    return (matmul_kernel.available(dtype) and held.dtype == mx.bfloat16
+            and matmul_kernel.fits(w.in_features, w.out_features, w.bits or 16, w.group_size))
+
+
 def projection_fault(w: Weight, tile: int, dtype: mx.Dtype, seed: int = 0) -> str | None:
-    """What moves a row's bits in `tile`-row calls against `w`, or None: each row at every position of
-    the tile (rolled), row 0 beside other rows and alone among zeros, the call repeated."""
-    x = _rand((tile, w.in_features), seed, dtype)
-    ref = w.tile(x)
-    cases: list[tuple[str, mx.array, mx.array]] = [("the call repeated", w.tile(x), ref)]
-    for s in range(1, tile):
-        cases.append((f"rows rolled by {s}", w.tile(mx.roll(x, s, axis=0)), mx.roll(ref, s, axis=0)))
-    if tile > 1:
-        company = mx.concatenate([x[:1], _rand((tile - 1, w.in_features), seed + 1, dtype)])
-        alone = mx.concatenate([x[:1], mx.zeros((tile - 1, w.in_features), dtype=dtype)])
-        cases += [("row 0 beside other rows", w.tile(company)[:1], ref[:1]), ("row 0 alone", w.tile(alone)[:1], ref[:1])]
+    """What moves a row's bits in `tile`-row calls against `w` (KERNEL: the row kernel's calls of any
+    row count), or None: each row at other positions (rolled), row 0 beside other rows and alone
+    (among zero rows in a tile; in a one-row call of the kernel), the call repeated."""
+    call, n = (w.kernel_product, KERNEL_ROWS) if tile == KERNEL else (w.tile, tile)
+    x = _rand((n, w.in_features), seed, dtype)
+    ref = call(x)
+    cases: list[tuple[str, mx.array, mx.array]] = [("the call repeated", call(x), ref)]
+    for s in range(1, n) if tile != KERNEL else (1, 5, 8, 15, 16, 17, n - 1):
+        cases.append((f"rows rolled by {s}", call(mx.roll(x, s, axis=0)), mx.roll(ref, s, axis=0)))
+    if n > 1:
+        company = mx.concatenate([x[:1], _rand((n - 1, w.in_features), seed + 1, dtype)])
+        alone = x[:1] if tile == KERNEL else mx.concatenate([x[:1], mx.zeros((n - 1, w.in_features), dtype=dtype)])
+        cases += [("row 0 beside other rows", call(company)[:1], ref[:1]), ("row 0 alone", call(alone)[:1], ref[:1])]
+    if tile == KERNEL:
+        cases.append(("a 16-row call", call(x[ROW_TILE : 2 * ROW_TILE]), ref[ROW_TILE : 2 * ROW_TILE]))
     mx.eval([c[1] for c in cases], ref)
     for what, got, want in cases:
         if bad := _differing(got, want):
@@ -316,9 +333,10 @@ def model_faults(target: Target, seed: int = 0) -> list[str]:
 
 
 # -- choosing, applying, caching -------------------------------------------------------------------
-def tile_candidates(w: Weight) -> list[int]:
-    """The default tile, then halves of it down to one row a call (each divides ROW_TILE)."""
-    tile, out = row_tile(w.in_features, w.out_features), []
+def tile_candidates(w: Weight, dtype: mx.Dtype) -> list[int]:
+    """The row kernel where it fits, then the default tile and halves of it down to one row a call
+    (each divides ROW_TILE)."""
+    tile, out = row_tile(w.in_features, w.out_features), [KERNEL] if kernel_fits(w, dtype) else []
     while tile >= 1:
         out.append(tile)
         tile //= 2
@@ -335,8 +353,9 @@ def _run(target: Target, key: str, mach: dict) -> Verdict:
     for w in target.projections():
         weights.setdefault(weight_key(w), w)
     for wkey, w in sorted(weights.items()):
-        tile, result = _first_exact(f"projection {wkey}", tile_candidates(w), lambda t: projection_fault(w, t, dtype),
-                                    lambda t: f"{t}-row tiles")
+        tile, result = _first_exact(f"projection {wkey}", tile_candidates(w, dtype),
+                                    lambda t: projection_fault(w, t, dtype),
+                                    lambda t: "the row kernel" if t == KERNEL else f"{t}-row tiles")
         paths.append(result)
         if tile is not None:
             tiles[wkey] = tile
@@ -372,10 +391,11 @@ def _first_exact(path: str, options: list[T], fault: Callable[[T], str | None],
 
 
 def apply(target: Target, verdict: Verdict) -> None:
-    """Set each weight's tile and each attention layer's path to the verdict's choices."""
+    """Set each weight's tile (or the row kernel) and each attention layer's path to the verdict's choices."""
     for w in target.projections():
         if (tile := verdict.tiles.get(weight_key(w))) is not None:
-            w.tile_rows = tile
+            w.kernel = tile == KERNEL
+            w.tile_rows = tile or None
     for m in target.mixer_layers():
         if isinstance(m, SelfAttention) and (path := verdict.attention.get(attention_key(m))) is not None:
             m.path = path

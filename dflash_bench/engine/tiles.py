@@ -38,6 +38,8 @@ from typing import Literal
 
 import mlx.core as mx
 
+from dflash_bench.engine.matmul_kernel import rows_matmul
+
 ROW_TILE = 16
 SMALL_TILE = 8
 QUERY_TILE = SMALL_TILE
@@ -60,10 +62,13 @@ class Weight:
     `Weight(w, bits)` quantizes a float matrix (the drafter's `--drafter-bits`); `Weight.packed`
     keeps a checkpoint's own packed triple (the engine's gpu mode), so nothing is dequantized.
     `tile_rows` is the row count of each decode matmul call against it: None takes `row_tile`'s
-    default; the engine's self-check sets what it proved on this machine (selfcheck.py).
+    default; the engine's self-check sets what it proved on this machine (selfcheck.py). `kernel`
+    (set by the self-check where it proved it, on a CUDA GPU) sends all decode rows to one call of
+    the row-independent kernel instead (matmul_kernel.py).
     """
 
     tile_rows: int | None = None
+    kernel: bool = False
 
     def __init__(self, w: mx.array, bits: int = 0, group_size: int = 64):
         self.out_features, self.in_features = w.shape
@@ -103,6 +108,10 @@ class Weight:
                 x, self.w, self.scales, self.biases, transpose=True, group_size=self.group_size, bits=self.bits
             )
         return x @ self.w.T
+
+    def kernel_product(self, x: mx.array) -> mx.array:
+        """`x @ W.T` for any number of bf16 rows in one call of the row-independent kernel."""
+        return rows_matmul(x, self.w, self.scales, self.biases, self.bits or 16, self.group_size)
 
     def arrays(self) -> list[mx.array]:
         return [a for a in (self.w, self.scales, self.biases) if a is not None]
@@ -189,6 +198,12 @@ def linear(x: mx.array, weight: Weight | mx.array, layout: Layout | None = None)
     rows = x.shape[0]
     if rows % ROW_TILE:
         raise ValueError(f"linear takes a multiple of {ROW_TILE} rows, got {rows}")
+    if weight.kernel:
+        if layout is None:
+            return weight.kernel_product(x)
+        parts = [weight.kernel_product(x[: layout.decode_rows])] if layout.decode_rows else []
+        parts += [weight.tile(x[a:b]) for a, b in layout.blocks]
+        return mx.concatenate(parts) if len(parts) > 1 else parts[0]
     tile = weight.rows_per_call
     calls = layout.calls(tile) if layout is not None else [(a, a + tile) for a in range(0, rows, tile)]
     if len(calls) == 1:

@@ -1,0 +1,257 @@
+"""Decode-row projections as one CUDA kernel, row-independent by construction.
+
+A decode forward multiplies a few rows (1 for a plain step, 16 for a verify window, up to 16 per
+stream) by every weight. MLX's CUDA matmuls pick their kernel by the row count (a 16-row quantized
+product even lands on a kernel compiled at first use: docs/gpu-round-profile.md), so a row's bits
+depend on its company, which is why tiles.py runs decode rows in fixed tiles and the self-check
+proves each tile. This kernel makes the tiles unnecessary: any number of rows, one launch.
+
+How a row's result stays the same whatever shares its launch (what drafted == plain needs):
+- rows run in 16-row tensor-core tiles (`mma.sync` m16n8k16, bf16 in, float32 accumulate); a
+  tile's rows past the call's row count are zeros, and an output row of an MMA depends only on its
+  own row of A. Every tile of a launch does the same instructions, so a row's bits do not depend
+  on which tile or tile row it sits in, nor on the row count;
+- the reduction over the input width has one fixed order, set by the weight's shape alone: lane t of
+  a warp owns every fourth 16-byte chunk of a weight row from its warp's start, its MMAs accumulate
+  the chunks in ascending order, and the block's warps (a split of the input width) are added in
+  warp order through shared memory;
+- the launch geometry (`Geometry`) is a function of the weight's shape, never of the row count;
+  more rows only add tiles (`MT` a block, then more blocks along y).
+
+Weights: an MLX affine-quantized triple (4 or 8 bits, groups of 32..128: mlx-lm's layout, value j of
+a uint32 at bits j * bits) or a plain bf16 matrix. A quantized value is dequantized in registers as
+`q * scale + bias` in float32 (one fused multiply-add), rounded to bf16 for the MMA: the same
+function of the weights for every call, so it is part of the weight, not of the row. The MMA's
+k order inside a chunk is a permutation of the chunk's values that A and B share (lane t's values
+4s..4s+3 of its chunk sit in the MMA's k slots 2t, 2t+1, 2t+8, 2t+9 of step s), so it is a plain
+dot product over the chunk.
+
+Only the decode rows take this path, and only on a CUDA GPU (tiles.py `linear`); prompt chunks keep
+MLX's own kernels (their bits need only be a function of the chunk: tiles.py). The engine's
+self-check proves the kernel where it runs (selfcheck.py); tests/test_matmul_kernel.py checks it on
+a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import mlx.core as mx
+
+MMA_ROWS = 16  # rows of one tensor-core tile
+MAX_TILES = 4  # row tiles a block carries (64 rows read the weights once)
+TARGET_WARPS = 2048  # enough warps in flight to keep the H200's memory busy (132 SMs)
+
+_HEADER = r"""
+__device__ __forceinline__ uint32_t mm_pack(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+__device__ __forceinline__ void mm_mma(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                       uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+"""
+
+# Template constants: K, N (the weight's in and out widths), BITS (4, 8, or 16 for bf16 weights),
+# G (group size; unused at 16), NT (8-column MMA tiles a warp), SPLITK (warps a block, splitting K),
+# MT (16-row tiles a block). The source avoids `_shape`, `_strides` and `_ndim` (MLX would add them).
+_SOURCE = r"""
+  constexpr int PER_WORD = BITS == 16 ? 2 : 32 / BITS;   // values in a uint32
+  constexpr int VPT = 4 * PER_WORD;                       // values in a 16-byte chunk
+  constexpr int STEPS = VPT / 4;                          // MMA k-steps a chunk feeds
+  constexpr int C = K / VPT;                              // chunks along a weight row
+  constexpr int WORDS = K / PER_WORD;                     // uint32 a weight row
+  constexpr int GROUPS = BITS == 16 ? 1 : K / G;
+  constexpr int ITERS = (C + 4 * SPLITK - 1) / (4 * SPLITK);
+  constexpr uint32_t MASK = BITS == 16 ? 0u : (1u << BITS) - 1u;
+
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int grp = lane >> 2;
+  const int t = lane & 3;
+  const int n0 = blockIdx.x * (8 * NT);
+  const int m0 = blockIdx.y * (16 * MT);
+  const int M = rows[0];
+  const uint32_t* wq = reinterpret_cast<const uint32_t*>(w);
+
+  float acc[MT][NT][4];
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+
+  for (int it = 0; it < ITERS; ++it) {
+    const int c = (it * SPLITK + warp) * 4 + t;
+    const bool live = c < C;
+    uint32_t b[NT][STEPS][2];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      const int n = n0 + j * 8 + grp;
+      uint4 q = make_uint4(0u, 0u, 0u, 0u);
+      if (live) q = *reinterpret_cast<const uint4*>(wq + (size_t)n * WORDS + (size_t)c * 4);
+      const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+      if constexpr (BITS == 16) {
+#pragma unroll
+        for (int s = 0; s < STEPS; ++s) {
+          b[j][s][0] = words[2 * s];
+          b[j][s][1] = words[2 * s + 1];
+        }
+      } else {
+        float sc = 0.0f, bi = 0.0f;
+        if (live) {
+          const int gi = n * GROUPS + (c * VPT) / G;
+          sc = (float)scales[gi];
+          bi = (float)biases[gi];
+        }
+#pragma unroll
+        for (int s = 0; s < STEPS; ++s) {
+          float v[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int jv = 4 * s + e;
+            const uint32_t qv = (words[jv / PER_WORD] >> (BITS * (jv % PER_WORD))) & MASK;
+            v[e] = __fmaf_rn((float)qv, sc, bi);
+          }
+          b[j][s][0] = mm_pack(v[0], v[1]);
+          b[j][s][1] = mm_pack(v[2], v[3]);
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < MT; ++i) {
+      const int r0 = m0 + i * 16 + grp;
+      const int r1 = r0 + 8;
+#pragma unroll
+      for (int h = 0; h < STEPS / 2; ++h) {
+        uint4 xa = make_uint4(0u, 0u, 0u, 0u);
+        uint4 xb = make_uint4(0u, 0u, 0u, 0u);
+        if (live && r0 < M) xa = *reinterpret_cast<const uint4*>(x + (size_t)r0 * K + (size_t)c * VPT + h * 8);
+        if (live && r1 < M) xb = *reinterpret_cast<const uint4*>(x + (size_t)r1 * K + (size_t)c * VPT + h * 8);
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          mm_mma(acc[i][j], xa.x, xb.x, xa.y, xb.y, b[j][2 * h][0], b[j][2 * h][1]);
+          mm_mma(acc[i][j], xa.z, xb.z, xa.w, xb.w, b[j][2 * h + 1][0], b[j][2 * h + 1][1]);
+        }
+      }
+    }
+  }
+
+  // The warps' partial sums, added in warp order: red = w0; red += w1; ...; out = red + w_last.
+  __shared__ float red[MT * NT * 4 * 32];
+  for (int s = 0; s < SPLITK; ++s) {
+    if (warp == s) {
+#pragma unroll
+      for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          float v[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int at = ((i * NT + j) * 4 + e) * 32 + lane;
+            v[e] = s == 0 ? acc[i][j][e] : __fadd_rn(red[at], acc[i][j][e]);
+            if (s < SPLITK - 1) red[at] = v[e];
+          }
+          if (s == SPLITK - 1) {
+            const int col = n0 + j * 8 + 2 * t;
+            const int r0 = m0 + i * 16 + grp;
+            if (r0 < M) *reinterpret_cast<__nv_bfloat162*>(y + (size_t)r0 * N + col) = __floats2bfloat162_rn(v[0], v[1]);
+            if (r0 + 8 < M) *reinterpret_cast<__nv_bfloat162*>(y + (size_t)(r0 + 8) * N + col) = __floats2bfloat162_rn(v[2], v[3]);
+          }
+        }
+    }
+    __syncthreads();
+  }
+"""
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """A weight's launch shape: 8 * nt output columns a block, split_k warps along the input width.
+
+    A function of the weight's shape alone (`geometry`), so the reduction order of every output is
+    fixed per weight, whatever the row count."""
+
+    nt: int
+    split_k: int
+
+
+def available(dtype: mx.Dtype) -> bool:
+    """Whether the kernel can run here: bf16 activations (the gpu mode) on a CUDA GPU."""
+    return dtype == mx.bfloat16 and mx.default_device().type == mx.DeviceType.gpu and mx.cuda.is_available()
+
+
+def values_per_chunk(bits: int) -> int:
+    """Input values in one 16-byte load of a weight row: 32 at 4 bits, 16 at 8, 8 for bf16."""
+    return 128 // bits
+
+
+def fits(in_features: int, out_features: int, bits: int, group_size: int) -> bool:
+    """Whether the kernel takes this weight: 4, 8 or 16 (bf16) bits, whole 16-byte chunks along the
+    input, whole 8-column tiles out, and (quantized) groups of whole chunks."""
+    if bits not in (4, 8, 16) or out_features % 8:
+        return False
+    chunk = values_per_chunk(bits)
+    if in_features % chunk:
+        return False
+    return bits == 16 or (group_size % chunk == 0 and in_features % group_size == 0)
+
+
+@lru_cache(maxsize=None)
+def geometry(in_features: int, out_features: int, bits: int) -> Geometry:
+    """Two column tiles a warp where the columns allow; then split the input width over enough warps
+    for about TARGET_WARPS in flight, each warp keeping at least one chunk per lane."""
+    nt = 2 if out_features % 16 == 0 else 1
+    blocks = out_features // (8 * nt)
+    chunks = in_features // values_per_chunk(bits)
+    split = 1
+    while split < 8 and blocks * split < TARGET_WARPS and 4 * split * 2 <= chunks:
+        split *= 2
+    return Geometry(nt, split)
+
+
+@lru_cache(maxsize=1)
+def _kernel():
+    return mx.fast.cuda_kernel(
+        name="dflash_rows_matmul",
+        input_names=["x", "w", "scales", "biases", "rows"],
+        output_names=["y"],
+        source=_SOURCE,
+        header=_HEADER,
+        ensure_row_contiguous=True,
+    )
+
+
+@lru_cache(maxsize=64)
+def _row_count(m: int) -> mx.array:
+    return mx.array([m], dtype=mx.int32)
+
+
+def rows_matmul(x: mx.array, w: mx.array, scales: mx.array | None, biases: mx.array | None, bits: int,
+                group_size: int) -> mx.array:
+    """`x @ W.T` for bf16 rows x (M, K): W packed (N, K * bits / 32) uint32 with bf16 scales and
+    biases (N, K / group_size), or a bf16 (N, K) matrix with `bits` 16. Returns (M, N) bf16."""
+    m, k = x.shape
+    n = w.shape[0]
+    g = geometry(k, n, bits)
+    tiles = min(MAX_TILES, -(-m // MMA_ROWS))
+    if bits == 16:
+        scales = biases = w[:1, :1]  # unread: the launch still takes four arrays
+    (y,) = _kernel()(
+        inputs=[x, w, scales, biases, _row_count(m)],
+        template=[("K", k), ("N", n), ("BITS", bits), ("G", group_size if bits != 16 else 1),
+                  ("NT", g.nt), ("SPLITK", g.split_k), ("MT", tiles)],
+        grid=(n // (8 * g.nt) * 32 * g.split_k, -(-m // (MMA_ROWS * tiles)), 1),
+        threadgroup=(32 * g.split_k, 1, 1),
+        output_shapes=[(m, n)],
+        output_dtypes=[mx.bfloat16],
+    )
+    return y

@@ -1,0 +1,137 @@
+"""The decode-row matmul kernel (engine/matmul_kernel.py) and how the engine takes it.
+
+On any machine: which weights the kernel takes, that its launch geometry depends on the weight's
+shape alone, that the self-check offers it only where it can run (a CUDA GPU, bf16), and that
+`linear` then sends the decode rows to one kernel call and each prompt chunk to MLX's own product.
+On a CUDA GPU only (skipped elsewhere, `pytest -m gpu` runs them): the kernel computes the float32
+product of the dequantized weights to bf16 accuracy; every row of a call of any row count (1..80)
+is bit-equal to the same row in a call of one row, at 4 and 8 bits and bf16; a changed row changes
+that row alone (so the comparison can fail); the self-check picks the kernel for the 9B fixture's
+weights, and its engine drafts exactly what it decodes plainly.
+"""
+
+from __future__ import annotations
+
+import pytest
+from gpu import ON_CUDA, on_cuda
+from tiny_targets import canonical_weights, config_dict, reference_model, tiny_target
+
+import mlx.core as mx
+
+from dflash_bench.engine import matmul_kernel, selfcheck
+from dflash_bench.engine.backend import FLOAT32_TENSORS
+from dflash_bench.engine.target_config import parse_target_config
+from dflash_bench.engine.targets import build_target
+from dflash_bench.engine.tiles import Layout, Weight, linear
+
+CASES = {  # (in, out, bits, group): 9B-like 4-bit, 8-bit, the default model's bf16, a Q4_1-like 4-bit/32, a ragged split
+    "q4-g64": (1024, 768, 4, 64), "q8-g64": (1024, 512, 8, 64), "bf16": (576, 192, 16, 0),
+    "q4-g32": (576, 1536, 4, 32), "q4-ragged": (96 * 32, 40, 4, 32),
+}
+
+
+def weight(k: int, n: int, bits: int, group: int, seed: int) -> Weight:
+    w = (mx.random.normal((n, k), key=mx.random.key(seed)) * 0.05).astype(mx.bfloat16)
+    if bits == 16:
+        return Weight(w)
+    q, s, b = mx.quantize(w, group_size=group, bits=bits)
+    return Weight.packed(q, s.astype(mx.bfloat16), b.astype(mx.bfloat16), group, bits)
+
+
+# -- everywhere ------------------------------------------------------------------------------------
+def test_the_kernel_takes_whole_chunks_whole_groups_and_whole_column_tiles() -> None:
+    assert matmul_kernel.fits(4096, 12288, 4, 64) and matmul_kernel.fits(576, 192, 16, 0)
+    assert matmul_kernel.fits(576, 1536, 4, 32) and matmul_kernel.fits(1024, 512, 8, 64)
+    assert not matmul_kernel.fits(4096, 12288, 3, 64)  # 3 bits: no layout
+    assert not matmul_kernel.fits(4096, 12, 4, 64)  # 12 columns: not whole 8-column tiles
+    assert not matmul_kernel.fits(4100, 64, 16, 0)  # not whole 8-value bf16 chunks
+    assert not matmul_kernel.fits(4096, 64, 4, 16)  # a group smaller than a 32-value chunk
+
+
+def test_the_geometry_is_a_function_of_the_weight_alone() -> None:
+    """The reduction order of an output is set by NT and SPLITK, which the row count never touches;
+    SPLITK leaves every lane of every warp at least one chunk."""
+    for (k, n, bits, _) in CASES.values():
+        g = matmul_kernel.geometry(k, n, bits)
+        assert g == matmul_kernel.geometry(k, n, bits)
+        assert g.nt in (1, 2) and n % (8 * g.nt) == 0 and g.split_k in (1, 2, 4, 8)
+        assert 4 * g.split_k <= k // matmul_kernel.values_per_chunk(bits)
+    assert matmul_kernel.geometry(4096, 248320, 4).split_k == 1  # a vocab-wide lm_head has blocks enough
+
+
+def test_the_self_check_offers_the_kernel_only_where_it_runs() -> None:
+    w = weight(*CASES["q4-g64"], seed=1)
+    assert selfcheck.kernel_fits(w, mx.bfloat16) == ON_CUDA
+    assert not selfcheck.kernel_fits(w, mx.float32)  # the cpu mode's float32 rows
+    assert (selfcheck.KERNEL in selfcheck.tile_candidates(w, mx.bfloat16)) == ON_CUDA
+    target, _ = tiny_target("llama", "small", layers=2, seed=3)  # float32: tiles everywhere
+    verdict = selfcheck.check(target, fresh=True)
+    assert verdict.passed and selfcheck.KERNEL not in verdict.tiles.values()
+    assert not any(w.kernel for w in target.projections())
+
+
+def test_linear_sends_decode_rows_to_one_kernel_call_and_chunks_to_mlx(monkeypatch) -> None:
+    """With `kernel` set, the decode rows [0, decode_rows) are one kernel call and each prompt chunk's
+    block one MLX call (here both stand-ins record their row counts)."""
+    w = weight(64, 32, 16, 0, seed=2)
+    w.kernel = True
+    calls: list[tuple[str, int]] = []
+    monkeypatch.setattr(Weight, "kernel_product", lambda self, x: calls.append(("kernel", x.shape[0])) or x @ self.w.T)
+    monkeypatch.setattr(Weight, "tile", lambda self, x: calls.append(("mlx", x.shape[0])) or x @ self.w.T)
+    layout = Layout.of([1, 16, 40, 5], [False, False, True, False])  # two decode segments, a chunk, a step
+    x = mx.random.normal((layout.rows, 64)).astype(mx.bfloat16)
+    out = linear(x, w, layout)
+    assert calls == [("kernel", layout.decode_rows), ("mlx", 48)] and out.shape == (layout.rows, 32)
+    calls.clear()
+    linear(x[:32], w)  # no layout (the drafter, the logits): every row in one kernel call
+    assert calls == [("kernel", 32)]
+
+
+# -- on a CUDA GPU ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
+@on_cuda
+def test_rows_of_any_call_equal_the_row_alone(case: tuple[int, int, int, int]) -> None:
+    k, n, bits, group = case
+    w = weight(k, n, bits, group, seed=4)
+    x = mx.random.normal((80, k), key=mx.random.key(5)).astype(mx.bfloat16)
+    alone = mx.concatenate([w.kernel_product(x[i : i + 1]) for i in range(80)])
+    assert bool(mx.all(mx.isfinite(alone)).item())
+    for m in (2, 3, 15, 16, 17, 31, 33, 48, 64, 65, 80):
+        for start in sorted({0, 7, 80 - m}):
+            if start + m <= 80:
+                got = w.kernel_product(x[start : start + m])
+                assert mx.array_equal(got, alone[start : start + m]).item(), (m, start)
+    # the float32 product of the dequantized weights, to bf16 accuracy
+    wf = w.w.astype(mx.float32) if bits == 16 else mx.dequantize(
+        w.w, w.scales.astype(mx.float32), w.biases.astype(mx.float32), group_size=group, bits=bits)
+    ref = x.astype(mx.float32) @ wf.T
+    err = (mx.linalg.norm(alone.astype(mx.float32) - ref) / mx.linalg.norm(ref)).item()
+    assert err < 1e-2, err
+
+
+@on_cuda
+def test_a_changed_row_changes_that_row_alone() -> None:
+    """The negative control: the comparison above sees a difference the test makes itself."""
+    w = weight(*CASES["q4-g64"], seed=6)
+    x = mx.random.normal((16, 1024), key=mx.random.key(7)).astype(mx.bfloat16)
+    y = mx.array(x)
+    y[5, 3] = y[5, 3] + 1.0
+    a, b = w.kernel_product(x), w.kernel_product(y)
+    same = mx.all(a == b, axis=1).tolist()
+    assert same == [i != 5 for i in range(16)]
+
+
+@on_cuda
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_5"])
+def test_the_self_check_picks_the_kernel_in_gpu_mode_and_windows_equal_steps(family: str) -> None:
+    """Every weight the kernel fits takes it, and the model check (window == steps, packed == alone)
+    passes with it, for each family in bf16."""
+    cfg = config_dict(family, "small", 4, False)
+    weights = {name: w if name.endswith(FLOAT32_TENSORS) else w.astype(mx.bfloat16)
+               for name, w in canonical_weights(reference_model(cfg, 8)).items()}
+    target = build_target(parse_target_config(cfg), weights, mx.bfloat16)
+    verdict = selfcheck.check(target, fresh=True)
+    assert verdict.passed, verdict.line()
+    assert any(w.kernel for w in target.projections()) and "the row kernel" in verdict.line()
+    for w in target.projections():
+        assert w.kernel == selfcheck.kernel_fits(w, mx.bfloat16), selfcheck.weight_key(w)
