@@ -61,8 +61,8 @@ def test_the_geometry_is_a_function_of_the_weight_alone() -> None:
 
 def test_the_self_check_offers_the_kernel_only_where_it_runs() -> None:
     w = weight(*CASES["q4-g64"], seed=1)
-    assert selfcheck.kernel_fits(w, mx.bfloat16) == ON_CUDA
-    assert not selfcheck.kernel_fits(w, mx.float32)  # the cpu mode's float32 rows
+    assert w.fits_kernel(mx.bfloat16) == ON_CUDA
+    assert not w.fits_kernel(mx.float32)  # the cpu mode's float32 rows
     assert (selfcheck.KERNEL in selfcheck.tile_candidates(w, mx.bfloat16)) == ON_CUDA
     target, _ = tiny_target("llama", "small", layers=2, seed=3)  # float32: tiles everywhere
     verdict = selfcheck.check(target, fresh=True)
@@ -134,4 +134,4 @@ def test_the_self_check_picks_the_kernel_in_gpu_mode_and_windows_equal_steps(fam
     assert verdict.passed, verdict.line()
     assert any(w.kernel for w in target.projections()) and "the row kernel" in verdict.line()
     for w in target.projections():
-        assert w.kernel == selfcheck.kernel_fits(w, mx.bfloat16), selfcheck.weight_key(w)
+        assert w.kernel == w.fits_kernel(mx.bfloat16), selfcheck.weight_key(w)

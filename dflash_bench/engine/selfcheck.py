@@ -194,13 +194,6 @@ def _differing(got: mx.array, want: mx.array) -> list[int]:
     return [i for i, ok in enumerate(same.tolist()) if not ok]
 
 
-def kernel_fits(w: Weight, dtype: mx.Dtype) -> bool:
-    """Whether the row kernel can take `w` here: a CUDA GPU, bf16 rows, bf16 weights or scales, its shapes."""
-    held = w.scales if w.bits else w.w
-    return (matmul_kernel.available(dtype) and held.dtype == mx.bfloat16
-            and matmul_kernel.fits(w.in_features, w.out_features, w.bits or 16, w.group_size))
-
-
 def projection_fault(w: Weight, tile: int, dtype: mx.Dtype, seed: int = 0) -> str | None:
     """What moves a row's bits in `tile`-row calls against `w` (KERNEL: the row kernel's calls of any
     row count), or None: each row at other positions (rolled), row 0 beside other rows and alone
@@ -336,7 +329,7 @@ def model_faults(target: Target, seed: int = 0) -> list[str]:
 def tile_candidates(w: Weight, dtype: mx.Dtype) -> list[int]:
     """The row kernel where it fits, then the default tile and halves of it down to one row a call
     (each divides ROW_TILE)."""
-    tile, out = row_tile(w.in_features, w.out_features), [KERNEL] if kernel_fits(w, dtype) else []
+    tile, out = row_tile(w.in_features, w.out_features), [KERNEL] if w.fits_kernel(dtype) else []
     while tile >= 1:
         out.append(tile)
         tile //= 2

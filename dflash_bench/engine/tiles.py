@@ -38,7 +38,7 @@ from typing import Literal
 
 import mlx.core as mx
 
-from dflash_bench.engine.matmul_kernel import rows_matmul
+from dflash_bench.engine.matmul_kernel import available, fits, rows_matmul
 
 ROW_TILE = 16
 SMALL_TILE = 8
@@ -108,6 +108,13 @@ class Weight:
                 x, self.w, self.scales, self.biases, transpose=True, group_size=self.group_size, bits=self.bits
             )
         return x @ self.w.T
+
+    def fits_kernel(self, dtype: mx.Dtype) -> bool:
+        """Whether the row kernel can take this weight here: a CUDA GPU, bf16 rows, bf16 weights or
+        scales, and shapes its launch covers (matmul_kernel.py)."""
+        held = self.scales if self.bits else self.w
+        return (available(dtype) and held.dtype == mx.bfloat16
+                and fits(self.in_features, self.out_features, self.bits or 16, self.group_size))
 
     def kernel_product(self, x: mx.array) -> mx.array:
         """`x @ W.T` for any number of bf16 rows in one call of the row-independent kernel."""

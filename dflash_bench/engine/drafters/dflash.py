@@ -74,7 +74,12 @@ class DFlashDrafter:
         self.dtype = weights["hidden_norm.weight"].dtype  # its activations and context K/V: its weights' dtype
 
         def w(name: str) -> Weight:
-            return Weight(weights[name], bits=bits)
+            """A projection; on a CUDA GPU in bf16 it takes the row kernel (matmul_kernel.py): one launch
+            for every stream's block instead of 16-row tiles. Drafts need no row rule (the target's
+            choice decides every token), only determinism, which the kernel has."""
+            weight = Weight(weights[name], bits=bits)
+            weight.kernel = weight.fits_kernel(self.dtype)
+            return weight
 
         self.fc = w("fc.weight")
         self.hidden_norm = weights["hidden_norm.weight"]
