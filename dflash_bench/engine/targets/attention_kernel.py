@@ -276,14 +276,17 @@ def fits(heads: int, kv_heads: int, head_dim: int) -> bool:
 
 
 def geometry(group: int, max_rows: int) -> Geometry:
-    """Rows a block: a power of two up to 8 covering the longest segment, at most 64 pairs a block; 8
-    warps when a block holds more than 4 pairs, else 4 (enough threads to keep a chunk's loads wide)."""
+    """Rows a block: the power of two up to 8 covering the longest segment (so few variants compile), at
+    most 64 (row, head) pairs a block; 8 warps when a block holds more than 4 pairs, else 4 (enough
+    threads to keep a chunk's 16-byte loads many and in flight)."""
     if not 1 <= group <= MAX_GROUP or max_rows < 1:
         raise ValueError(f"no geometry for {group} query heads a kv head and {max_rows} rows")
+    most = 8
+    while most * group > 64:
+        most //= 2
     rb = 1
-    while rb < min(max_rows, 8, 64 // group):
+    while rb < min(max_rows, most):
         rb *= 2
-    rb = min(rb, 64 // group)
     pairs = rb * group
     nw = 8 if pairs > 4 else 4
     return Geometry(rb=rb, nw=nw, qpw=-(-pairs // nw), rg=-(-max_rows // rb))
