@@ -1,9 +1,10 @@
-"""Decode attention for every stream's decode segment in one CUDA launch, row-independent by construction.
+"""Decode attention for every decode segment of a forward at once (a launch for per-partition partials,
+one to combine them), row-independent by construction.
 
 What it computes: for each segment (one stream's decode rows: its pending token plus its drafts, or a
 one-row step), softmax(q k^T * scale) v over that stream's AttentionCache (cache.py), row r of a
 segment starting at position `start` seeing the keys [0, start + r]. It replaces `tiles.attention`'s
-per-segment tile products on a CUDA GPU (dense.py's `decode_attention_path`), which cost 0.57-0.64 ms
+per-segment tile products on a CUDA GPU (dense.py's `kernel_runs_here`), which cost 0.57-0.64 ms
 a layer per stream at 1,024 keys on an H200 (docs/gpu-round-profile.md), once per stream.
 
 Why a row's bits do not depend on its segment's row count, its place in it, or the other segments of
@@ -13,13 +14,15 @@ its own query, its own position p and its stream's keys [0, p]:
 - keys are cut at ABSOLUTE positions: partitions of P keys (one block each), each cut into chunks of
   32 keys, one key per lane. A row takes part in exactly the partitions and chunks holding a key
   <= p (a chunk past p is skipped for that row, never added as zeros);
-- a score is a sequential float32 sum over the head dim in ascending order (`__fmul_rn`/`__fadd_rn`:
-  no FMA contraction), times the scale; a key after p gets -inf and weight exactly 0, decided by p
-  alone; the chunk's max and weight sum are xor butterflies (1, 2, ..., 16) that leave the same bits
-  in every lane;
+- a score is a float32 sum over the head dim in ascending order, one explicit fused multiply-add a
+  term (`__fmaf_rn`; every other step is `__fmul_rn`, `__fadd_rn`, `__fsub_rn`, `__fdiv_rn`, `expf`:
+  explicit intrinsics the compiler neither contracts nor splits, so each rounding is the source's),
+  times the scale; a key after p gets -inf and weight exactly 0, decided by p alone; the chunk's max
+  and weight sum are xor butterflies (1, 2, ..., 16) that leave the same bits in every lane;
 - within a partition the chunks are combined by an online softmax in ascending order; the weighted
-  values are summed per output element over the chunk's keys in ascending order (a key after p is
-  skipped by a predicate, so stale cache rows, whatever they hold, never reach the sum);
+  values are summed per output element over the chunk's keys in ascending order, one fused
+  multiply-add a key (a key after p is skipped by a predicate, so stale cache rows, whatever they
+  hold, never reach the sum);
 - a second launch combines a row's partitions 0 .. p / P in ascending order (max first, then the
   rescaled sums), and divides.
 
@@ -35,8 +38,15 @@ block NT = 32 * NW threads: block (partition, kv head + row group, segment) stag
 of its kv head's K and V in shared memory with 16-byte loads (the chunk is 32 * D contiguous elements
 of the cache) and serves all G = Hq / Hkv query heads of up to RB rows from it, so K/V are read once
 per (segment, kv head, row group). Warp w holds the (row, head) pairs w, w + NW, ... (QPW of them) in
-registers. Pass 2: (D, Hq, rows) threads, one per output element. Partials are float32:
-(rows, Hq, Pmax, 2) for (max, weight sum), (rows, Hq, Pmax, D) for the unnormalized outputs.
+registers. Queries are converted to float32 once, before the launch, not in every block. Pass 2:
+(D, Hq, rows) threads, one per output element. Partials are float32: (rows, Hq, Pmax, 2) for (max,
+weight sum), (rows, Hq, Pmax, D) for the unnormalized outputs.
+
+Why P = 128 keys a block: a stream at 4,096 keys then gives 32 blocks a kv head, enough to spread a
+one-row step over the GPU's SMs, while a block's partials stay a fraction of what it reads (at
+Qwen3.5-9B's heads, 8 rows x 4 heads x 256 floats, 32 KB, against 128 KB of bf16 K and V). Chunks of 32 keys: one a lane, and K and V of a
+chunk fit in the 48 KB of static shared memory MLX's launch allows without an opt-in (at D = 256 in
+float32 V is staged into K's buffer after the scores instead).
 """
 
 from __future__ import annotations
@@ -47,7 +57,7 @@ from itertools import accumulate
 
 import mlx.core as mx
 
-PARTITION = 256  # keys per pass-1 block, at absolute positions (a multiple of CHUNK)
+PARTITION = 128  # keys per pass-1 block, at absolute positions (a multiple of CHUNK)
 CHUNK = 32  # keys per staged chunk: one per lane
 HEAD_DIMS = (32, 64, 128, 256)  # D / 32 elements a lane, each a power of two
 MAX_GROUP = 16  # query heads per kv head a block serves
@@ -98,7 +108,7 @@ __device__ __forceinline__ void da_stage(T* dst, const T* src) {
 }
 """
 
-# Pass 1. Template constants: T (q/K/V dtype), D, G (q heads per kv head), HQ, HKV, RB (rows a block),
+# Pass 1. Template constants: T (K/V dtype; q arrives float32), D, G (q heads per kv head), HQ, HKV, RB (rows a block),
 # NW (warps), QPW (pairs a warp), P (PARTITION). `{select}` picks segment `seg`'s cache pointers.
 # The source avoids the substrings `_shape`, `_strides` and `_ndim`, which would add MLX parameters.
 _PARTIAL = r"""
@@ -171,9 +181,9 @@ _PARTIAL = r"""
       for (int i = 0; i < QPW; ++i) {
         if (live[i] && c0 <= pos[i]) {
           float qq[VEC];
-          da_load<T, VEC>(q + pair[i] * D + d, qq);
+          da_load<float, VEC>(q + pair[i] * D + d, qq);
 #pragma unroll
-          for (int t = 0; t < VEC; ++t) s[i] = __fadd_rn(s[i], __fmul_rn(qq[t], kk[t]));
+          for (int t = 0; t < VEC; ++t) s[i] = __fmaf_rn(qq[t], kk[t], s[i]);
         }
       }
     }
@@ -216,7 +226,7 @@ _PARTIAL = r"""
         if (live[i] && c0 + j <= pos[i]) {
           const float w = weights[warp][i][j];
 #pragma unroll
-          for (int e = 0; e < E; ++e) acc[i][e] = __fadd_rn(acc[i][e], __fmul_rn(w, vv[e]));
+          for (int e = 0; e < E; ++e) acc[i][e] = __fmaf_rn(w, vv[e], acc[i][e]);
         }
       }
     }
@@ -374,7 +384,9 @@ def decode_attention(segments: list[Segment], scale: float) -> mx.array:
     group = hq // hkv
     geo = geometry(group, max(lengths))
     nt = 32 * geo.nw
+    # float32 queries: converted once here, not at every key chunk of every block
     q = mx.concatenate([s[0] for s in segments]) if len(segments) > 1 else segments[0][0]
+    q = q.astype(mx.float32)
     caches = [s[1] for s in segments] + [s[2] for s in segments]
     ml, part_out = _partial_kernel(len(segments))(
         inputs=[q, meta, _scale(scale), *caches],
