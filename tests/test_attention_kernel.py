@@ -45,7 +45,7 @@ def attention_layers(target) -> list[SelfAttention]:
     return [m for m in target.mixer_layers() if isinstance(m, SelfAttention)]
 
 
-def tiled(segments: list[attention_kernel.Segment], scale: float) -> mx.array:
+def tiled(segments: list[attention_kernel.Rows], scale: float) -> mx.array:
     """What the kernel computes, as dense.py's tiled path does it per segment (exact on CPU)."""
     outs = []
     for q, k, v, start in segments:
@@ -180,7 +180,7 @@ def inputs(heads: tuple[int, int, int], rows: list[int], starts: list[int], dtyp
     return out
 
 
-def reference(segments: list[attention_kernel.Segment], scale: float) -> np.ndarray:
+def reference(segments: list[attention_kernel.Rows], scale: float) -> np.ndarray:
     """Causal attention in float64 numpy, row by row."""
     outs = []
     for q, k, v, start in segments:

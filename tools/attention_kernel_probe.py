@@ -27,7 +27,7 @@ import numpy as np
 import mlx.core as mx
 
 from dflash_bench.engine.cache import GROW, tiles_for
-from dflash_bench.engine.targets.attention_kernel import Segment, decode_attention
+from dflash_bench.engine.targets.attention_kernel import Rows, decode_attention
 from dflash_bench.engine.tiles import attention, key_mask, pad_queries, query_positions
 
 SHAPES = {"qwen3.5-9b 16/4x256": (16, 4, 256), "qwen3 32/8x128": (32, 8, 128), "smollm2 9/3x64": (9, 3, 64)}
@@ -49,7 +49,7 @@ def timed(fn: Callable[[], mx.array | list[mx.array]], warm: int = 3, reps: int 
     return statistics.median(times)
 
 
-def make(heads: tuple[int, int, int], context: int, layout: tuple[int, int], seed: int) -> list[Segment]:
+def make(heads: tuple[int, int, int], context: int, layout: tuple[int, int], seed: int) -> list[Rows]:
     """Each stream's last `rows` rows end at `context` keys; caches sized as AttentionCache grows them."""
     hq, hkv, d = heads
     segments, rows = [], layout[1]
@@ -65,7 +65,7 @@ def make(heads: tuple[int, int, int], context: int, layout: tuple[int, int], see
     return segments
 
 
-def tiled_path(segments: list[Segment], scale: float) -> Callable[[], list[mx.array]]:
+def tiled_path(segments: list[Rows], scale: float) -> Callable[[], list[mx.array]]:
     """dense.py's per-segment decode path (masks built beforehand, as a segment caches them per layer)."""
     masks = [key_mask(query_positions(start, q.shape[0]), 0, tiles_for(start + q.shape[0]), start + q.shape[0])
              for q, _, _, start in segments]
@@ -81,7 +81,7 @@ def tiled_path(segments: list[Segment], scale: float) -> Callable[[], list[mx.ar
     return run
 
 
-def reference_error(segments: list[Segment], got: mx.array, scale: float) -> float:
+def reference_error(segments: list[Rows], got: mx.array, scale: float) -> float:
     """Largest |kernel - float64 reference| over the largest |reference|."""
     want = []
     for q, k, v, start in segments:
@@ -96,7 +96,7 @@ def reference_error(segments: list[Segment], got: mx.array, scale: float) -> flo
     return float(np.abs(np.array(got.astype(mx.float32), dtype=np.float64) - ref).max() / np.abs(ref).max())
 
 
-def window_equals_steps(segments: list[Segment], scale: float) -> str:
+def window_equals_steps(segments: list[Rows], scale: float) -> str:
     """Each segment's rows one at a time (junk in the cache after each row) against the whole launch."""
     n = segments[0][0].shape[0]
     if n == 1:
@@ -115,7 +115,7 @@ def window_equals_steps(segments: list[Segment], scale: float) -> str:
     return "PASS"
 
 
-def together_equals_alone(segments: list[Segment], got: mx.array, scale: float) -> str:
+def together_equals_alone(segments: list[Rows], got: mx.array, scale: float) -> str:
     if len(segments) == 1:
         return "n/a"
     alone = mx.concatenate([decode_attention([s], scale) for s in segments])

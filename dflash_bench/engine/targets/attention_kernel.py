@@ -61,7 +61,8 @@ PARTITION = 128  # keys per pass-1 block, at absolute positions (a multiple of C
 CHUNK = 32  # keys per staged chunk: one per lane
 HEAD_DIMS = (32, 64, 128, 256)  # D / 32 elements a lane, each a power of two
 MAX_GROUP = 16  # query heads per kv head a block serves
-Segment = tuple[mx.array, mx.array, mx.array, int]  # q (n, Hq, D), cache k and v (Hkv, capacity, D), start
+# One decode segment as the kernel takes it: q (n, Hq, D), its cache k and v (Hkv, capacity, D), start
+Rows = tuple[mx.array, mx.array, mx.array, int]
 
 _HEADER = r"""
 __device__ __forceinline__ float da_to_f(float x) { return x; }
@@ -343,7 +344,7 @@ def _scale(scale: float) -> mx.array:
     return mx.array([scale], dtype=mx.float32)
 
 
-def check_segments(segments: list[Segment]) -> tuple[int, int, int, mx.Dtype]:
+def check_segments(segments: list[Rows]) -> tuple[int, int, int, mx.Dtype]:
     """(Hq, Hkv, D, dtype) shared by every segment, or ValueError: each segment has rows, one dtype
     and one head layout the kernel covers, a cache of CHUNK-multiple capacity holding its rows."""
     if not segments:
@@ -365,7 +366,7 @@ def check_segments(segments: list[Segment]) -> tuple[int, int, int, mx.Dtype]:
     return hq, hkv, d, dtype
 
 
-def decode_attention(segments: list[Segment], scale: float) -> mx.array:
+def decode_attention(segments: list[Rows], scale: float) -> mx.array:
     """Every segment's causal attention over its own cache, in two launches: (sum n_i, Hq, D) in q's dtype,
     the segments' rows in order.
 

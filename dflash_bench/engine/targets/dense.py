@@ -59,7 +59,7 @@ class SelfAttention:
         q, k, v = linear(x, self.q, layout), linear(x, self.k, layout), linear(x, self.v, layout)
         attended: list[mx.array | None] = []  # each segment's (n, Hq * D) attention output
         gates: list[mx.array | None] = []
-        launch: list[attention_kernel.Segment] = []  # the decode segments' kernel inputs, in order
+        launch: list[attention_kernel.Rows] = []  # the decode segments' kernel inputs, in order
         spans = layout.spans
         for seg, qs, ks, vs in zip(segments, per_segment(q, spans), per_segment(k, spans), per_segment(v, spans)):
             n = len(seg.tokens)
