@@ -1,4 +1,10 @@
-"""llama and qwen3: dense decoder layers (qwen3 adds RMS norms on each head's queries and keys)."""
+"""llama and qwen3: dense decoder layers (qwen3 adds RMS norms on each head's queries and keys).
+
+`SelfAttention` is also qwen3_5's full attention (gated). A prompt chunk's attention is MLX's SDPA; decode
+rows take `tiles.attention` one segment at a time or, on a CUDA GPU, attention_kernel.py's launch for
+every decode segment of the forward (docs/gpu-round-profile.md: the per-segment path cost 0.57-0.64 ms a
+layer per stream there). Both are row-independent; they differ in the last bits, so a layer runs one.
+"""
 
 from __future__ import annotations
 
