@@ -86,13 +86,15 @@ def reference_error(segments: list[Rows], got: mx.array, scale: float) -> float:
     want = []
     for q, k, v, start in segments:
         q64, k64, v64 = (np.array(x.astype(mx.float32), dtype=np.float64) for x in (q, k, v))
-        group = q64.shape[1] // k64.shape[0]
-        for r in range(q64.shape[0]):
-            kk, vv = np.repeat(k64[:, : start + r + 1], group, 0), np.repeat(v64[:, : start + r + 1], group, 0)
-            s = np.einsum("hd,hkd->hk", q64[r], kk) * scale
-            w = np.exp(s - s.max(-1, keepdims=True))
-            want.append(np.einsum("hk,hkd->hd", w / w.sum(-1, keepdims=True), vv))
-    ref = np.stack(want)
+        n, hq, d = q64.shape
+        hkv, keys = k64.shape[0], start + n
+        s = np.einsum("nkgd,kld->nkgl", q64.reshape(n, hkv, hq // hkv, d), k64[:, :keys]) * scale
+        after = np.arange(keys)[None, :] > start + np.arange(n)[:, None]  # (rows, keys): keys past each row
+        s = np.where(after[:, None, None, :], -np.inf, s)
+        w = np.exp(s - s.max(-1, keepdims=True))
+        w /= w.sum(-1, keepdims=True)
+        want.append(np.einsum("nkgl,kld->nkgd", w, v64[:, :keys]).reshape(n, hq, d))
+    ref = np.concatenate(want)
     return float(np.abs(np.array(got.astype(mx.float32), dtype=np.float64) - ref).max() / np.abs(ref).max())
 
 
