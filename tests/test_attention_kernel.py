@@ -4,7 +4,8 @@ On any machine: a layer runs the kernel only when MLX computes on a GPU of a CUD
 covers its heads; the launch's geometry and argument checks; every decode segment of a forward goes
 through one call a layer (a prompt chunk keeps MLX's SDPA) and the outputs land on their own rows;
 the self-check tries the kernel first where it runs, keys it, and falls back to the tile products when
-it is row-dependent or fails. On a CUDA GPU only (skipped elsewhere), with fresh random inputs each run
+it is row-dependent or fails. Where g++ is (any machine): the kernel's CUDA source, run on the CPU by
+tests/cuda_emulator.py, is exact and right at a small shape. On a CUDA GPU only (skipped elsewhere), with fresh random inputs each run
 (the seed is in every failure message): the kernel agrees with a float64 reference (bf16 within 1e-2
 and float32 within 2e-5 of the largest output); a window's rows equal the same rows one at a time bit
 for bit, starting inside a chunk, across a chunk, across a partition, deep in the cache, with junk in
@@ -16,7 +17,9 @@ from __future__ import annotations
 
 import random
 import secrets
+import shutil
 
+import cuda_emulator
 import numpy as np
 import pytest
 from tiny_targets import tiny_target
@@ -163,6 +166,31 @@ def test_the_self_check_tries_the_kernel_first_keys_it_and_falls_back(monkeypatc
         path, result = selfcheck._first_exact("attention", selfcheck.attention_paths(a),
                                               lambda p: selfcheck.attention_fault(a, mx.float32, p), str)
         assert path == "tiled" and result.passed and why in result.choice
+
+
+# -- on any machine with g++: the kernel's CUDA source, run by tests/cuda_emulator.py ------------------
+@pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles the kernel source with g++")
+def test_the_kernel_source_run_on_a_cpu_is_exact_and_right(monkeypatch) -> None:
+    """The source's indexing, staging, masking and barriers, without a GPU: a 4-row window across a
+    partition and a chunk equals its rows one at a time (junk in the cache after each), segments together
+    equal each alone, every element is written, and it agrees with the float64 reference."""
+    cuda_emulator.install(monkeypatch)
+    seed = secrets.randbits(31)
+    heads, scale = (4, 2, 64), 64**-0.5
+    segments = inputs(heads, [4, 1, 4], [PARTITION - 2, 9, 300], mx.bfloat16, seed)
+    together = decode_attention(segments, scale)
+    assert mx.all(mx.isfinite(together)).item(), f"seed {seed}: elements left unwritten"
+    want = reference(segments, scale)
+    error = np.abs(np.array(together.astype(mx.float32), dtype=np.float64) - want).max() / np.abs(want).max()
+    assert error <= TOLERANCE[mx.bfloat16], f"seed {seed}: {error:.2e} relative"
+    assert same(together, mx.concatenate([decode_attention([s], scale) for s in segments])), f"seed {seed}"
+    q, k, v, start = segments[0]
+    [(_, junk_k, junk_v, _)] = inputs(heads, [4], [start], mx.bfloat16, seed + 1)
+    positions = mx.arange(k.shape[1])[None, :, None]
+    for t in range(4):
+        seen = positions <= start + t
+        step = decode_attention([(q[t : t + 1], mx.where(seen, k, junk_k), mx.where(seen, v, junk_v), start + t)], scale)
+        assert same(step, together[t : t + 1]), f"seed {seed}: row {t}"
 
 
 # -- on a CUDA GPU: the kernel itself ------------------------------------------------------------------
