@@ -344,6 +344,12 @@ def _scale(scale: float) -> mx.array:
     return mx.array([scale], dtype=mx.float32)
 
 
+@lru_cache(maxsize=64)
+def _meta(values: tuple[int, ...]) -> mx.array:
+    """The launch's int32 layout, made once per forward: every attention layer of it has the same one."""
+    return mx.array(values, dtype=mx.int32)
+
+
 def check_segments(segments: list[Rows]) -> tuple[int, int, int, mx.Dtype]:
     """(Hq, Hkv, D, dtype) shared by every segment, or ValueError: each segment has rows, one dtype
     and one head layout the kernel covers, a cache of CHUNK-multiple capacity holding its rows."""
@@ -381,7 +387,7 @@ def decode_attention(segments: list[Rows], scale: float) -> mx.array:
     pmax = max(-(-(start + n) // PARTITION) for (_, _, _, start), n in zip(segments, lengths))
     positions = [start + r for (_, _, _, start), n in zip(segments, lengths) for r in range(n)]
     seg_meta = [x for (_, k, _, start), n, row0 in zip(segments, lengths, offsets) for x in (row0, start, n, k.shape[1])]
-    meta = mx.array([pmax, rows, *positions, *seg_meta], dtype=mx.int32)
+    meta = _meta((pmax, rows, *positions, *seg_meta))
     group = hq // hkv
     geo = geometry(group, max(lengths))
     nt = 32 * geo.nw
