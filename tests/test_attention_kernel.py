@@ -7,8 +7,8 @@ the self-check tries the kernel first where it runs, keys it, and falls back to 
 it is row-dependent or fails. Where g++ is (any machine): the kernel's CUDA source, run on the CPU by
 tests/cuda_emulator.py, is exact and right at a small shape. On a CUDA GPU only (skipped elsewhere),
 with fresh random inputs each run (the seed is in every failure message): the kernel agrees with a
-float64 reference (bf16 within 4e-3 and float32 within 2e-5 of the largest output: the bf16 output's
-rounding, and float32 sums over a few thousand keys); a window's rows equal the same rows one at a time bit
+float64 reference (bf16 within 8e-3 and float32 within 2e-5 of the largest output: twice the bf16
+output's rounding of 2^-8, and float32 sums over a few thousand keys); a window's rows equal the same rows one at a time bit
 for bit, starting inside a chunk, across a chunk, across a partition, deep in the cache, with junk in
 the cache after each step's position; segments launched together equal each alone; every output
 element is written; and the fixtures in gpu mode draft exactly what they decode plainly.
@@ -42,7 +42,7 @@ on_cuda = pytest.mark.skipif(not ON_CUDA, reason="the kernel runs only where MLX
 # (Hq, Hkv, D): Qwen3.5-9B's full-attention layers, qwen3's, SmolLM2-135M's (the default model), a
 # group of one at the smallest head dim, a group of eight
 HEADS = {"9b": (16, 4, 256), "qwen3": (32, 8, 128), "smol": (9, 3, 64), "mha": (4, 4, 32), "g8": (16, 2, 128)}
-TOLERANCE = {mx.bfloat16: 4e-3, mx.float32: 2e-5}  # of the largest |output|, against float64
+TOLERANCE = {mx.bfloat16: 8e-3, mx.float32: 2e-5}  # of the largest |output|, against float64
 
 
 def attention_layers(target) -> list[SelfAttention]:
