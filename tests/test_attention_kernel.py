@@ -105,6 +105,7 @@ def test_bad_arguments_are_refused_before_any_launch() -> None:
         "a capacity not in whole chunks": [(q, mx.zeros((2, 40, 64)), mx.zeros((2, 40, 64)), 0)],
         "no rows": [(mx.zeros((0, 8, 64)), k, k, 0)],
         "a cache without heads": [(q, mx.zeros((64, 64)), mx.zeros((64, 64)), 0)],
+        "a second segment's cache without heads": [(q, k, k, 0), (q, mx.zeros((2, 64)), mx.zeros((2, 64)), 0)],
     }
     for why, segments in bad.items():
         with pytest.raises(ValueError):

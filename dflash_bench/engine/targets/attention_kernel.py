@@ -329,6 +329,7 @@ def _partial_kernel(segments: int):
 
 @lru_cache(maxsize=1)
 def _combine_kernel():
+    """Pass 2: one source for every launch (its templates differ by dtype and head dim alone)."""
     return mx.fast.cuda_kernel(
         name="dflash_attention_combine",
         input_names=["meta", "ml", "part_out"],
@@ -355,9 +356,10 @@ def check_segments(segments: list[Rows]) -> tuple[int, int, int, mx.Dtype]:
     and one head layout the kernel covers, a cache of CHUNK-multiple capacity holding its rows."""
     if not segments:
         raise ValueError("decode attention needs at least one segment")
+    for q, k, v, _ in segments:
+        if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
+            raise ValueError(f"queries are (n, Hq, D) and caches (Hkv, capacity, D), got {q.shape}, {k.shape}, {v.shape}")
     q0, k0 = segments[0][0], segments[0][1]
-    if q0.ndim != 3 or k0.ndim != 3:
-        raise ValueError(f"queries are (n, Hq, D) and caches (Hkv, capacity, D), got {q0.shape} and {k0.shape}")
     hq, d, hkv, dtype = q0.shape[1], q0.shape[2], k0.shape[0], q0.dtype
     if not fits(hq, hkv, d):
         raise ValueError(f"no launch for {hq}/{hkv} heads of {d}")
