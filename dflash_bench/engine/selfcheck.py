@@ -14,7 +14,9 @@ target, on the device and dtype that will serve:
   tried first, over KERNEL_ROWS rows (three 16-row MMA tiles, the last partial): rows rolled, beside
   other rows, a row alone in a one-row call, a 16-row slice alone, the call repeated;
 - decode attention, per attention shape: a 16-row window whose positions cross a key tile equals
-  the same queries fed one at a time; the tiled path first, else the elementwise one (tiles.py);
+  the same queries fed one at a time; on a CUDA GPU our kernel first (attention_kernel.py: also
+  segments launched together equal each alone, and keys past a row do not move it), then the tiled
+  path, then the elementwise one (tiles.py);
 - qwen3_5's conv and decode recurrence, per shape: a window equals single rows, in the recurrence
   the layers run on this device (qwen3_5.py's `decode_recurrence`: the CUDA kernel on a CUDA GPU,
   mlx-lm's `gated_delta_ops` elsewhere; no other path is tried);
@@ -44,8 +46,9 @@ from mlx_lm.models.gated_delta import compute_g
 
 from dflash_bench.engine import blas, matmul_kernel
 from dflash_bench.engine.cache import TargetState, tiles_for
+from dflash_bench.engine.targets import attention_kernel
 from dflash_bench.engine.targets.base import Segment, Target
-from dflash_bench.engine.targets.dense import SelfAttention
+from dflash_bench.engine.targets.dense import DecodePath, SelfAttention
 from dflash_bench.engine.targets.qwen3_5 import RECURRENCES, GatedDeltaNet
 from dflash_bench.engine.tiles import (
     KEY_TILE, ROW_TILE, AttentionPath, Weight, attention, key_mask, pad_queries, query_positions, row_tile,
@@ -137,7 +140,7 @@ def _code_hash() -> str:
     from dflash_bench.engine.targets import base, delta_kernel, dense, qwen3_5
 
     h = hashlib.sha256()
-    for module in (tiles, matmul_kernel, cache, base, dense, qwen3_5, delta_kernel):
+    for module in (tiles, matmul_kernel, cache, base, dense, qwen3_5, delta_kernel, attention_kernel):
         h.update(Path(module.__file__).read_bytes())
     h.update(Path(__file__).read_bytes())
     return h.hexdigest()[:16]
@@ -160,7 +163,13 @@ def weight_key(w: Weight) -> str:
 
 
 def attention_key(a: SelfAttention) -> str:
-    return f"{a.heads}/{a.kv_heads} heads of {a.head_dim}"
+    """The shapes, and whether the layer can run our kernel here: a layer that gains or loses it is proven again."""
+    return f"{a.heads}/{a.kv_heads} heads of {a.head_dim}{', kernel' if a.kernel else ''}"
+
+
+def attention_paths(a: SelfAttention) -> list[DecodePath]:
+    """The decode paths tried for a layer, in order: the kernel where it runs, then the tile products."""
+    return (["kernel"] if a.kernel else []) + list(ATTENTION_PATHS)
 
 
 def recurrence_key(m: GatedDeltaNet) -> str:
@@ -217,9 +226,11 @@ def projection_fault(w: Weight, tile: int, dtype: mx.Dtype, seed: int = 0) -> st
     return None
 
 
-def attention_fault(a: SelfAttention, dtype: mx.Dtype, path: AttentionPath, seed: int = 0) -> str | None:
+def attention_fault(a: SelfAttention, dtype: mx.Dtype, path: DecodePath, seed: int = 0) -> str | None:
     """A WINDOW-row window at positions PROMPT.. against the engine's key view, beside the same
     queries fed one at a time (each over its own, shorter, view): which rows differ."""
+    if path == "kernel":
+        return kernel_fault(a, dtype, seed)
     end = PROMPT + WINDOW
     k = _rand((a.kv_heads, tiles_for(end), a.head_dim), seed, dtype)
     v = _rand((a.kv_heads, tiles_for(end), a.head_dim), seed + 1, dtype)
@@ -236,6 +247,39 @@ def attention_fault(a: SelfAttention, dtype: mx.Dtype, path: AttentionPath, seed
     mx.eval(window, steps)
     if bad := _differing(window.swapaxes(0, 1), steps.swapaxes(0, 1)):
         return f"window rows {bad[:4]}{'...' if len(bad) > 4 else ''} differ from single queries"
+    return None
+
+
+def kernel_fault(a: SelfAttention, dtype: mx.Dtype, seed: int = 0) -> str | None:
+    """attention_kernel.py on this device: a WINDOW-row window whose positions cross a partition (and so
+    a chunk and a key tile) beside the same queries one at a time, each step seeing junk in the cache
+    rows after its position; and the window launched between two other streams' segments (a step, and
+    a 3-row window) beside each alone. A kernel that fails to build or run is a fault, not a crash."""
+    d, hkv, hq = a.head_dim, a.kv_heads, a.heads
+    run = attention_kernel.decode_attention
+    start = attention_kernel.PARTITION - WINDOW // 2
+    cap = tiles_for(start + WINDOW)
+    k, v = _rand((hkv, cap, d), seed, dtype), _rand((hkv, cap, d), seed + 1, dtype)
+    q = _rand((WINDOW, hq, d), seed + 2, dtype)
+    junk_k, junk_v = _rand((hkv, cap, d), seed + 3, dtype) * 8, _rand((hkv, cap, d), seed + 4, dtype) * 8
+    other_step = (_rand((1, hq, d), seed + 5, dtype), junk_k, junk_v, 9)
+    other_window = (_rand((3, hq, d), seed + 6, dtype), v, k, start + 30)
+    try:
+        window = run([(q, k, v, start)], a.scale)
+        steps = []
+        for t in range(WINDOW):
+            seen = (mx.arange(cap) <= start + t)[None, :, None]
+            steps.append(run([(q[t : t + 1], mx.where(seen, k, junk_k), mx.where(seen, v, junk_v), start + t)], a.scale))
+        steps = mx.concatenate(steps)
+        together = run([other_step, (q, k, v, start), other_window], a.scale)
+        alone = mx.concatenate([run([other_step], a.scale), window, run([other_window], a.scale)])
+        mx.eval(window, steps, together, alone)
+    except (RuntimeError, ValueError) as err:
+        return f"the kernel failed: {err}"
+    if bad := _differing(window, steps):
+        return f"kernel window rows {bad[:4]}{'...' if len(bad) > 4 else ''} differ from single queries"
+    if bad := _differing(together, alone):
+        return f"kernel rows {bad[:4]}{'...' if len(bad) > 4 else ''} launched beside other streams' differ from alone"
     return None
 
 
@@ -354,7 +398,7 @@ def _run(target: Target, key: str, mach: dict) -> Verdict:
             tiles[wkey] = tile
     mixers = target.mixer_layers()
     for akey, a in sorted({attention_key(m): m for m in mixers if isinstance(m, SelfAttention)}.items()):
-        path, result = _first_exact(f"attention {akey}", list(ATTENTION_PATHS), lambda p: attention_fault(a, dtype, p), str)
+        path, result = _first_exact(f"attention {akey}", attention_paths(a), lambda p: attention_fault(a, dtype, p), str)
         paths.append(result)
         if path is not None:
             chosen_paths[akey] = path

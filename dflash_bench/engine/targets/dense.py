@@ -1,13 +1,33 @@
-"""llama and qwen3: dense decoder layers (qwen3 adds RMS norms on each head's queries and keys)."""
+"""llama and qwen3: dense decoder layers (qwen3 adds RMS norms on each head's queries and keys).
+
+`SelfAttention` is also qwen3_5's full attention (gated). A prompt chunk's attention is MLX's SDPA; decode
+rows take `tiles.attention` one segment at a time or, on a CUDA GPU, attention_kernel.py's launch for
+every decode segment of the forward (docs/gpu-round-profile.md: the per-segment path cost 0.57-0.64 ms a
+layer per stream there). Both are row-independent; they differ in the last bits, so a layer runs one.
+"""
 
 from __future__ import annotations
+
+from typing import Literal
 
 import mlx.core as mx
 
 from dflash_bench.engine.cache import AttentionCache, TargetState
 from dflash_bench.engine.target_config import TargetConfig
+from dflash_bench.engine.targets import attention_kernel
 from dflash_bench.engine.targets.base import Segment, Target, as_weight, per_segment
 from dflash_bench.engine.tiles import AttentionPath, Layout, Weight, attention, linear, pad_queries
+
+# How a layer runs its decode rows: `tiles.attention` per segment (its two paths), or attention_kernel.py's
+# launch for every decode segment of the forward at once.
+DecodePath = AttentionPath | Literal["kernel"]
+
+
+def kernel_runs_here(heads: tuple[int, int, int], device: mx.Device, cuda: bool) -> bool:
+    """Whether a layer of `heads` (Hq, Hkv, D) can run decode attention as our CUDA kernel when MLX
+    computes on `device`: on a GPU of a CUDA build (`cuda`: `mx.cuda.is_available()`) whose launch covers
+    the heads; never on a CPU or a Metal GPU (as qwen3_5.py's `decode_recurrence`)."""
+    return device.type == mx.DeviceType.gpu and cuda and attention_kernel.fits(*heads)
 
 
 class SelfAttention:
@@ -29,15 +49,23 @@ class SelfAttention:
         self.rope_theta = config.rope_theta
         self.gated = gated
         self.scale = self.head_dim**-0.5
-        self.path: AttentionPath = "tiled"  # a decode window's tile products (set by the self-check)
+        heads = (self.heads, self.kv_heads, self.head_dim)
+        self.kernel = kernel_runs_here(heads, mx.default_device(), mx.cuda.is_available())
+        # what decode rows run: the kernel where it runs, else the tile products (the self-check proves the
+        # path on the machine that serves, falling back to the tiled and elementwise ones: selfcheck.py)
+        self.path: DecodePath = "kernel" if self.kernel else "tiled"
 
     @property
     def projections(self) -> tuple[Weight, ...]:
         return self.q, self.k, self.v, self.o
 
     def __call__(self, x: mx.array, segments: list[Segment], layout: Layout, layer: int) -> mx.array:
+        """Each segment's rows over its own stream's cache. A prompt chunk takes MLX's SDPA alone; decode
+        segments take the tile products one by one or, on the kernel path, one launch for all of them."""
         q, k, v = linear(x, self.q, layout), linear(x, self.k, layout), linear(x, self.v, layout)
-        outs = []
+        attended: list[mx.array | None] = []  # each segment's (n, Hq * D) attention output
+        gates: list[mx.array | None] = []
+        launch: list[attention_kernel.Rows] = []  # the decode segments' kernel inputs, in order
         spans = layout.spans
         for seg, qs, ks, vs in zip(segments, per_segment(q, spans), per_segment(k, spans), per_segment(v, spans)):
             n = len(seg.tokens)
@@ -45,6 +73,7 @@ class SelfAttention:
                 qs, gate = mx.split(qs.reshape(n, self.heads, 2 * self.head_dim), 2, axis=-1)
             else:
                 qs, gate = qs.reshape(n, self.heads, self.head_dim), None
+            gates.append(gate)
             ks = ks.reshape(n, self.kv_heads, self.head_dim)
             if self.q_norm is not None:
                 qs = mx.fast.rms_norm(qs, self.q_norm, self.eps)
@@ -57,14 +86,23 @@ class SelfAttention:
             cache.write(seg.start, ks, vs)
             if seg.prefill:
                 o = self.prefill_attention(qs, cache, seg.start + n)
+            elif self.path == "kernel":
+                launch.append((qs.transpose(1, 0, 2), cache.k, cache.v, seg.start))
+                attended.append(None)
+                continue
             else:
                 keys, values = cache.view(seg.start + n)
                 o = attention(pad_queries(qs), keys, values, seg.key_mask(keys.shape[1]), scale=self.scale,
                               path=self.path)[:, :n]
-            o = o.transpose(1, 0, 2).reshape(n, self.heads * self.head_dim)
-            if gate is not None:
-                o = o * mx.sigmoid(gate.reshape(n, -1))
-            outs.append(o)
+            attended.append(o.transpose(1, 0, 2).reshape(n, self.heads * self.head_dim))
+        if launch:
+            rows = attention_kernel.decode_attention(launch, self.scale).reshape(-1, self.heads * self.head_dim)
+            cursor = 0
+            for i, o in enumerate(attended):
+                if o is None:
+                    n = len(segments[i].tokens)
+                    attended[i], cursor = rows[cursor : cursor + n], cursor + n
+        outs = [o if gate is None else o * mx.sigmoid(gate.reshape(o.shape[0], -1)) for o, gate in zip(attended, gates)]
         return linear(layout.pack(outs), self.o, layout)
 
     def prefill_attention(self, q: mx.array, cache: AttentionCache, length: int) -> mx.array:

@@ -1,0 +1,417 @@
+"""Decode attention for every decode segment of a forward at once (a launch for per-partition partials,
+one to combine them), row-independent by construction.
+
+What it computes: for each segment (one stream's decode rows: its pending token plus its drafts, or a
+one-row step), softmax(q k^T * scale) v over that stream's AttentionCache (cache.py), row r of a
+segment starting at position `start` seeing the keys [0, start + r]. It replaces `tiles.attention`'s
+per-segment tile products on a CUDA GPU (dense.py's `kernel_runs_here`), which cost 0.57-0.64 ms
+a layer per stream at 1,024 keys on an H200 (docs/gpu-round-profile.md), once per stream.
+
+Why a row's bits do not depend on its segment's row count, its place in it, or the other segments of
+the launch (what drafted == plain needs, targets/base.py): a row's arithmetic is a fixed function of
+its own query, its own position p and its stream's keys [0, p]:
+
+- keys are cut at ABSOLUTE positions: partitions of P keys (one block each), each cut into chunks of
+  32 keys, one key per lane. A row takes part in exactly the partitions and chunks holding a key
+  <= p (a chunk past p is skipped for that row, never added as zeros);
+- a score is a float32 sum over the head dim in ascending order, one explicit fused multiply-add a
+  term (`__fmaf_rn`; every other step is `__fmul_rn`, `__fadd_rn`, `__fsub_rn`, `__fdiv_rn`, `expf`:
+  explicit intrinsics the compiler neither contracts nor splits, so each rounding is the source's),
+  times the scale; a key after p gets -inf and weight exactly 0, decided by p alone; the chunk's max
+  and weight sum are xor butterflies (1, 2, ..., 16) that leave the same bits in every lane;
+- within a partition the chunks are combined by an online softmax in ascending order; the weighted
+  values are summed per output element over the chunk's keys in ascending order, one fused
+  multiply-add a key (a key after p is skipped by a predicate, so stale cache rows, whatever they
+  hold, never reach the sum);
+- a second launch combines a row's partitions 0 .. p / P in ascending order (max first, then the
+  rescaled sums), and divides.
+
+Which warp or register slot holds a row, how many rows share its block, which row group or segment
+the block serves: none of it enters a row's arithmetic. So a 16-row verify window equals 16 one-row
+steps bit for bit, and segments launched together equal each alone (tests/test_attention_kernel.py on a
+CUDA GPU; the engine's self-check proves it again where it serves, selfcheck.py). It differs from
+`tiles.attention` in the last bits (another summation order), so a layer runs one or the other for
+all its decode rows.
+
+Launch geometry (pass 1, grid in threads as MLX's `cuda_kernel` takes it): (Pmax * NT, Hkv * RG, S),
+block NT = 32 * NW threads: block (partition, kv head + row group, segment) stages each 32-key chunk
+of its kv head's K and V in shared memory with 16-byte loads (the chunk is 32 * D contiguous elements
+of the cache) and serves all G = Hq / Hkv query heads of up to RB rows from it, so K/V are read once
+per (segment, kv head, row group). Warp w holds the (row, head) pairs w, w + NW, ... (QPW of them) in
+registers. Queries are converted to float32 once, before the launch, not in every block. Pass 2:
+(D, Hq, rows) threads, one per output element. Partials are float32: (rows, Hq, Pmax, 2) for (max,
+weight sum), (rows, Hq, Pmax, D) for the unnormalized outputs.
+
+Why P = 128 keys a block: a stream at 4,096 keys then gives 32 blocks a kv head, enough to spread a
+one-row step over the GPU's SMs, while a block's partials stay a fraction of what it reads (at
+Qwen3.5-9B's heads, 8 rows x 4 heads x 256 floats, 32 KB, against 128 KB of bf16 K and V). Chunks of 32 keys: one a lane, and K and V of a
+chunk fit in the 48 KB of static shared memory MLX's launch allows without an opt-in (at D = 256 in
+float32 V is staged into K's buffer after the scores instead).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from itertools import accumulate
+
+import mlx.core as mx
+
+PARTITION = 128  # keys per pass-1 block, at absolute positions (a multiple of CHUNK)
+CHUNK = 32  # keys per staged chunk: one per lane
+HEAD_DIMS = (32, 64, 128, 256)  # D / 32 elements a lane, each a power of two
+MAX_GROUP = 16  # query heads per kv head a block serves
+# One decode segment as the kernel takes it: q (n, Hq, D), its cache k and v (Hkv, capacity, D), start
+Rows = tuple[mx.array, mx.array, mx.array, int]
+
+_HEADER = r"""
+__device__ __forceinline__ float da_to_f(float x) { return x; }
+__device__ __forceinline__ float da_to_f(__half x) { return __half2float(x); }
+__device__ __forceinline__ float da_to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T da_from_f(float x);
+template <> __device__ __forceinline__ float da_from_f<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half da_from_f<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 da_from_f<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+template <typename T, int N> struct alignas(N * sizeof(T)) da_pack { T v[N]; };
+
+// N consecutive elements at p as floats, in loads of 16 bytes (or of all N where that is less).
+template <typename T, int N>
+__device__ __forceinline__ void da_load(const T* p, float* out) {
+  constexpr int W = (N * sizeof(T) >= 16) ? 16 / (int)sizeof(T) : N;
+#pragma unroll
+  for (int i = 0; i < N / W; ++i) {
+    const da_pack<T, W> pk = reinterpret_cast<const da_pack<T, W>*>(p)[i];
+#pragma unroll
+    for (int t = 0; t < W; ++t) {
+      out[i * W + t] = da_to_f(pk.v[t]);
+    }
+  }
+}
+
+// A chunk of 32 keys (32 * D contiguous elements at src) into shared rows of pitch DP.
+template <typename T, int D, int DP, int NT>
+__device__ __forceinline__ void da_stage(T* dst, const T* src) {
+  constexpr int VEC = 16 / (int)sizeof(T);
+  constexpr int PIECES = 32 * D / VEC;
+#pragma unroll
+  for (int u = 0; u < (PIECES + NT - 1) / NT; ++u) {
+    const int idx = threadIdx.x + u * NT;
+    if (PIECES % NT == 0 || idx < PIECES) {
+      const int key = idx / (D / VEC);
+      const int piece = idx % (D / VEC);
+      *reinterpret_cast<uint4*>(dst + key * DP + piece * VEC) = reinterpret_cast<const uint4*>(src)[idx];
+    }
+  }
+}
+"""
+
+# Pass 1. Template constants: T (K/V dtype; q arrives float32), D, G (q heads per kv head), HQ, HKV, RB (rows a block),
+# NW (warps), QPW (pairs a warp), P (PARTITION). `{select}` picks segment `seg`'s cache pointers.
+# The source avoids the substrings `_shape`, `_strides` and `_ndim`, which would add MLX parameters.
+_PARTIAL = r"""
+  constexpr int C = 32;
+  constexpr int VEC = 16 / (int)sizeof(T);
+  constexpr int DP = D + VEC;  // shared row pitch: 16 bytes of padding keep lanes' rows off one bank
+  constexpr int E = D / 32;    // output elements a lane
+  constexpr int NT = NW * 32;
+  constexpr bool SPLIT = 2 * C * DP * (int)sizeof(T) > 36 * 1024;  // V reuses K's buffer after the scores
+  __shared__ __align__(16) T kbuf[C * DP];
+  __shared__ __align__(16) T vown[SPLIT ? VEC : C * DP];
+  __shared__ float weights[NW][QPW][C];
+  const T* vbuf = SPLIT ? kbuf : vown;
+  const float NEG_INF = __int_as_float(0xff800000);
+
+  const int part = blockIdx.x;
+  const int hk = blockIdx.y % HKV;
+  const int rg = blockIdx.y / HKV;
+  const int seg = blockIdx.z;
+  const int pmax = meta[0];
+  const int rows_all = meta[1];
+  const int* sm = meta + 2 + rows_all + 4 * seg;
+  const int row0 = sm[0], start = sm[1], n = sm[2], cap = sm[3];
+  const int r_lo = rg * RB;
+  if (r_lo >= n) return;
+  const int rows = min(RB, n - r_lo);
+  const int k_lo = part * P;
+  const int k_end = min(k_lo + P, start + r_lo + rows);  // one past the last key a row here sees
+  if (k_lo >= k_end) return;
+  const T* kp;
+  const T* vp;
+{select}
+  kp += (long long)hk * cap * D;
+  vp += (long long)hk * cap * D;
+  const float sc = scale[0];
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+
+  bool live[QPW];
+  int pos[QPW];
+  long long pair[QPW];  // (global row, q head), the index of q's and out's rows
+  float m[QPW], l[QPW], acc[QPW][E];
+#pragma unroll
+  for (int i = 0; i < QPW; ++i) {
+    const int qi = warp + NW * i;
+    const int r = qi / G;
+    live[i] = qi < rows * G;
+    pos[i] = start + r_lo + r;
+    pair[i] = (long long)(row0 + r_lo + r) * HQ + hk * G + qi % G;
+    m[i] = NEG_INF;
+    l[i] = 0.0f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) acc[i][e] = 0.0f;
+  }
+
+  for (int c0 = k_lo; c0 < k_end; c0 += C) {
+    da_stage<T, D, DP, NT>(kbuf, kp + (long long)c0 * D);
+    if constexpr (!SPLIT) da_stage<T, D, DP, NT>(vown, vp + (long long)c0 * D);
+    __syncthreads();
+
+    // scores: lane j holds key c0 + j, summed over d in ascending order
+    float s[QPW];
+#pragma unroll
+    for (int i = 0; i < QPW; ++i) s[i] = 0.0f;
+#pragma unroll 4
+    for (int d = 0; d < D; d += VEC) {
+      float kk[VEC];
+      da_load<T, VEC>(kbuf + lane * DP + d, kk);
+#pragma unroll
+      for (int i = 0; i < QPW; ++i) {
+        if (live[i] && c0 <= pos[i]) {
+          float qq[VEC];
+          da_load<float, VEC>(q + pair[i] * D + d, qq);
+#pragma unroll
+          for (int t = 0; t < VEC; ++t) s[i] = __fmaf_rn(qq[t], kk[t], s[i]);
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < QPW; ++i) {
+      if (live[i] && c0 <= pos[i]) {
+        const bool seen = c0 + lane <= pos[i];
+        const float x = seen ? __fmul_rn(s[i], sc) : NEG_INF;
+        float top = x;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
+        const float mn = fmaxf(m[i], top);
+        const float alpha = expf(__fsub_rn(m[i], mn));  // 0 at the row's first chunk (m = -inf)
+        const float w = seen ? expf(__fsub_rn(x, mn)) : 0.0f;
+        float sum = w;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, o));
+        l[i] = __fadd_rn(__fmul_rn(l[i], alpha), sum);
+        m[i] = mn;
+#pragma unroll
+        for (int e = 0; e < E; ++e) acc[i][e] = __fmul_rn(acc[i][e], alpha);
+        weights[warp][i][lane] = w;
+      }
+    }
+    if constexpr (SPLIT) {
+      __syncthreads();
+      da_stage<T, D, DP, NT>(kbuf, vp + (long long)c0 * D);
+      __syncthreads();
+    } else {
+      __syncwarp();
+    }
+
+    // weighted values: lane owns elements lane*E .. lane*E+E-1, keys in ascending order
+#pragma unroll 2
+    for (int j = 0; j < C; ++j) {
+      float vv[E];
+      da_load<T, E>(vbuf + j * DP + lane * E, vv);
+#pragma unroll
+      for (int i = 0; i < QPW; ++i) {
+        if (live[i] && c0 + j <= pos[i]) {
+          const float w = weights[warp][i][j];
+#pragma unroll
+          for (int e = 0; e < E; ++e) acc[i][e] = __fmaf_rn(w, vv[e], acc[i][e]);
+        }
+      }
+    }
+    __syncthreads();
+  }
+
+#pragma unroll
+  for (int i = 0; i < QPW; ++i) {
+    if (live[i] && k_lo <= pos[i]) {
+      const long long o = pair[i] * pmax + part;
+      if (lane == 0) {
+        ml[2 * o] = m[i];
+        ml[2 * o + 1] = l[i];
+      }
+#pragma unroll
+      for (int e = 0; e < E; ++e) part_out[o * D + lane * E + e] = acc[i][e];
+    }
+  }
+"""
+
+# Pass 2. Template constants: T (out dtype), D, P. One thread per output element (d, q head, row).
+_COMBINE = r"""
+  const int d = blockIdx.x * blockDim.x + threadIdx.x;
+  const int h = blockIdx.y;
+  const int row = blockIdx.z;
+  const int pmax = meta[0];
+  const int parts = meta[2 + row] / P + 1;  // the partitions holding a key <= the row's position
+  const long long base = ((long long)row * gridDim.y + h) * pmax;
+  float top = ml[2 * base];
+  for (int i = 1; i < parts; ++i) top = fmaxf(top, ml[2 * (base + i)]);
+  float total = 0.0f;
+  float sum = 0.0f;
+  for (int i = 0; i < parts; ++i) {
+    const float w = expf(__fsub_rn(ml[2 * (base + i)], top));
+    total = __fadd_rn(total, __fmul_rn(ml[2 * (base + i) + 1], w));
+    sum = __fadd_rn(sum, __fmul_rn(part_out[(base + i) * D + d], w));
+  }
+  out[((long long)row * gridDim.y + h) * D + d] = da_from_f<T>(__fdiv_rn(sum, total));
+"""
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Pass 1's block shape for a launch: RB rows of a segment a block, NW warps, QPW (row, head) pairs a
+    warp, RG row groups (blocks along a segment's rows). None of it enters a row's arithmetic."""
+
+    rb: int
+    nw: int
+    qpw: int
+    rg: int
+
+
+def fits(heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether the kernel covers these heads: whole query groups of at most MAX_GROUP, and a head dim in
+    HEAD_DIMS (whole lanes of a power-of-two width, a 32-key chunk within shared memory)."""
+    return heads % kv_heads == 0 and heads // kv_heads <= MAX_GROUP and head_dim in HEAD_DIMS
+
+
+def geometry(group: int, max_rows: int) -> Geometry:
+    """Rows a block: the power of two up to 8 covering the longest segment (so few variants compile), at
+    most 64 (row, head) pairs a block; 8 warps when a block holds more than 4 pairs, else 4 (enough
+    threads to keep a chunk's 16-byte loads many and in flight)."""
+    if not 1 <= group <= MAX_GROUP or max_rows < 1:
+        raise ValueError(f"no geometry for {group} query heads a kv head and {max_rows} rows")
+    most = 8
+    while most * group > 64:
+        most //= 2
+    rb = 1
+    while rb < min(max_rows, most):
+        rb *= 2
+    pairs = rb * group
+    nw = 8 if pairs > 4 else 4
+    return Geometry(rb=rb, nw=nw, qpw=-(-pairs // nw), rg=-(-max_rows // rb))
+
+
+def partial_inputs(segments: int) -> list[str]:
+    """Pass 1's input names for `segments` caches."""
+    return ["q", "meta", "scale", *(f"k{i}" for i in range(segments)), *(f"v{i}" for i in range(segments))]
+
+
+def partial_source(segments: int) -> str:
+    """Pass 1's body for `segments` caches: segment i's pointers are inputs k{i} and v{i}."""
+    cases = "\n".join(f"    case {i}: kp = k{i}; vp = v{i}; break;" for i in range(segments))
+    return _PARTIAL.replace("{select}", f"  switch (seg) {{\n{cases}\n    default: return;\n  }}")
+
+
+@lru_cache(maxsize=16)
+def _partial_kernel(segments: int):
+    """Pass 1 for `segments` caches, under its own name: MLX keys compiled kernels by name and template."""
+    return mx.fast.cuda_kernel(
+        name=f"dflash_attention_partial_{segments}",
+        input_names=partial_inputs(segments),
+        output_names=["ml", "part_out"],
+        source=partial_source(segments),
+        header=_HEADER,
+        ensure_row_contiguous=True,
+    )
+
+
+@lru_cache(maxsize=1)
+def _combine_kernel():
+    """Pass 2: one source for every launch (its templates differ by dtype and head dim alone)."""
+    return mx.fast.cuda_kernel(
+        name="dflash_attention_combine",
+        input_names=["meta", "ml", "part_out"],
+        output_names=["out"],
+        source=_COMBINE,
+        header=_HEADER,
+        ensure_row_contiguous=True,
+    )
+
+
+@lru_cache(maxsize=64)
+def _scale(scale: float) -> mx.array:
+    return mx.array([scale], dtype=mx.float32)
+
+
+@lru_cache(maxsize=64)
+def _meta(values: tuple[int, ...]) -> mx.array:
+    """The launch's int32 layout, made once per forward: every attention layer of it has the same one."""
+    return mx.array(values, dtype=mx.int32)
+
+
+def check_segments(segments: list[Rows]) -> tuple[int, int, int, mx.Dtype]:
+    """(Hq, Hkv, D, dtype) shared by every segment, or ValueError: each segment has rows, one dtype
+    and one head layout the kernel covers, a cache of CHUNK-multiple capacity holding its rows."""
+    if not segments:
+        raise ValueError("decode attention needs at least one segment")
+    for q, k, v, _ in segments:
+        if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
+            raise ValueError(f"queries are (n, Hq, D) and caches (Hkv, capacity, D), got {q.shape}, {k.shape}, {v.shape}")
+    q0, k0 = segments[0][0], segments[0][1]
+    hq, d, hkv, dtype = q0.shape[1], q0.shape[2], k0.shape[0], q0.dtype
+    if not fits(hq, hkv, d):
+        raise ValueError(f"no launch for {hq}/{hkv} heads of {d}")
+    for q, k, v, start in segments:
+        n, cap = q.shape[0], k.shape[1]
+        if q.shape[1:] != (hq, d) or k.shape != v.shape or k.shape[0] != hkv or k.shape[2] != d:
+            raise ValueError(f"mismatched heads: q {q.shape}, k {k.shape}, v {v.shape} against {hq}/{hkv} of {d}")
+        if not q.dtype == k.dtype == v.dtype == dtype:
+            raise ValueError(f"one dtype for q, K and V, got {q.dtype}, {k.dtype}, {v.dtype} (and {dtype})")
+        if n < 1 or start < 0 or start + n > cap or cap % CHUNK:
+            raise ValueError(f"{n} rows from {start} need a cache of a multiple of {CHUNK} rows holding them, got {cap}")
+    return hq, hkv, d, dtype
+
+
+def decode_attention(segments: list[Rows], scale: float) -> mx.array:
+    """Every segment's causal attention over its own cache, in two launches: (sum n_i, Hq, D) in q's dtype,
+    the segments' rows in order.
+
+    A segment is (q, k, v, start): q (n, Hq, D) after RoPE and norms; k and v the stream's whole cache
+    arrays (Hkv, capacity, D), row j at position j (not slices: a slice along the positions is not row-
+    contiguous, so MLX would copy it); row r sits at position start + r and sees keys [0, start + r].
+    Query head h reads kv head h // (Hq / Hkv)."""
+    hq, hkv, d, dtype = check_segments(segments)
+    lengths = [q.shape[0] for q, _, _, _ in segments]
+    offsets = (0, *accumulate(lengths))
+    rows = offsets[-1]
+    pmax = max(-(-(start + n) // PARTITION) for (_, _, _, start), n in zip(segments, lengths))
+    positions = [start + r for (_, _, _, start), n in zip(segments, lengths) for r in range(n)]
+    seg_meta = [x for (_, k, _, start), n, row0 in zip(segments, lengths, offsets) for x in (row0, start, n, k.shape[1])]
+    meta = _meta((pmax, rows, *positions, *seg_meta))
+    group = hq // hkv
+    geo = geometry(group, max(lengths))
+    nt = 32 * geo.nw
+    # float32 queries: converted once here, not at every key chunk of every block
+    q = mx.concatenate([s[0] for s in segments]) if len(segments) > 1 else segments[0][0]
+    q = q.astype(mx.float32)
+    caches = [s[1] for s in segments] + [s[2] for s in segments]
+    ml, part_out = _partial_kernel(len(segments))(
+        inputs=[q, meta, _scale(scale), *caches],
+        template=[("T", dtype), ("D", d), ("G", group), ("HQ", hq), ("HKV", hkv), ("RB", geo.rb), ("NW", geo.nw),
+                  ("QPW", geo.qpw), ("P", PARTITION)],
+        grid=(pmax * nt, hkv * geo.rg, len(segments)),
+        threadgroup=(nt, 1, 1),
+        output_shapes=[(rows, hq, pmax, 2), (rows, hq, pmax, d)],
+        output_dtypes=[mx.float32, mx.float32],
+    )
+    (out,) = _combine_kernel()(
+        inputs=[meta, ml, part_out],
+        template=[("T", dtype), ("D", d), ("P", PARTITION)],
+        grid=(d, hq, rows),
+        threadgroup=(d, 1, 1),
+        output_shapes=[(rows, hq, d)],
+        output_dtypes=[dtype],
+    )
+    return out

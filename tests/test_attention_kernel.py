@@ -1,0 +1,322 @@
+"""Decode attention as our CUDA kernel (engine/targets/attention_kernel.py, dense.py's kernel path).
+
+On any machine: a layer runs the kernel only when MLX computes on a GPU of a CUDA build and the launch
+covers its heads; the launch's geometry and argument checks; every decode segment of a forward goes
+through one call a layer (a prompt chunk keeps MLX's SDPA) and the outputs land on their own rows;
+the self-check tries the kernel first where it runs, keys it, and falls back to the tile products when
+it is row-dependent or fails. Where g++ is (any machine): the kernel's CUDA source, run on the CPU by
+tests/cuda_emulator.py, is exact and right at a small shape. On a CUDA GPU only (skipped elsewhere),
+with fresh random inputs each run (the seed is in every failure message): the kernel agrees with a
+float64 reference (bf16 within 8e-3 and float32 within 2e-5 of the largest output: twice the bf16
+output's rounding of 2^-8, and float32 sums over a few thousand keys); a window's rows equal the same rows one at a time bit
+for bit, starting inside a chunk, across a chunk, across a partition, deep in the cache, with junk in
+the cache after each step's position; segments launched together equal each alone; every output
+element is written; and the fixtures in gpu mode draft exactly what they decode plainly.
+"""
+
+from __future__ import annotations
+
+import random
+import secrets
+import shutil
+
+import cuda_emulator
+import numpy as np
+import pytest
+from tiny_targets import tiny_target
+
+import mlx.core as mx
+
+from dflash_bench.engine import selfcheck
+from dflash_bench.engine.cache import tiles_for
+from dflash_bench.engine.engine import Engine, Settings
+from dflash_bench.engine.request import Request
+from dflash_bench.engine.targets import Segment, attention_kernel
+from dflash_bench.engine.targets.attention_kernel import CHUNK, PARTITION, decode_attention, fits, geometry
+from dflash_bench.engine.targets.dense import SelfAttention, kernel_runs_here
+from dflash_bench.engine.tiles import attention, key_mask, pad_queries, query_positions
+from dflash_bench.fixtures.big import write_big
+
+ON_CUDA = mx.default_device().type == mx.DeviceType.gpu and mx.cuda.is_available()
+on_cuda = pytest.mark.skipif(not ON_CUDA, reason="the kernel runs only where MLX computes on a CUDA GPU")
+# (Hq, Hkv, D): Qwen3.5-9B's full-attention layers, qwen3's, SmolLM2-135M's (the default model), a
+# group of one at the smallest head dim, a group of eight
+HEADS = {"9b": (16, 4, 256), "qwen3": (32, 8, 128), "smol": (9, 3, 64), "mha": (4, 4, 32), "g8": (16, 2, 128)}
+TOLERANCE = {mx.bfloat16: 8e-3, mx.float32: 2e-5}  # of the largest |output|, against float64
+
+
+def attention_layers(target) -> list[SelfAttention]:
+    return [m for m in target.mixer_layers() if isinstance(m, SelfAttention)]
+
+
+def tiled(segments: list[attention_kernel.Rows], scale: float) -> mx.array:
+    """What the kernel computes, as dense.py's tiled path does it per segment (exact on CPU)."""
+    outs = []
+    for q, k, v, start in segments:
+        n, kr = q.shape[0], tiles_for(start + q.shape[0])
+        seen = key_mask(query_positions(start, n), 0, kr, start + n)
+        o = attention(pad_queries(q.transpose(1, 0, 2)), k[:, :kr], v[:, :kr], seen, scale=scale)[:, :n]
+        outs.append(o.transpose(1, 0, 2))
+    return mx.concatenate(outs)
+
+
+# -- everywhere: which path, the launch's shape, and that the engine and the self-check run it --------
+def test_the_kernel_runs_only_where_mlx_computes_on_a_cuda_gpu() -> None:
+    cpu, gpu = mx.Device(mx.DeviceType.cpu), mx.Device(mx.DeviceType.gpu)
+    for heads in HEADS.values():
+        assert fits(*heads)
+        assert kernel_runs_here(heads, gpu, cuda=True)
+        assert not kernel_runs_here(heads, cpu, cuda=True)  # a CUDA build told to use its CPU
+        assert not kernel_runs_here(heads, gpu, cuda=False)  # a Metal GPU
+    for heads in ((6, 4, 64), (8, 2, 96), (8, 2, 512), (34, 2, 64)):  # a partial group, head dims, a group of 17
+        assert not fits(*heads) and not kernel_runs_here(heads, gpu, cuda=True), heads
+    for family in ("llama", "qwen3", "qwen3_5"):
+        for size, covered in (("small", False), ("smol", ON_CUDA)):  # heads of 16, which no lane split covers; of 64
+            target, _ = tiny_target(family, size, layers=4, seed=30)
+            layers = attention_layers(target)
+            assert layers and {(m.kernel, m.path) for m in layers} == {(covered, "kernel" if covered else "tiled")}
+
+
+def test_the_geometry_covers_every_row_with_whole_blocks() -> None:
+    for group in range(1, attention_kernel.MAX_GROUP + 1):
+        for rows in (1, 2, 3, 5, 8, 9, 16, 17, 40):
+            g = geometry(group, rows)
+            assert g.rb in (1, 2, 4, 8) and g.rb <= max(1, 64 // group), (group, rows, g)
+            assert g.rb * g.rg >= rows and g.rb * (g.rg - 1) < rows
+            assert g.nw * g.qpw >= g.rb * group and g.qpw <= 8 and g.nw in (4, 8)
+    assert geometry(4, 1) == attention_kernel.Geometry(rb=1, nw=4, qpw=1, rg=1)  # a plain step: one pair a warp
+    assert geometry(4, 16) == attention_kernel.Geometry(rb=8, nw=8, qpw=4, rg=2)  # a 9B verify window
+    for group, rows in ((0, 1), (17, 1), (4, 0)):
+        with pytest.raises(ValueError):
+            geometry(group, rows)
+
+
+def test_bad_arguments_are_refused_before_any_launch() -> None:
+    """Checked on the host, so these run on a CPU too: nothing is launched."""
+    q, k = mx.zeros((2, 8, 64)), mx.zeros((2, 64, 64))
+    bad = {
+        "no segment": [],
+        "heads not a group": [(mx.zeros((2, 6, 64)), mx.zeros((4, 64, 64)), mx.zeros((4, 64, 64)), 0)],
+        "a head dim the lanes do not split": [(mx.zeros((2, 8, 48)), mx.zeros((2, 64, 48)), mx.zeros((2, 64, 48)), 0)],
+        "mixed dtypes": [(q.astype(mx.bfloat16), k, k, 0)],
+        "v unlike k": [(q, k, mx.zeros((2, 128, 64)), 0)],
+        "another segment's heads": [(q, k, k, 0), (mx.zeros((1, 4, 64)), k, k, 0)],
+        "rows past the cache": [(q, k, k, 63)],
+        "a capacity not in whole chunks": [(q, mx.zeros((2, 40, 64)), mx.zeros((2, 40, 64)), 0)],
+        "no rows": [(mx.zeros((0, 8, 64)), k, k, 0)],
+        "a cache without heads": [(q, mx.zeros((64, 64)), mx.zeros((64, 64)), 0)],
+        "a second segment's cache without heads": [(q, k, k, 0), (q, mx.zeros((2, 64)), mx.zeros((2, 64)), 0)],
+    }
+    for why, segments in bad.items():
+        with pytest.raises(ValueError):
+            decode_attention(segments, 0.125)
+            pytest.fail(why)
+
+
+def test_every_decode_segment_goes_through_one_launch_a_layer_onto_its_own_rows(monkeypatch) -> None:
+    """On the kernel path each layer makes one call with every decode segment (a prompt chunk takes SDPA),
+    each with its stream's whole cache and start; with the call standing in as the tiled path, the
+    forward's logits are those of the tiled path bit for bit (qwen3_5's output gate included)."""
+    calls: list[list[tuple[int, int, int]]] = []
+
+    def spy(segments, scale):
+        calls.append([(q.shape[0], start, k.shape[1]) for q, k, v, start in segments])
+        return tiled(segments, scale)
+
+    monkeypatch.setattr(attention_kernel, "decode_attention", spy)
+    for family in ("qwen3", "qwen3_5"):
+        target, _ = tiny_target(family, "small", layers=4, seed=31)
+        layers = attention_layers(target)
+        logits = {}
+        for path in ("tiled", "kernel"):
+            for m in layers:
+                m.path = path
+            window_state, step_state = target.new_state(), target.new_state()
+            for state, prompt in ((window_state, list(range(30, 50))), (step_state, list(range(60, 69)))):
+                target.forward([Segment(prompt, 0, state, prefill=True)])
+                state.keep(len(prompt))
+            calls.clear()
+            outs = target.forward([Segment(list(range(100, 140)), 0, target.new_state(), [39], prefill=True),
+                                   Segment([7, 8, 9, 10, 11], 20, window_state, list(range(5))),
+                                   Segment([12], 9, step_state, [0])])
+            logits[path] = [o.logits for o in outs]
+        i = target.mixer_layers().index(layers[0])
+        whole = window_state.layers[i].k.shape[1], step_state.layers[i].k.shape[1]  # the caches, not views
+        assert whole[0] > tiles_for(25) and calls == [[(5, 20, whole[0]), (1, 9, whole[1])]] * len(layers)
+        assert all(mx.array_equal(a, b).item() for a, b in zip(logits["tiled"], logits["kernel"])), family
+
+
+def test_the_self_check_tries_the_kernel_first_keys_it_and_falls_back(monkeypatch) -> None:
+    target, _ = tiny_target("qwen3", "small", layers=2, seed=32)
+    a = attention_layers(target)[0]
+    before = selfcheck.attention_key(a)
+    a.kernel = True
+    assert selfcheck.attention_key(a) != before and selfcheck.attention_paths(a)[0] == "kernel"
+    monkeypatch.setattr(attention_kernel, "decode_attention", tiled)
+    assert selfcheck.attention_fault(a, mx.float32, "kernel") is None
+
+    def skewed(segments, scale):  # rows that follow how many rows share the launch
+        return tiled(segments, scale) + sum(q.shape[0] for q, *_ in segments) * 2**-10
+
+    def broken(segments, scale):
+        raise RuntimeError("nvrtc: no such device")
+
+    for impostor, why in ((skewed, "kernel window rows"), (broken, "the kernel failed")):
+        monkeypatch.setattr(attention_kernel, "decode_attention", impostor)
+        fault = selfcheck.attention_fault(a, mx.float32, "kernel")
+        assert fault is not None and fault.startswith(why), fault
+        path, result = selfcheck._first_exact("attention", selfcheck.attention_paths(a),
+                                              lambda p: selfcheck.attention_fault(a, mx.float32, p), str)
+        assert path == "tiled" and result.passed and why in result.choice
+
+
+# -- on any machine with g++: the kernel's CUDA source, run by tests/cuda_emulator.py ------------------
+@pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles the kernel source with g++")
+def test_the_kernel_source_run_on_a_cpu_is_exact_and_right(monkeypatch) -> None:
+    """The source's indexing, staging, masking and barriers, without a GPU: a 4-row window across a
+    partition and a chunk equals its rows one at a time (junk in the cache after each), segments together
+    equal each alone, every element is written, and it agrees with the float64 reference."""
+    cuda_emulator.install(monkeypatch)
+    seed = secrets.randbits(31)
+    heads, scale = (4, 2, 64), 64**-0.5
+    segments = inputs(heads, [4, 1, 4], [PARTITION - 2, 9, 300], mx.bfloat16, seed)
+    together = decode_attention(segments, scale)
+    assert mx.all(mx.isfinite(together)).item(), f"seed {seed}: elements left unwritten"
+    want = reference(segments, scale)
+    error = np.abs(np.array(together.astype(mx.float32), dtype=np.float64) - want).max() / np.abs(want).max()
+    assert error <= TOLERANCE[mx.bfloat16], f"seed {seed}: {error:.2e} relative"
+    assert same(together, mx.concatenate([decode_attention([s], scale) for s in segments])), f"seed {seed}"
+    q, k, v, start = segments[0]
+    [(_, junk_k, junk_v, _)] = inputs(heads, [4], [start], mx.bfloat16, seed + 1)
+    positions = mx.arange(k.shape[1])[None, :, None]
+    for t in range(4):
+        seen = positions <= start + t
+        step = decode_attention([(q[t : t + 1], mx.where(seen, k, junk_k), mx.where(seen, v, junk_v), start + t)], scale)
+        assert same(step, together[t : t + 1]), f"seed {seed}: row {t}"
+
+
+# -- on a CUDA GPU: the kernel itself ------------------------------------------------------------------
+def inputs(heads: tuple[int, int, int], rows: list[int], starts: list[int], dtype: mx.Dtype, seed: int):
+    """Segments of fresh normal queries and caches, each cache a whole number of 64-key tiles."""
+    hq, hkv, d = heads
+    keys = iter(mx.random.split(mx.random.key(seed), 3 * len(rows)))
+    out = []
+    for n, start in zip(rows, starts):
+        cap = tiles_for(start + n) + 64
+        q = mx.random.normal((n, hq, d), key=next(keys)).astype(dtype)
+        k = mx.random.normal((hkv, cap, d), key=next(keys)).astype(dtype)
+        v = mx.random.normal((hkv, cap, d), key=next(keys)).astype(dtype)
+        out.append((q, k, v, start))
+    return out
+
+
+def reference(segments: list[attention_kernel.Rows], scale: float) -> np.ndarray:
+    """Causal attention in float64 numpy."""
+    outs = []
+    for q, k, v, start in segments:
+        q64, k64, v64 = (np.array(x.astype(mx.float32), dtype=np.float64) for x in (q, k, v))
+        n, hq, d = q64.shape
+        hkv, keys = k64.shape[0], start + n
+        s = np.einsum("nkgd,kld->nkgl", q64.reshape(n, hkv, hq // hkv, d), k64[:, :keys]) * scale
+        after = np.arange(keys)[None, :] > start + np.arange(n)[:, None]  # (rows, keys): keys past each row
+        s = np.where(after[:, None, None, :], -np.inf, s)
+        w = np.exp(s - s.max(-1, keepdims=True))
+        w /= w.sum(-1, keepdims=True)
+        outs.append(np.einsum("nkgl,kld->nkgd", w, v64[:, :keys]).reshape(n, hq, d))
+    return np.concatenate(outs)
+
+
+def same(a: mx.array, b: mx.array) -> bool:
+    return a.shape == b.shape and mx.array_equal(a, b).item()
+
+
+@on_cuda
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
+def test_the_kernel_agrees_with_a_float64_reference_and_writes_every_element(heads, dtype) -> None:
+    seed = secrets.randbits(31)
+    segments = inputs(heads, [1, 16, 5, 3], [0, 250, 1000, 4090], dtype, seed)
+    scale = heads[2] ** -0.5
+    rows = sum(q.shape[0] for q, *_ in segments)
+    # poison: freed NaN buffers of the output's size, which the allocator hands to the launch's outputs
+    poison = [mx.full((rows, heads[0], heads[2]), float("nan"), dtype=dtype) for _ in range(4)]
+    mx.eval(poison)
+    del poison
+    got = decode_attention(segments, scale)
+    mx.eval(got)
+    assert got.shape == (rows, heads[0], heads[2]) and got.dtype == dtype
+    assert mx.all(mx.isfinite(got)).item(), f"seed {seed}: elements left unwritten"
+    want = reference(segments, scale)
+    error = np.abs(np.array(got.astype(mx.float32), dtype=np.float64) - want).max() / np.abs(want).max()
+    assert error <= TOLERANCE[dtype], f"seed {seed}: {error:.2e} relative"
+
+
+@on_cuda
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
+@pytest.mark.parametrize("start", [0, 3, CHUNK - 5, PARTITION - 8, 1000, 4080], ids=lambda s: f"from{s}")
+def test_a_window_equals_its_rows_one_at_a_time_bit_for_bit(heads, dtype, start) -> None:
+    """Each step sees junk in its cache after its own position (what a step's cache holds is never the
+    window's later rows), and a prefix window of every length equals the window's first rows."""
+    seed = secrets.randbits(31)
+    [(q, k, v, _)] = inputs(heads, [16], [start], dtype, seed)
+    [(_, junk_k, junk_v, _)] = inputs(heads, [16], [start], dtype, seed + 1)
+    scale = heads[2] ** -0.5
+    window = decode_attention([(q, k, v, start)], scale)
+    positions = mx.arange(k.shape[1])[None, :, None]
+    for t in range(16):
+        seen = positions <= start + t
+        step = decode_attention([(q[t : t + 1], mx.where(seen, k, junk_k * 4), mx.where(seen, v, junk_v * 4), start + t)], scale)
+        assert same(step, window[t : t + 1]), f"seed {seed}: row {t} from {start}"
+        assert same(decode_attention([(q[: t + 1], k, v, start)], scale), window[: t + 1]), f"seed {seed}: prefix {t + 1}"
+
+
+@on_cuda
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
+def test_segments_launched_together_equal_each_alone(heads, dtype) -> None:
+    seed = secrets.randbits(31)
+    rng = random.Random(seed)
+    rows = [1, 16, 5, 2, 9, 1, 16, 3]
+    starts = [rng.randrange(0, 3000) for _ in rows]
+    segments = inputs(heads, rows, starts, dtype, seed)
+    scale = heads[2] ** -0.5
+    for count in (2, 3, 8):
+        together = decode_attention(segments[:count], scale)
+        alone = mx.concatenate([decode_attention([s], scale) for s in segments[:count]])
+        assert same(together, alone), f"seed {seed}: {count} segments from {starts[:count]}"
+    shuffled = list(range(8))
+    rng.shuffle(shuffled)
+    out = decode_attention([segments[i] for i in shuffled], scale)
+    offsets = np.cumsum([0] + rows)
+    cursor = 0
+    for i in shuffled:
+        alone = out[cursor : cursor + rows[i]]
+        assert same(alone, decode_attention([segments[i]], scale)), f"seed {seed}: segment {i} in order {shuffled}"
+        cursor += rows[i]
+    assert cursor == offsets[-1]
+
+
+# -- on a CUDA GPU: the engine with it -----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def gpu_engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    if not ON_CUDA:
+        pytest.skip("the kernel runs only where MLX computes on a CUDA GPU")
+    root = tmp_path_factory.mktemp("attention-kernel")
+    pair = write_big("qwen3_5-9b-4bit", root / "target", "tiny"), write_big("dflash-9b", root / "drafter", "tiny")
+    return Engine(*pair, Settings(parallel=2, context=512, chunk=32, backend="gpu"))
+
+
+@on_cuda
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_drafted_equals_plain_with_the_kernel_in_gpu_mode(gpu_engine: Engine, temperature: float) -> None:
+    assert {m.path for m in attention_layers(gpu_engine.target)} == {"kernel"}
+    assert gpu_engine.selfcheck.passed, gpu_engine.selfcheck.line()
+    rng = random.Random(int(temperature * 10))
+    reqs = [dict(prompt=[rng.randrange(8, 1000) for _ in range(rng.randrange(20, 300))], max_tokens=12,
+                 temperature=temperature, seed=i, ignore_eos=True) for i in range(2)]
+    plain = [gpu_engine.generate(Request(**r, draft=False)).tokens for r in reqs]
+    alone = [gpu_engine.generate(Request(**r)) for r in reqs]
+    assert [r.tokens for r in alone] == plain and all(r.stats.drafted > 0 for r in alone)
+    together = gpu_engine.run([Request(**r) for r in reqs])  # two streams' segments in one launch a layer
+    assert [r.tokens for r in together] == plain
