@@ -21,6 +21,7 @@ import secrets
 import shutil
 
 import cuda_emulator
+from gpu import ON_CUDA, on_cuda
 import numpy as np
 import pytest
 from tiny_targets import tiny_target
@@ -37,8 +38,6 @@ from dflash_bench.engine.targets.dense import SelfAttention, kernel_runs_here
 from dflash_bench.engine.tiles import attention, key_mask, pad_queries, query_positions
 from dflash_bench.fixtures.big import write_big
 
-ON_CUDA = mx.default_device().type == mx.DeviceType.gpu and mx.cuda.is_available()
-on_cuda = pytest.mark.skipif(not ON_CUDA, reason="the kernel runs only where MLX computes on a CUDA GPU")
 # (Hq, Hkv, D): Qwen3.5-9B's full-attention layers, qwen3's, SmolLM2-135M's (the default model), a
 # group of one at the smallest head dim, a group of eight
 HEADS = {"9b": (16, 4, 256), "qwen3": (32, 8, 128), "smol": (9, 3, 64), "mha": (4, 4, 32), "g8": (16, 2, 128)}
