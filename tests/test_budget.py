@@ -9,14 +9,15 @@ import random
 import numpy as np
 import pytest
 
-from dflash_bench.engine.budget import PROBE_DRAFTS, PROBE_EVERY, Acceptance, Budget, CostModel, measure_cost
+from dflash_bench.engine.budget import PROBE_DRAFTS, PROBE_EVERY, Acceptance, Budget, CostFit, CostModel, measure_cost
 from dflash_bench.engine.engine import Engine, Settings
 from dflash_bench.engine.request import Request
 from dflash_bench.fixtures.small import write_fixture
 
 BLOCK = 16
 # a CPU-like model: a row costs a tenth of a forward's fixed part, a drafter pass about half a forward
-CPU_LIKE = CostModel(base=0.010, per_segment=0.002, per_row=0.001, draft_base=0.005, draft_per_stream=0.001)
+CPU_LIKE = CostFit.around(CostModel(base=0.010, per_segment=0.002, per_row=0.001, draft_base=0.005,
+                                     draft_per_stream=0.001))
 
 
 def seen(rate: float, rounds: int = 40) -> Acceptance:
@@ -50,7 +51,7 @@ def test_auto_drafts_long_where_drafts_are_kept_and_not_at_all_where_they_never_
 def test_auto_shortens_windows_when_rows_cost_more() -> None:
     """With a row at 0.4 of a forward's fixed part (not 0.1), a middling stream verifies fewer drafts."""
     cheap = Budget("auto", BLOCK, CPU_LIKE).counts([15], [seen(0.7)], [0], [])[0]
-    dear = Budget("auto", BLOCK, CostModel(0.010, 0.002, 0.004, 0.005, 0.001)).counts([15], [seen(0.7)], [0], [])[0]
+    dear = Budget("auto", BLOCK, CostFit.around(CostModel(0.010, 0.002, 0.004, 0.005, 0.001))).counts([15], [seen(0.7)], [0], [])[0]
     assert 0 < dear < cheap, (dear, cheap)
 
 
@@ -78,8 +79,47 @@ def test_cost_model_is_timed_at_load_and_named_in_the_startup_line(pair) -> None
     cost = engine.budget.cost
     assert cost is not None and cost.seconds([1], 0) > 0 and cost.seconds([16, 16], 2) > cost.seconds([1], 0)
     assert "verify budget auto (a forward" in engine.startup_line()
-    again = measure_cost(engine.target, engine.drafter, 1, reps=1)
+    again = measure_cost(engine.target, engine.drafter, 1, reps=1).model()
     assert again.seconds([1], 0) > 0
+
+
+def test_the_fit_recovers_a_linear_cost_and_follows_the_rounds_away_from_a_wrong_start() -> None:
+    """Exact observations of a linear cost give back its parts; rounds that disagree with the load-time
+    fit (a drafter pass priced 20x too high, as one noisy timing at load gave) pull the model to them."""
+    truth = CostModel(base=0.004, per_segment=0.0005, per_row=0.0002, draft_base=0.002, draft_per_stream=0.0015)
+    fit = CostFit()
+    for segments, rows in ((1, 1), (1, 16), (2, 2), (4, 64), (8, 8), (3, 39)):
+        fit.add_forward(segments, rows, truth.seconds([rows // segments] * segments, 0))
+    for streams in (1, 2, 4, 8):
+        fit.add_draft(streams, truth.draft_base + truth.draft_per_stream * streams)
+    got = fit.model()
+    for part in ("base", "per_segment", "per_row", "draft_base", "draft_per_stream"):
+        assert getattr(got, part) == pytest.approx(getattr(truth, part), rel=1e-6), part
+    wrong = CostModel(truth.base, truth.per_segment, truth.per_row, 0.009, 0.0895)
+    budget = Budget("auto", BLOCK, CostFit.around(wrong))
+    assert budget.cost.draft_per_stream == pytest.approx(0.0895, rel=1e-6)
+    rng = random.Random(4)
+    for _ in range(200):  # rounds of 1 to 4 drafting streams, each of 1 to 16 rows
+        rows = [rng.randrange(1, 17) for _ in range(rng.randrange(1, 5))]
+        budget.observe(rows, truth.seconds(rows, 0), len(rows), truth.draft_base + truth.draft_per_stream * len(rows))
+    assert budget.cost.draft_per_stream == pytest.approx(truth.draft_per_stream, rel=0.05)
+    assert budget.measured.draft_per_stream == pytest.approx(0.0895, rel=1e-6)  # the startup line's, unchanged
+    high = seen(0.8)
+    assert budget.counts([15], [high], [0], [])[0] > Budget("auto", BLOCK, CostFit.around(wrong)).counts([15], [high], [0], [])[0]
+
+
+def test_the_lanes_time_decode_rounds_for_the_fit(pair) -> None:
+    """Every decode round reaches `observe` with its segments' rows; prompt chunks' rounds do not."""
+    engine = Engine(*pair, Settings(parallel=2, context=512, verify_budget="auto"))
+    seen_rounds: list[tuple[list[int], float, int, float]] = []
+    observe = engine.budget.observe
+    engine.budget.observe = lambda *a: seen_rounds.append(a) or observe(*a)
+    rng = random.Random(5)
+    reqs = [Request([rng.randrange(8, 500) for _ in range(40)], max_tokens=20, ignore_eos=True, seed=i) for i in range(2)]
+    engine.run(reqs)
+    assert seen_rounds and all(fs > 0 and ds >= 0 and len(rows) <= 2 for rows, fs, _, ds in seen_rounds)
+    assert all(max(rows) <= BLOCK for rows, *_ in seen_rounds)  # decode segments only, no 40-row prompt chunk
+    assert any(n > 0 and ds > 0 for _, _, n, ds in seen_rounds)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7])

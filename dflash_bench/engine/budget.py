@@ -8,8 +8,11 @@ tokens per second over all streams:
   before it was) commits 1 + sum over d <= k of a_1 * ... * a_d tokens in expectation;
 - the round costs the target forward over every segment's rows plus, when any stream drafts, the
   drafter pass over the drafting streams: a linear model (a fixed part, a part a segment, a part a
-  row; the drafter's fixed part and a part a stream) fitted at load to forwards timed on this
-  machine (`measure_cost`);
+  row; the drafter's fixed part and a part a stream), fitted by least squares first to forwards and
+  drafter passes timed at load (`measure_cost`), then to every round the lanes time while serving,
+  older observations fading by FORGET a round (`CostFit`): one timing at load, on a machine other
+  processes share, can be far off (a drafter pass priced at 10x what rounds then showed), and the
+  rounds themselves are what the choice is about;
 - acceptance is counted per stream and per depth, discounted so it follows the text, and starts from
   what all streams saw so far; a stream held at k = 0 probes a few drafts every PROBE_EVERY rounds,
   so a stream whose text turns predictable drafts again.
@@ -31,6 +34,8 @@ DISCOUNT = 0.9  # each stream's counts fade by this a round they are updated: re
 PRIOR_WEIGHT = 2.0  # rounds' worth of the lanes' shared acceptance a stream's estimate starts from
 PROBE_EVERY = 8  # rounds a stream may stay at k = 0 before it drafts PROBE_DRAFTS again
 PROBE_DRAFTS = 4
+FORGET = 0.95  # the weight an observation of the round costs keeps a round later (about 20 rounds' memory)
+RIDGE = 1e-9  # keeps the normal equations solvable when every round so far had the same shape
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,48 @@ class CostModel:
         b, s, r, d, ds = (f"{x * 1e3:.2f}" for x in (self.base, self.per_segment, self.per_row, self.draft_base,
                                                       self.draft_per_stream))
         return f"a forward {b} ms + {s} a stream + {r} a row; a drafter pass {d} + {ds} a stream"
+
+
+@dataclass
+class CostFit:
+    """Weighted least squares of forward and drafter-pass seconds on their features, kept as normal
+    equations so each observation costs a rank-one update: forward ~ [1, segments, rows], drafter
+    pass ~ [1, streams]."""
+
+    forward_a: np.ndarray = field(default_factory=lambda: RIDGE * np.eye(3))
+    forward_b: np.ndarray = field(default_factory=lambda: np.zeros(3))
+    draft_a: np.ndarray = field(default_factory=lambda: RIDGE * np.eye(2))
+    draft_b: np.ndarray = field(default_factory=lambda: np.zeros(2))
+
+    @classmethod
+    def around(cls, model: CostModel, weight: float = 1.0) -> CostFit:
+        """A fit holding `model` as `weight` rounds' worth of observations at a spread of shapes."""
+        fit = cls()
+        for segments, rows in ((1, 1), (1, 16), (4, 4), (4, 64)):
+            fit.add_forward(segments, rows, model.seconds([rows // segments] * segments, 0), weight)
+        for streams in (1, 4):
+            fit.add_draft(streams, model.draft_base + model.draft_per_stream * streams, weight)
+        return fit
+
+    def add_forward(self, segments: int, rows: int, seconds: float, weight: float = 1.0) -> None:
+        x = np.array([1.0, segments, rows])
+        self.forward_a += weight * np.outer(x, x)
+        self.forward_b += weight * seconds * x
+
+    def add_draft(self, streams: int, seconds: float, weight: float = 1.0) -> None:
+        x = np.array([1.0, streams])
+        self.draft_a += weight * np.outer(x, x)
+        self.draft_b += weight * seconds * x
+
+    def fade(self, factor: float = FORGET) -> None:
+        for a in (self.forward_a, self.forward_b, self.draft_a, self.draft_b):
+            a *= factor
+
+    def model(self) -> CostModel:
+        """The least-squares model, each part held at zero or more."""
+        base, per_segment, per_row = np.maximum(np.linalg.solve(self.forward_a, self.forward_b), 0.0)
+        draft_base, per_stream = np.maximum(np.linalg.solve(self.draft_a, self.draft_b), 0.0)
+        return CostModel(float(base), float(per_segment), float(per_row), float(draft_base), float(per_stream))
 
 
 @dataclass
@@ -83,15 +130,30 @@ class Budget:
 
     kind: str
     block: int
-    cost: CostModel | None = None
+    fit: CostFit | None = None
     shared: Acceptance = field(init=False)
+    cost: CostModel | None = field(init=False, default=None)  # the fit's model now
+    measured: CostModel | None = field(init=False, default=None)  # the fit's model at load (the startup line's)
 
     def __post_init__(self) -> None:
         if self.kind not in BUDGETS:
             raise ValueError(f"verify budget {self.kind!r}: expected one of {', '.join(BUDGETS)}")
-        if self.kind == "auto" and self.cost is None:
-            raise ValueError("the auto verify budget needs a cost model (measure_cost)")
+        if self.kind == "auto" and self.fit is None:
+            raise ValueError("the auto verify budget needs a cost fit (measure_cost)")
         self.shared = Acceptance.empty(self.block - 1)
+        if self.fit is not None:
+            self.cost = self.measured = self.fit.model()
+
+    def observe(self, rows: list[int], forward_seconds: float, drafting: int, draft_seconds: float) -> None:
+        """A round as the lanes timed it: its segments' rows and forward (with keep), and the drafter
+        pass over `drafting` streams (none: 0). Older rounds fade; the model is refitted."""
+        if self.fit is None or not rows:
+            return
+        self.fit.fade()
+        self.fit.add_forward(len(rows), sum(rows), forward_seconds)
+        if drafting:
+            self.fit.add_draft(drafting, draft_seconds)
+        self.cost = self.fit.model()
 
     def new_stream(self) -> Acceptance:
         return Acceptance.empty(self.block - 1)
@@ -130,10 +192,10 @@ class Budget:
                 for x, n, wait in zip(k, limits, idle)]
 
 
-def measure_cost(target, drafter, parallel: int, context: int = 64, reps: int = 3) -> CostModel:
+def measure_cost(target, drafter, parallel: int, context: int = 64, reps: int = 3) -> CostFit:
     """Time target forwards (1, 2, 4 .. `parallel` streams of 1, 4, 8 and `drafter.block` rows after
-    a `context`-token prompt) and drafter passes (1 .. `parallel` streams), median of `reps`, and fit
-    the cost model by least squares (parts held at zero or more)."""
+    a `context`-token prompt) and drafter passes (1 .. `parallel` streams), median of `reps`: the fit
+    the rounds then refine."""
     from dflash_bench.engine.drafters.dflash import Proposal
     from dflash_bench.engine.sampling import SamplingParams
     from dflash_bench.engine.targets.base import Segment
@@ -164,16 +226,14 @@ def measure_cost(target, drafter, parallel: int, context: int = 64, reps: int = 
         for state in states[:s]:
             state.keep(context)
 
-    samples = [(s, s * r, timed(lambda s=s, r=r: forward(s, r))) for s in streams for r in (1, 4, 8, drafter.block)]
-    a = np.array([[1.0, s, rows] for s, rows, _ in samples])
-    base, per_segment, per_row = np.maximum(np.linalg.lstsq(a, np.array([t for *_, t in samples]), rcond=None)[0], 0.0)
+    fit = CostFit()
+    for s in streams:
+        for r in (1, 4, 8, drafter.block):
+            fit.add_forward(s, s * r, timed(lambda s=s, r=r: forward(s, r)))
 
     def propose(s: int) -> None:
         drafter.propose([Proposal(dstates[i], prompt[-1], drafter.block - 1, SamplingParams()) for i in range(s)])
 
-    passes = [(s, timed(lambda s=s: propose(s))) for s in streams]
-    if len(passes) > 1:
-        slope, intercept = np.polyfit([s for s, _ in passes], [t for _, t in passes], 1)
-    else:
-        slope, intercept = 0.0, passes[0][1]
-    return CostModel(float(base), float(per_segment), float(per_row), max(float(intercept), 0.0), max(float(slope), 0.0))
+    for s in streams:
+        fit.add_draft(s, timed(lambda s=s: propose(s)))
+    return fit

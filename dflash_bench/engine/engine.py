@@ -114,8 +114,8 @@ class Engine:
         self.tokenizer = self.loaded.tokenizer if self.loaded else None
         self.budget: Budget | None = None
         if draft_model is not None:  # the auto budget's cost model is timed here, on the machine that serves
-            cost = measure_cost(model, draft_model, settings.parallel) if settings.verify_budget == "auto" else None
-            self.budget = Budget(settings.verify_budget, draft_model.block, cost)
+            fit = measure_cost(model, draft_model, settings.parallel) if settings.verify_budget == "auto" else None
+            self.budget = Budget(settings.verify_budget, draft_model.block, fit)
         self.lanes = Lanes(
             model,
             draft_model,
@@ -154,8 +154,8 @@ class Engine:
         mode = ", gpu mode (packed weights, bf16)" if self.backend.name == "gpu" else ""
         proof = f"; {self.drafting_refused or self.selfcheck.line()}" if self.selfcheck else ""
         budget = ""
-        if self.budget is not None and self.budget.cost is not None:
-            budget = f", verify budget auto ({self.budget.cost.describe()})"
+        if self.budget is not None and self.budget.measured is not None:
+            budget = f", verify budget auto ({self.budget.measured.describe()}, refitted to the rounds)"
         return (f"serving {self.model_name}: {drafts}{budget}, {s.parallel} streams of {s.context} tokens{cache}{mode}"
                 f"{where}{proof}")
 

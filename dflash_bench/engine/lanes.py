@@ -147,9 +147,10 @@ class Lanes:
         if not self.streams:
             return
         self.rounds += 1
+        started = time.perf_counter()
         segments = [self.segment(s) for s in self.streams]
         outs = self.target.forward(segments, self.drafter.taps if self.drafter else ())
-        absorb, proposals = [], []
+        absorb, proposals, draft_seconds = [], [], 0.0
         for s, seg, out in zip(list(self.streams), segments, outs):
             if s.pending is None:
                 kept_taps = self.after_chunk(s, seg, out)
@@ -171,10 +172,17 @@ class Lanes:
                 s.idle = s.idle + 1 if count == 0 and limit > 0 else 0
                 if count > 0:
                     proposals.append((s, Proposal(s.drafter_state, s.pending, count, s.params)))
-            drafts = self.drafter.propose([p for _, p in proposals])
+            drafting_at = time.perf_counter()
+            drafts = self.drafter.propose([p for _, p in proposals])  # its tokens come back as lists: evaluated
+            draft_seconds = time.perf_counter() - drafting_at
             for (s, _), d in zip(proposals, drafts):
                 s.drafts = tuple(d)
         mx.eval([a for s in self.streams for a in self.arrays(s)])
+        if self.budget is not None and not any(seg.prefill for seg in segments):
+            # what a decode round cost, for the auto budget's fit (budget.py); prompt chunks take another
+            # path whose rows cost less, so their rounds would skew the price of a decode row
+            self.budget.observe([len(seg.tokens) for seg in segments],
+                                time.perf_counter() - started - draft_seconds, len(proposals), draft_seconds)
 
     def segment(self, s: Stream) -> Segment:
         if s.pending is None:
