@@ -18,7 +18,8 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [300, 2, 41, 41, 41, 17]]
 @pytest.fixture(scope="module", params=["llama", "qwen3_5"])
 def pair(request, tmp_path_factory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp(f"warm-{request.param}")
-    return write_fixture(request.param, root / "t", seed=3), write_fixture("dflash", root / "d", seed=4, target=request.param)
+    target = write_fixture(request.param, root / "t", seed=3)
+    return target, write_fixture("dflash", root / "d", seed=4, target=request.param)
 
 
 def test_the_plan_covers_every_segment_count_row_bucket_and_prompt_chunk():
@@ -27,8 +28,8 @@ def test_the_plan_covers_every_segment_count_row_bucket_and_prompt_chunk():
     every = warmup.shapes(3, 16, 256, every=True)
     decode = {(s.windows, s.draft) for s in every if not s.prompt}
     assert decode == {((r,) * n, r == 16) for n in (1, 2, 3) for r in (1, 2, 4, 8, 16)}
-    assert {(s.windows, s.prompt, s.draft) for s in every if s.prompt} == {
-        ((16,) * n, p, False) for n in (0, 1, 2) for p in (1, 16, 256)}
+    assert {(s.windows, s.prompt, s.after, s.draft) for s in every if s.prompt} == {
+        ((16,) * n, p, 0, False) for n in (0, 1, 2) for p in (1, 16, 256)} | {((), 256, 256, False)}
     assert warmup.shapes(3, None, 256, every=False) == [warmup.Shape((1,)), warmup.Shape((1,), 16)]
     assert warmup.shapes(1, 16, 8, every=False) == [warmup.Shape((16,), draft=True), warmup.Shape((), 8)]
 

@@ -10,7 +10,8 @@ client after /health has said ready. So the engine runs, after its self-check an
   drafter's block (`window_rows`), every segment then rolled back to its first row as a round that
   kept no draft does;
 - rounds of 0..parallel-1 such windows beside one prompt chunk of 1, 16 and `chunk` rows (a prompt's
-  last chunk has any length; those three give MLX's matmuls a vector, a small and a full tile);
+  last chunk has any length; those three give MLX's matmuls a vector, a small and a full tile), and a
+  prompt's second chunk (its attention sees more keys than it has rows);
 - the sampler, greedy and sampled, on every round's logits;
 - with a drafter, a drafter pass for 1..parallel streams after each round of full windows.
 
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from dflash_bench.engine.cache import TargetState
 from dflash_bench.engine.drafters.dflash import DFlashDrafter, Proposal
 from dflash_bench.engine.sampling import SamplingParams, choose
 from dflash_bench.engine.targets.base import Segment, SegmentOut, Target
@@ -38,11 +40,13 @@ SAMPLERS = (SamplingParams(), SamplingParams(temperature=0.7, top_k=40, top_p=0.
 @dataclass(frozen=True)
 class Shape:
     """One warm-up forward: decode windows of these rows, a prompt chunk of `prompt` rows beside them (0:
-    none), and (`draft`) then a drafter pass for the windows, as a round of drafting streams runs."""
+    none) from position `after`, and (`draft`) then a drafter pass for the windows, as a round of
+    drafting streams runs."""
 
     windows: tuple[int, ...]
     prompt: int = 0
     draft: bool = False
+    after: int = 0  # the prompt chunk's first position: a later chunk attends to the keys before it too
 
 
 @dataclass(frozen=True)
@@ -79,7 +83,8 @@ def shapes(parallel: int, block: int | None, chunk: int, every: bool) -> list[Sh
         return [Shape((full,), draft=block is not None), Shape((1,) * min(1, parallel - 1), short)]
     decode = [Shape((r,) * n, draft=r == block) for n in range(1, parallel + 1) for r in window_rows(block)]
     prompts = sorted({min(p, chunk) for p in (*PROMPT_ROWS, chunk)})
-    return decode + [Shape((full,) * n, p) for n in range(parallel) for p in prompts]
+    later = Shape((), chunk, after=chunk)  # a long prompt's second chunk: more keys than queries
+    return decode + [Shape((full,) * n, p) for n in range(parallel) for p in prompts] + [later]
 
 
 def warm(target: Target, drafter: DFlashDrafter | None, parallel: int, chunk: int, every: bool) -> Warmup:
@@ -101,7 +106,7 @@ def run(target: Target, drafter: DFlashDrafter | None, parallel: int, plan: list
     for shape in plan:
         segments = [window(states[i], rows, bool(taps)) for i, rows in enumerate(shape.windows)]
         if shape.prompt:
-            segments.append(Segment([0] * shape.prompt, 0, target.new_state(), [shape.prompt - 1], bool(taps), prefill=True))
+            segments.append(prompt_chunk(target, shape.prompt, shape.after, bool(taps)))
         outs = target.forward(segments, taps)
         sample(segments, outs)
         for seg in segments[: len(shape.windows)]:
@@ -112,7 +117,17 @@ def run(target: Target, drafter: DFlashDrafter | None, parallel: int, plan: list
     return passes
 
 
-def window(state, rows: int, want_taps: bool) -> Segment:
+def prompt_chunk(target: Target, rows: int, after: int, want_taps: bool) -> Segment:
+    """A prompt chunk of `rows` rows from position `after` on a fresh scratch state (its earlier chunk run
+    first, untimed and unsampled, as the stream's previous round would have)."""
+    state = target.new_state()
+    if after:
+        target.forward([Segment([0] * after, 0, state, [], False, prefill=True)])
+        state.keep(after)
+    return Segment([0] * rows, after, state, [rows - 1], want_taps, prefill=True)
+
+
+def window(state: TargetState, rows: int, want_taps: bool) -> Segment:
     """A decode window of `rows` rows at the state's end, every row's logits wanted (as lanes.py asks)."""
     return Segment([0] * rows, state.length, state, list(range(rows)), want_taps)
 
