@@ -100,3 +100,13 @@ def test_a_gguf_target_is_noted_not_failed_in_the_mode_auto_picks(files, one_pro
 def test_bad_backend_refused_before_loading_anything():
     result = CliRunner().invoke(app, ["engine-speed", "--backend", "tpu"])
     assert result.exit_code == 2 and "--backend" in result.output
+
+
+def test_the_backend_option_reaches_the_run_and_the_receipts_settings(tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(engine_speed, "run", lambda s, receipt, progress: seen.append(s))
+    out = tmp_path / "r.json"
+    result = CliRunner().invoke(app, ["engine-speed", "--backend", "gpu", "--no-mlx-lm", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert seen[0].backend == "gpu" and not seen[0].mlx_lm
+    assert Receipt.load(out).settings["backend"] == "gpu"
