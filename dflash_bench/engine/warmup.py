@@ -10,8 +10,9 @@ client after /health has said ready. So the engine runs, after its self-check an
   drafter's block (`window_rows`), every segment then rolled back to its first row as a round that
   kept no draft does;
 - rounds of 0..parallel-1 such windows beside one prompt chunk of 1, 16 and `chunk` rows (a prompt's
-  last chunk has any length; those three give MLX's matmuls a vector, a small and a full tile), and a
-  prompt's second chunk (its attention sees more keys than it has rows);
+  last chunk has any length: these are meant to reach MLX's matrix-vector, small- and large-tile
+  matmuls; the row counts MLX switches at are its own and not checked here), and a prompt's second
+  chunk (its attention sees more keys than it has rows);
 - the sampler, greedy and sampled, on every round's logits;
 - with a drafter, a drafter pass for 1..parallel streams after each round of full windows.
 
