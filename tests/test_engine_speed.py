@@ -74,7 +74,9 @@ def test_gpu_mode_on_this_cpu_recorded_beside_mlx_lm_at_every_level(files, one_p
     engine_speed.run(s, receipt)
     receipt.finish(True)
     assert receipt.server["backend"] == receipt.environment["backend"] == "gpu"
-    assert "gpu mode" in receipt.server["startup_line"] and receipt.passed, receipt.failures
+    line = receipt.server["startup_line"]
+    assert line.startswith("serving llama: DFlash drafts") and "gpu mode" in line and "warmed" in line
+    assert receipt.passed, receipt.failures
     cells = receipt.aggregates["code"]
     assert set(cells) == {"plain", "drafted", engine_speed.MLX_LM}
     for streams in ("1", "2"):

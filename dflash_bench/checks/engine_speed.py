@@ -121,7 +121,7 @@ def engines(s: SpeedSettings, receipt: Receipt) -> tuple[LoadedTarget, list[tupl
     elif s.drafter:
         for bits in s.drafter_bits:
             drafter = load_drafter(s.drafter, plain.target, bits=bits, dtype=mode.dtype)
-            engine = Engine(model=plain.target, draft_model=drafter, settings=settings, eos_ids=tuple(plain.lanes.eos))
+            engine = Engine(model=plain.target, draft_model=drafter, settings=settings, loaded=loaded)
             modes.append((f"drafted-{bits}bit" if bits else "drafted", engine, True))
     else:
         receipt.skip("drafted", "no --drafter given: only plain decode was measured")

@@ -91,18 +91,21 @@ class Engine:
         model: Target | None = None,
         draft_model: DFlashDrafter | None = None,
         eos_ids: tuple[int, ...] | None = None,
+        loaded: LoadedTarget | None = None,
     ):
         """Load `target` (and `drafter`) from disk in the settings' mode, or take ready-made models
-        (tests' doubles, built in whatever mode they were built in). A real target (a `Target`) is
-        self-checked either way; a double that is not one has no rows to check."""
+        (tests' doubles, built in whatever mode they were built in; or another engine's target with the
+        `loaded` checkpoint it came from, which names it and gives its tokenizer and eos ids). A real
+        target (a `Target`) is self-checked either way; a double that is not one has no rows to check."""
         self.settings = settings
         self.backend = backends.resolve(settings.backend)
-        self.loaded: LoadedTarget | None = None
+        self.loaded = loaded
         if model is None:
             preload(str(target), None if drafter is None else str(drafter))
             dtype = self.backend.dtype
             self.loaded = load_target(target, dtype, packed=not self.backend.dequantizes)
             model = build_target(self.loaded.config, self.loaded.weights, dtype)
+        if self.loaded is not None and eos_ids is None:
             eos_ids = self.loaded.config.eos_token_ids or self.loaded.tokenizer.eos_ids
         self.selfcheck = selfcheck.check(model, fresh=settings.fresh_selfcheck) if isinstance(model, Target) else None
         self.drafting_refused: str | None = None
