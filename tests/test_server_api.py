@@ -129,8 +129,8 @@ def test_health_and_models_name_the_target_drafter_streams_and_context(server: L
     assert health | {"active_streams": 0} == health
     assert (health["status"], health["model"], health["drafter"], health["streams"], health["context"]) == (
         "ready", "target", "DFlash", 4, 512)
-    assert health["startup_line"].startswith("serving target: DFlash drafts, 4 streams of 512 tokens, prompt cache 0.05 GiB; "
-                                             "self-check passed on ")
+    assert re.match(r"serving target: DFlash drafts, 4 streams of 512 tokens, prompt cache 0\.05 GiB, warmed \d+ shapes "
+                    r"and 1 drafter pass in [\d.]+ s; self-check passed on ", health["startup_line"])
     assert health["selfcheck"]["passed"] and health["drafting_refused"] is None
     models = server.http.get("/v1/models").json()
     assert [m["id"] for m in models["data"]] == ["target"]

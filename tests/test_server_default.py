@@ -102,8 +102,8 @@ def test_startup_line_names_target_drafter_kind_streams_and_context_once(served)
         "SmolLM2-135M-Instruct", None, 2, 1024)
     startup = [line for line in served.lines() if line.startswith("serving ")]
     assert len(startup) == 1
-    assert startup[0].startswith(f"serving SmolLM2-135M-Instruct: no drafter, 2 streams of 1024 tokens, "
-                                 f"prompt cache 0.25 GiB, at {served.url}; plan: 2 streams of 1024 tokens: ")
+    assert re.match(rf"serving SmolLM2-135M-Instruct: no drafter, 2 streams of 1024 tokens, prompt cache 0\.25 GiB, "
+                    rf"warmed \d+ shapes in [\d.]+ s, at {re.escape(served.url)}; plan: 2 streams of 1024 tokens: ", startup[0])
     assert "; self-check passed on cpu (" in startup[0] and "window == steps" in startup[0]
 
 
@@ -174,7 +174,8 @@ def test_startup_line_names_a_dflash_drafter(tmp_path: Path) -> None:
     finally:
         proc.stop()
     [line] = [line for line in proc.lines() if line.startswith("serving ")]
-    assert line.startswith(f"serving target: DFlash drafts, 2 streams of 256 tokens, at {proc.url}; plan: 2 streams")
+    assert re.match(rf"serving target: DFlash drafts, 2 streams of 256 tokens, warmed \d+ shapes and 1 drafter pass in "
+                    rf"[\d.]+ s, at {re.escape(proc.url)}; plan: 2 streams", line)
 
 
 # -- refused startups --------------------------------------------------------------------------

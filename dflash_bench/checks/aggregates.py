@@ -250,21 +250,32 @@ class PlanAggregates(Loose):
 
 # -- engine-speed ------------------------------------------------------------------------------
 class SpeedCell(Loose):
+    """One mode at one level; the ratios and seconds a round are absent from receipts written before them."""
+
     stream_tok_s: Summary = Field(default_factory=Summary)
     aggregate_tok_s: Summary = Field(default_factory=Summary)
     tokens_per_round: Summary = Field(default_factory=Summary)
+    seconds_per_round: Optional[Summary] = None
+    over_mlx_lm: Optional[float] = None  # aggregate over mlx-lm's at the level
+    round_over_plain: Optional[float] = None  # seconds a round over a plain round's at the level
+    scaling: Optional[float] = None  # aggregate over the mode's at 1 stream
+    equals_plain: Optional[bool] = None  # drafted cells: every stream's tokens are plain's
 
 
 class MlxLmCell(Loose):
+    """Receipts before mlx-lm ran at every level: `generate_step` at one stream, ours beside it."""
+
     stream_tok_s: Summary
     ours_over_mlx_lm: float
 
 
 class EngineSpeedAggregates(Loose):
-    """probe -> mode -> streams -> cell, with "mlx-lm" beside the modes; peak_bytes beside the probes."""
+    """probe -> mode -> streams -> cell, with "mlx-lm" beside the modes (its cells by level, or an
+    MlxLmCell in older receipts); peak_bytes and why mlx-lm was not measured beside the probes."""
 
     __pydantic_extra__: dict[str, dict[str, Union[MlxLmCell, dict[str, SpeedCell]]]]
     peak_bytes: Optional[int] = None
+    mlx_lm_note: Optional[str] = None
 
     def probes(self) -> dict[str, dict[str, Union[MlxLmCell, dict[str, SpeedCell]]]]:
         """The probes' cells (the keys beside peak_bytes)."""

@@ -1,25 +1,33 @@
 """Engine speed in one process: plain and drafted rounds at 1..N streams, beside mlx-lm.
 
-No HTTP in the way: the bundled engine serves the decode probes from `dflash_bench/prompts/` at each level,
-drafted (per drafter precision) and plain (`draft: false`) on the same loaded target, and mlx-lm's
-`generate_step` decodes the same prompt on the same float32 weights with the same BLAS, so every
-figure in the receipt is a ratio taken in one run on one machine.
+No HTTP in the way: the bundled engine, loaded in the mode `serve` would use on this machine (or the
+one named: engine/backend.py), serves the decode probes from `dflash_bench/prompts/` at each level,
+plain (a drafter-less engine) and drafted (per drafter precision) on the same loaded target. mlx-lm
+decodes the same prompt from the same files (mlx_lm_speed.py): `generate_step` for one stream, its
+batched loop for more. Every figure in the receipt is a ratio taken in one run on one machine:
+ours over mlx-lm, a drafted round's seconds over a plain round's (what verifying a window costs),
+and a level's aggregate over one stream's (how streams scale).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import mlx.core as mx
 
+from dflash_bench.checks import mlx_lm_speed
 from dflash_bench.checks import prompts as prompt_sets
 from dflash_bench.checks.receipt import Receipt, summary
-from dflash_bench.engine.checkpoint import LoadedTarget, load_target
+from dflash_bench.engine import backend as backends
+from dflash_bench.engine.checkpoint import LoadedTarget
 from dflash_bench.engine.drafters.dflash import load_drafter
 from dflash_bench.engine.engine import Engine, Settings
-from dflash_bench.engine.request import Request
-from dflash_bench.engine.targets import build_target
+from dflash_bench.engine.request import Request, token_sha
+
+MLX_LM = "mlx-lm"  # the reference's mode key beside ours
+WARM_TOKENS = 4  # an untimed pass at each cell first: both sides' kernels compiled, caches allocated
 
 
 @dataclass(frozen=True)
@@ -31,6 +39,7 @@ class SpeedSettings:
     reps: int = 2
     drafter_bits: tuple[int, ...] = (0,)
     mlx_lm: bool = True
+    backend: str = "auto"  # 'auto' (the mode serve would use here), 'cpu' or 'gpu'
 
 
 def chat_ids(loaded: LoadedTarget, prompt: prompt_sets.Prompt) -> list[int]:
@@ -54,79 +63,135 @@ def run_level(engine: Engine, prompt: list[int], streams: int, tokens: int, draf
         "aggregate_tok_s": sum(r.stats.decode_tokens for r in results) / max(decode),
         "stream_tok_s": [r.stats.decode_tokens / r.stats.decode_seconds for r in results],
         "tokens_per_round": [r.stats.tokens_per_round for r in results],
+        "rounds": [r.stats.rounds for r in results],
+        "seconds_per_round": [r.stats.decode_seconds / r.stats.rounds if r.stats.rounds else 0.0 for r in results],
         "token_sha": [r.token_sha for r in results],
         "peak_bytes": mx.get_peak_memory(),
     }
 
 
-def mlx_lm_decode(loaded: LoadedTarget, prompt: list[int], tokens: int) -> dict:
-    """mlx-lm's own llama on our float32 weights: decode tok/s after its prompt pass."""
-    from mlx_lm.generate import generate_step
-    from mlx_lm.models import llama
-
-    c = loaded.config
-    model = llama.Model(
-        llama.ModelArgs(
-            model_type="llama", hidden_size=c.hidden_size, num_hidden_layers=c.num_layers,
-            intermediate_size=c.intermediate_size, num_attention_heads=c.num_heads,
-            num_key_value_heads=c.num_kv_heads, rms_norm_eps=c.rms_norm_eps, vocab_size=c.vocab_size,
-            rope_theta=c.rope_theta, tie_word_embeddings=c.tie_word_embeddings, head_dim=c.head_dim,
-        )
-    )
-    model.load_weights([("model." + k if k != "lm_head.weight" else k, v) for k, v in loaded.weights.items()])
-    out, start, first = [], 0.0, 0.0
-    for i, (token, _) in enumerate(generate_step(mx.array(prompt), model, max_tokens=tokens)):
-        out.append(int(token))
-        if i == 0:
-            first = start = time.perf_counter()
-    end = time.perf_counter()
-    return {"tok_s": (len(out) - 1) / (end - start), "tokens": out, "first_token_at": first}
+def cell(reps: list[dict]) -> dict:
+    """One (mode, level) cell from its reps: medians of the aggregate, the first stream, and a round's
+    seconds averaged over the level's streams."""
+    return {
+        "aggregate_tok_s": summary([r["aggregate_tok_s"] for r in reps]),
+        "stream_tok_s": summary([r["stream_tok_s"][0] for r in reps]),
+        "tokens_per_round": summary([r["tokens_per_round"][0] for r in reps]),
+        "seconds_per_round": summary([sum(r["seconds_per_round"]) / len(r["seconds_per_round"]) for r in reps]),
+    }
 
 
-def run(s: SpeedSettings, receipt: Receipt, progress=lambda msg: None) -> None:
-    if s.target != "default" and s.mlx_lm:
-        receipt.skip("mlx-lm", "the mlx-lm comparison builds mlx-lm's llama and runs for llama targets only")
-    loaded = load_target(s.target)
-    target = build_target(loaded.config, loaded.weights)
-    eos = loaded.config.eos_token_ids or loaded.tokenizer.eos_ids
-    receipt.server = {"engine": "dflash-bench (in process)", "target": str(loaded.path),
+def ratio(num: float | None, den: float | None) -> float | None:
+    return num / den if num is not None and den else None
+
+
+def derive(modes: dict[str, dict[str, dict]]) -> None:
+    """Each of our cells' ratios, from the medians: `over_mlx_lm` (aggregate tok/s over mlx-lm's at the
+    level), `round_over_plain` (seconds a round over a plain round's at the level: the verify round's
+    cost) and `scaling` (aggregate at the level over the mode's aggregate at 1 stream)."""
+    plain, ref = modes.get("plain", {}), modes.get(MLX_LM, {})
+    for mode, cells in modes.items():
+        if mode == MLX_LM:
+            continue
+        one = cells.get("1")
+        measured = mode != "plain"  # a plain round over itself says nothing
+        for streams, c in cells.items():
+            agg = c["aggregate_tok_s"]["median"]
+            c["over_mlx_lm"] = ratio(agg, ref[streams]["aggregate_tok_s"]["median"]) if streams in ref else None
+            base = plain.get(streams)
+            c["round_over_plain"] = (ratio(c["seconds_per_round"]["median"], base["seconds_per_round"]["median"])
+                                     if base and measured else None)
+            c["scaling"] = ratio(agg, one["aggregate_tok_s"]["median"]) if one else None
+
+
+def engines(s: SpeedSettings, receipt: Receipt) -> tuple[LoadedTarget, list[tuple[str, Engine, bool]]]:
+    """The plain engine (loads the target in the chosen mode) and one drafting engine per drafter
+    precision on the same loaded target."""
+    mode = backends.resolve(s.backend)
+    settings = Settings(parallel=max(s.levels), context=4096, backend=mode.name)
+    plain = Engine(s.target, settings=settings)
+    loaded = plain.loaded
+    receipt.server = {"engine": "dflash-bench (in process)", "target": str(loaded.path), "backend": mode.name,
                       "target_sha256": loaded.weights_sha256, "drafter": s.drafter}
-    modes: list[tuple[str, Engine, bool]] = []
-    top = max(s.levels)
-    plain = Engine(model=target, settings=Settings(parallel=top, context=4096), eos_ids=eos)
-    modes.append(("plain", plain, False))
+    receipt.environment["backend"] = mode.name
     receipt.environment["selfcheck"] = plain.selfcheck.as_dict()
+    modes = [("plain", plain, False)]
     if s.drafter and not plain.selfcheck.passed:  # drafted figures on a path that failed would not be exact
         receipt.skip("drafted", f"drafting is off: {plain.selfcheck.line()}")
     elif s.drafter:
         for bits in s.drafter_bits:
-            drafter = load_drafter(s.drafter, target, bits=bits)
-            engine = Engine(model=target, draft_model=drafter, settings=Settings(parallel=top, context=4096), eos_ids=eos)
+            drafter = load_drafter(s.drafter, plain.target, bits=bits, dtype=mode.dtype)
+            engine = Engine(model=plain.target, draft_model=drafter, settings=settings, loaded=loaded)
             modes.append((f"drafted-{bits}bit" if bits else "drafted", engine, True))
     else:
         receipt.skip("drafted", "no --drafter given: only plain decode was measured")
-    probes = prompt_sets.probes()
-    for name, probe in probes.items():
+    receipt.server["startup_line"] = modes[-1][1].startup_line()
+    return loaded, modes
+
+
+def run(s: SpeedSettings, receipt: Receipt, progress: Callable[[str], None] = lambda msg: None) -> None:
+    loaded, modes = engines(s, receipt)
+    reference = None
+    if s.mlx_lm:
+        why = mlx_lm_speed.unavailable(loaded.path)
+        if why:
+            receipt.aggregates["mlx_lm_note"] = why
+            receipt.warn("mlx-lm", str(loaded.path), why)
+        else:
+            progress("loading mlx-lm")
+            reference = mlx_lm_speed.load(loaded.path)
+    for name, probe in prompt_sets.probes().items():
         ids = chat_ids(loaded, probe)
+        cells: dict[str, dict[str, dict]] = receipt.aggregates.setdefault(name, {})
         for mode, engine, draft in modes:
             for streams in s.levels:
+                run_level(engine, ids, streams, WARM_TOKENS, draft)
                 reps = []
                 for rep in range(s.reps):
                     progress(f"{name} {mode} x{streams} rep {rep + 1}/{s.reps}")
                     reps.append(run_level(engine, ids, streams, s.tokens, draft))
                     receipt.records.append({"probe": name, "mode": mode, "rep": rep, **reps[-1]})
-                receipt.aggregates.setdefault(name, {}).setdefault(mode, {})[str(streams)] = {
+                cells.setdefault(mode, {})[str(streams)] = cell(reps)
+        check_equal(receipt, name, cells, s.levels)
+        if reference is not None:
+            for streams in s.levels:
+                mlx_lm_speed.decode(reference, ids, streams, WARM_TOKENS)
+                reps = []
+                for rep in range(s.reps):
+                    progress(f"{name} mlx-lm x{streams} rep {rep + 1}/{s.reps}")
+                    got = mlx_lm_speed.decode(reference, ids, streams, s.tokens)
+                    reps.append(got)
+                    receipt.records.append({"probe": name, "mode": MLX_LM, "rep": rep, "streams": streams,
+                                            "seconds": got["seconds"], "aggregate_tok_s": got["aggregate_tok_s"],
+                                            "stream_tok_s": got["stream_tok_s"],
+                                            "token_sha": [token_sha(t) for t in got["tokens"]]})
+                cells.setdefault(MLX_LM, {})[str(streams)] = {
                     "aggregate_tok_s": summary([r["aggregate_tok_s"] for r in reps]),
-                    "stream_tok_s": summary([r["stream_tok_s"][0] for r in reps]),
-                    "tokens_per_round": summary([r["tokens_per_round"][0] for r in reps]),
+                    "stream_tok_s": summary([r["stream_tok_s"] for r in reps]),
                 }
-        shas = {r["token_sha"][0] for r in receipt.records if r["probe"] == name}
-        if len(shas) != 1:
-            receipt.fail("drafted equals plain", name, f"token hashes differ across modes and levels: {sorted(shas)}")
-        if s.mlx_lm and s.target == "default":
-            progress(f"{name} mlx-lm")
-            ref = [mlx_lm_decode(loaded, ids, s.tokens) for _ in range(s.reps)]
-            ours = receipt.aggregates[name]["plain"][str(min(s.levels))]["stream_tok_s"]["median"]
-            theirs = summary([r["tok_s"] for r in ref])
-            receipt.aggregates[name]["mlx-lm"] = {"stream_tok_s": theirs, "ours_over_mlx_lm": ours / theirs["median"]}
+        derive(cells)
     receipt.aggregates["peak_bytes"] = mx.get_peak_memory()
+
+
+def check_equal(receipt: Receipt, probe: str, cells: dict[str, dict[str, dict]], levels: tuple[int, ...]) -> None:
+    """Drafted == plain per cell: every stream of every rep of a drafted cell has plain's token hash at
+    that level (greedy, so one hash), and plain has one hash over all levels (streams never change a
+    stream's tokens); a cell or level that differs fails the receipt."""
+    def shas(mode: str, streams: int) -> set[str]:
+        return {h for r in receipt.records
+                if r["probe"] == probe and r["mode"] == mode and r["streams"] == streams for h in r["token_sha"]}
+
+    plain_all = set().union(*(shas("plain", n) for n in levels))
+    if len(plain_all) != 1:
+        receipt.fail("drafted equals plain", f"{probe} plain", f"{probe} plain: token hashes differ across levels: "
+                                                              f"{sorted(plain_all)}")
+    for mode, by_level in cells.items():
+        if mode == "plain":
+            continue
+        for streams in levels:
+            plain, ours = shas("plain", streams), shas(mode, streams)
+            equal = len(plain) == 1 and ours == plain
+            by_level[str(streams)]["equals_plain"] = equal
+            if not equal:
+                receipt.fail("drafted equals plain", f"{probe} {mode} x{streams}",
+                             f"{probe} {mode} x{streams}: token hashes {sorted(ours)}, plain {sorted(plain)}")

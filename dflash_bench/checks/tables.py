@@ -243,22 +243,42 @@ def suite(a: agg.SuiteAggregates, r: Receipt) -> Table:
 
 
 def engine_speed(a: agg.EngineSpeedAggregates, r: Receipt) -> Table:
-    t = Table(title="engine speed (tok/s; medians of reps)")
-    for col in ("probe", "mode", "streams", "stream tok/s", "aggregate tok/s", "tokens/round", "spread"):
-        t.add_column(col, justify="right" if col not in ("probe", "mode") else "left")
+    """Each of our modes per probe and level: tok/s, beside mlx-lm at the level (its own row in receipts
+    written before mlx-lm ran at every level), what a round costs against a plain one, the 1 -> N scaling
+    and drafted == plain. Old receipts leave the newer columns empty."""
+    mode = r.server.get("backend") if r.server else None
+    title = "engine speed (tok/s; medians of reps" + (f"; {mode} mode)" if mode else ")")
+    t = Table(title=title, caption=a.mlx_lm_note)
+    cols = ("probe", "mode", "streams", "aggregate tok/s", "stream tok/s", "mlx-lm tok/s", "ours/mlx-lm",
+            "ms a round", "round/plain round", "tokens/round", "1->N", "= plain", "spread")
+    for col in cols:
+        t.add_column(col, justify="left" if col in ("probe", "mode") else "right")
     for probe, modes in a.probes().items():
+        ref = modes.get("mlx-lm")
         for mode, cells in modes.items():
             if isinstance(cells, agg.MlxLmCell):
-                t.add_row(probe, "mlx-lm generate", "1", num(cells.stream_tok_s.median, 2), "", "",
-                          f"ours/mlx-lm {cells.ours_over_mlx_lm:.2f}")
+                t.add_row(probe, "mlx-lm generate", "1", "", num(cells.stream_tok_s.median, 2), "",
+                          f"{cells.ours_over_mlx_lm:.2f}", *[""] * 6)
                 continue
-            for streams, cell in cells.items():
-                t.add_row(probe, mode, streams, num(cell.stream_tok_s.median, 2),
-                          num(cell.aggregate_tok_s.median, 2), num(cell.tokens_per_round.median, 3),
-                          f"{cell.aggregate_tok_s.spread or 0:.1%}")
+            if mode == "mlx-lm":
+                continue
+            for streams, c in cells.items():
+                theirs = ref.get(streams) if isinstance(ref, dict) else None
+                per_round = c.seconds_per_round.median if c.seconds_per_round else None
+                same = None if c.equals_plain is None else MARK[c.equals_plain]
+                t.add_row(probe, mode, streams, num(c.aggregate_tok_s.median, 2), num(c.stream_tok_s.median, 2),
+                          num(theirs.aggregate_tok_s.median, 2) if theirs else "—", times(c.over_mlx_lm),
+                          num(per_round * 1e3 if per_round is not None else None, 2), times(c.round_over_plain),
+                          num(c.tokens_per_round.median, 3), times(c.scaling), same or "",
+                          f"{c.aggregate_tok_s.spread or 0:.1%}")
     if a.peak_bytes is not None:
-        t.add_row("peak footprint", "", "", "", gb(a.peak_bytes), "", "")
+        t.add_row("peak footprint", "", "", gb(a.peak_bytes), *[""] * 9)
     return t
+
+
+def times(value: float | None) -> str:
+    """A ratio as '1.23x', or a dash where it was not measured."""
+    return "—" if value is None else f"{value:.2f}x"
 
 
 def plan(a: agg.PlanAggregates, r: Receipt) -> Table:

@@ -12,6 +12,7 @@ from dflash_bench.checks.lifecycle import receipt_run
 from dflash_bench.checks.receipt import Receipt, canonical_json
 from dflash_bench.cli import app
 from dflash_bench.cli.checks import Json, Out, default_out, ints, numbers
+from dflash_bench.engine.backend import BACKENDS
 from dflash_bench.engine.defaults import chosen_drafter
 from dflash_bench.engine.errors import DFlashBenchError
 
@@ -24,12 +25,17 @@ def engine_speed_cmd(
     tokens: Annotated[int, typer.Option(help="Tokens each stream decodes (ignore_eos).")] = 64,
     reps: Annotated[int, typer.Option(help="Repetitions of each cell.")] = 2,
     drafter_bits: Annotated[str, typer.Option(help="Drafter precisions to measure (0 = float, 4 = 4-bit copies).")] = "0,4",
-    mlx_lm: Annotated[bool, typer.Option(help="Also decode with mlx-lm's generate on the same weights.")] = True,
+    mlx_lm: Annotated[bool, typer.Option(help="Also decode with mlx-lm from the same files (generate_step at 1 stream, "
+                                               "its batched loop at more; not for a GGUF target, which mlx-lm cannot read).")] = True,
+    backend: Annotated[str, typer.Option(help="Engine mode: auto (the one serve would use here), cpu (float32) or gpu "
+                                              "(packed quantized weights, bf16).")] = "auto",
     out: Out = None,
     json_out: Json = False,
 ) -> None:
-    """Plain and drafted decode at each level in one process, and mlx-lm on the same weights (ratios)."""
+    """Plain and drafted decode at each level in one process, in serve's mode, and mlx-lm on the same files (ratios)."""
     bits = numbers(drafter_bits, "--drafter-bits", int, 0)
+    if backend not in ("auto", *BACKENDS):
+        raise typer.BadParameter(f"--backend is {backend!r}, expected auto, {' or '.join(BACKENDS)}")
     try:
         drafter = chosen_drafter(target, drafter)
     except DFlashBenchError as err:
@@ -38,6 +44,7 @@ def engine_speed_cmd(
     settings = engine_speed.SpeedSettings(
         target=target, drafter=drafter,
         levels=ints(levels, "--levels"), tokens=tokens, reps=reps, drafter_bits=bits, mlx_lm=mlx_lm,
+        backend=backend,
     )
     receipt = Receipt.new("engine-speed", sys.argv, settings.__dict__)
     path = out or default_out("engine-speed")

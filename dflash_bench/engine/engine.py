@@ -8,7 +8,8 @@ thread (deterministic, for tests and benchmarks).
 Before it serves, a loaded target passes the self-check of the row rule on this machine
 (selfcheck.py), which also sets the tiles and attention path each weight and layer then runs. A
 target that fails it is served without drafting: `drafting_refused` says why, and the drafter
-(when one was asked for) is not loaded.
+(when one was asked for) is not loaded. Then the warm-up (warmup.py) runs every forward shape
+serving will use once on scratch states, so kernels compile before the server says ready.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from dflash_bench.engine import backend as backends
-from dflash_bench.engine import selfcheck
+from dflash_bench.engine import selfcheck, warmup
 from dflash_bench.engine.budget import Budget, measure_cost
 from dflash_bench.engine.checkpoint import LoadedTarget, load_target
 from dflash_bench.engine.constants import CHUNK, GIB
@@ -45,6 +46,7 @@ class Settings:
     backend: str | None = None  # the numeric mode (backend.py): 'cpu', 'gpu', or None for the device's
     fresh_selfcheck: bool = False  # run the self-check even where a cached verdict exists
     verify_budget: str = "fixed"  # drafts a stream verifies a round: a full block, or "auto" (budget.py)
+    warm: bool = True  # run every serving shape once on scratch states before serving (warmup.py)
 
 
 @dataclass(frozen=True)
@@ -89,18 +91,21 @@ class Engine:
         model: Target | None = None,
         draft_model: DFlashDrafter | None = None,
         eos_ids: tuple[int, ...] | None = None,
+        loaded: LoadedTarget | None = None,
     ):
         """Load `target` (and `drafter`) from disk in the settings' mode, or take ready-made models
-        (tests' doubles, built in whatever mode they were built in). A real target (a `Target`) is
-        self-checked either way; a double that is not one has no rows to check."""
+        (tests' doubles, built in whatever mode they were built in; or another engine's target with the
+        `loaded` checkpoint it came from, which names it and gives its tokenizer and eos ids). A real
+        target (a `Target`) is self-checked either way; a double that is not one has no rows to check."""
         self.settings = settings
         self.backend = backends.resolve(settings.backend)
-        self.loaded: LoadedTarget | None = None
+        self.loaded = loaded
         if model is None:
             preload(str(target), None if drafter is None else str(drafter))
             dtype = self.backend.dtype
             self.loaded = load_target(target, dtype, packed=not self.backend.dequantizes)
             model = build_target(self.loaded.config, self.loaded.weights, dtype)
+        if self.loaded is not None and eos_ids is None:
             eos_ids = self.loaded.config.eos_token_ids or self.loaded.tokenizer.eos_ids
         self.selfcheck = selfcheck.check(model, fresh=settings.fresh_selfcheck) if isinstance(model, Target) else None
         self.drafting_refused: str | None = None
@@ -112,8 +117,14 @@ class Engine:
         self.target = model
         self.drafter = draft_model
         self.tokenizer = self.loaded.tokenizer if self.loaded else None
+        if self.loaded is not None:
+            mx.eval([a for w in self.loaded.weights.values() for a in (w.arrays() if isinstance(w, Weight) else [w])])
+        self.warmup: warmup.Warmup | None = None
+        if settings.warm and isinstance(model, Target):  # kernels compile here, not at a client's first request
+            on_gpu = mx.default_device().type == mx.DeviceType.gpu
+            self.warmup = warmup.warm(model, draft_model, settings.parallel, settings.chunk, every=on_gpu)
         self.budget: Budget | None = None
-        if draft_model is not None:  # the auto budget's cost model is timed here, on the machine that serves
+        if draft_model is not None:  # the auto budget's cost model is timed here (warm), on the machine that serves
             fit = measure_cost(model, draft_model, settings.parallel) if settings.verify_budget == "auto" else None
             self.budget = Budget(settings.verify_budget, draft_model.block, fit)
         self.lanes = Lanes(
@@ -130,8 +141,6 @@ class Engine:
         self._wake = threading.Condition()  # submit() wakes the background loop
         self._thread: threading.Thread | None = None
         self._stop = False
-        if self.loaded is not None:
-            mx.eval([a for w in self.loaded.weights.values() for a in (w.arrays() if isinstance(w, Weight) else [w])])
         self.baseline_bytes = mx.get_active_memory()
 
     # -- identity ------------------------------------------------------------------------------
@@ -146,8 +155,8 @@ class Engine:
         return self.loaded.config.name or self.loaded.path.name
 
     def startup_line(self, where: str = "") -> str:
-        """Target, drafter kind, streams and context, mode, then `where` (the server's URL and plan), then
-        the self-check's verdict (or why drafting is off)."""
+        """Target, drafter kind, streams and context, mode, the warm-up's shapes and seconds, then `where`
+        (the server's URL and plan), then the self-check's verdict (or why drafting is off)."""
         drafts = f"{self.drafter_kind} drafts" if self.drafter else "no drafter"
         s = self.settings
         cache = f", prompt cache {s.prompt_cache_gib:g} GiB" if s.prompt_cache_gib else ""
@@ -156,8 +165,9 @@ class Engine:
         budget = ""
         if self.budget is not None and self.budget.measured is not None:
             budget = f", verify budget auto ({self.budget.measured.describe()}, refitted to the rounds)"
+        warmed = f", {self.warmup.line()}" if self.warmup else ""
         return (f"serving {self.model_name}: {drafts}{budget}, {s.parallel} streams of {s.context} tokens{cache}{mode}"
-                f"{where}{proof}")
+                f"{warmed}{where}{proof}")
 
     # -- requests ------------------------------------------------------------------------------
     def submit(self, request: Request) -> Handle:

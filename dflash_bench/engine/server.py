@@ -342,9 +342,9 @@ class Served:
 
 
 def warm_up(engine: Engine) -> None:
-    """One short drafted request in the caller's thread, before `engine.start()`: the first round
-    pays one-off costs (kernel set-up, allocator growth) before /health says ready, and an engine
-    that cannot run a round stops startup here instead of failing the first client."""
+    """One short drafted request in the caller's thread, before `engine.start()`: after the engine's own
+    warm-up (every forward shape on scratch states: warmup.py) this runs the lanes end to end once, so an
+    engine that cannot run a round stops startup here instead of failing the first client."""
     prompt = engine.tokenizer.encode("Hello") if engine.tokenizer else []
     result = engine.generate(Request(prompt or [0], max_tokens=4, temperature=0.0, ignore_eos=True))
     if result.finish == "error":

@@ -1,0 +1,150 @@
+"""The engine's warm-up: every forward shape serving will run, once, on scratch states, before ready.
+
+On a CUDA GPU kernels compile at their first use: ours (matmul_kernel.py, one variant per weight shape
+and row-tile count; targets/attention_kernel.py, one per segment count and row bucket;
+targets/delta_kernel.py) and MLX's own (its matmuls pick a kernel by row count, and one of them is
+compiled at first use: docs/gpu-round-profile.md). Left to the first requests, that wait lands on a
+client after /health has said ready. So the engine runs, after its self-check and before it serves:
+
+- decode rounds of 1..parallel segments, each of 1 row and of every attention row bucket up to the
+  drafter's block (`window_rows`), every segment then rolled back to its first row as a round that
+  kept no draft does;
+- rounds of 0..parallel-1 such windows beside one prompt chunk of 1, 16 and `chunk` rows (a prompt's
+  last chunk has any length: these are meant to reach MLX's matrix-vector, small- and large-tile
+  matmuls; the row counts MLX switches at are its own and not checked here), and a prompt's second
+  chunk (its attention sees more keys than it has rows);
+- the sampler, greedy and sampled, on every round's logits;
+- with a drafter, a drafter pass for 1..parallel streams after each round of full windows.
+
+Every state is a scratch one, dropped at the end, so no stream's output and no prompt-cache entry can
+depend on it (tests/test_warmup.py). On a CPU nothing compiles at first use, so `every=False` keeps the
+same code path to two forwards (a full window then a drafter pass; a one-row step beside a 16-row
+prompt chunk), which CI runs with every engine it builds.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from dflash_bench.engine.cache import TargetState
+from dflash_bench.engine.drafters.dflash import DFlashDrafter, Proposal
+from dflash_bench.engine.sampling import SamplingParams, choose
+from dflash_bench.engine.targets.base import Segment, SegmentOut, Target
+
+PROMPT_ROWS = (1, 16)  # short prompt chunks beside the full one
+SAMPLERS = (SamplingParams(), SamplingParams(temperature=0.7, top_k=40, top_p=0.9, seed=1))
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One warm-up forward: decode windows of these rows, a prompt chunk of `prompt` rows beside them (0:
+    none) from position `after`, and (`draft`) then a drafter pass for the windows, as a round of
+    drafting streams runs."""
+
+    windows: tuple[int, ...]
+    prompt: int = 0
+    draft: bool = False
+    after: int = 0  # the prompt chunk's first position: a later chunk attends to the keys before it too
+
+
+@dataclass(frozen=True)
+class Warmup:
+    shapes: int  # target forwards run
+    drafter_passes: int
+    seconds: float
+
+    def line(self) -> str:
+        passes = ""
+        if self.drafter_passes:
+            passes = f" and {self.drafter_passes} drafter pass{'es' if self.drafter_passes > 1 else ''}"
+        return f"warmed {self.shapes} shapes{passes} in {self.seconds:.1f} s"
+
+
+def window_rows(block: int | None) -> list[int]:
+    """A plain step's 1 row and, when drafting, the powers of two below the block and the block: one
+    window in each of the attention kernel's row buckets (attention_kernel.geometry) and the full window."""
+    rows = {1}
+    if block:
+        r = 2
+        while r < block:
+            rows.add(r)
+            r *= 2
+        rows.add(block)
+    return sorted(rows)
+
+
+def shapes(parallel: int, block: int | None, chunk: int, every: bool) -> list[Shape]:
+    """The forwards to warm: all of them (`every`, on a GPU), or the two that keep the code path covered
+    (a full window and a drafter pass; a plain step beside a short prompt chunk)."""
+    full, short = block or 1, min(chunk, PROMPT_ROWS[-1])
+    if not every:
+        return [Shape((full,), draft=block is not None), Shape((1,) * min(1, parallel - 1), short)]
+    decode = [Shape((r,) * n, draft=r == block) for n in range(1, parallel + 1) for r in window_rows(block)]
+    prompts = sorted({min(p, chunk) for p in (*PROMPT_ROWS, chunk)})
+    later = Shape((), chunk, after=chunk)  # a long prompt's second chunk: more keys than queries
+    return decode + [Shape((full,) * n, p) for n in range(parallel) for p in prompts] + [later]
+
+
+def warm(target: Target, drafter: DFlashDrafter | None, parallel: int, chunk: int, every: bool) -> Warmup:
+    """Run `shapes(...)` on scratch states, evaluating each; every state is gone when `run` returns, and
+    MLX's buffer cache then drops their memory."""
+    start = time.perf_counter()
+    plan = shapes(parallel, drafter.block if drafter is not None else None, chunk, every)
+    passes = run(target, drafter, parallel, plan)
+    mx.clear_cache()
+    return Warmup(len(plan), passes, time.perf_counter() - start)
+
+
+def run(target: Target, drafter: DFlashDrafter | None, parallel: int, plan: list[Shape]) -> int:
+    """The plan's forwards on `parallel` scratch streams (each window rolled back to its first row, as a
+    round that kept no draft does); returns the drafter passes run."""
+    taps = drafter.taps if drafter is not None else ()
+    states = [target.new_state() for _ in range(parallel)]
+    passes = 0
+    for shape in plan:
+        segments = [window(states[i], rows, bool(taps)) for i, rows in enumerate(shape.windows)]
+        if shape.prompt:
+            segments.append(prompt_chunk(target, shape.prompt, shape.after, bool(taps)))
+        outs = target.forward(segments, taps)
+        sample(segments, outs)
+        for seg in segments[: len(shape.windows)]:
+            seg.state.keep(seg.start + 1)
+        if drafter is not None and shape.draft:
+            propose(drafter, outs[: len(shape.windows)])
+            passes += 1
+    return passes
+
+
+def prompt_chunk(target: Target, rows: int, after: int, want_taps: bool) -> Segment:
+    """A prompt chunk of `rows` rows from position `after` on a fresh scratch state (its earlier chunk run
+    first, untimed and unsampled, as the stream's previous round would have)."""
+    state = target.new_state()
+    if after:
+        target.forward([Segment([0] * after, 0, state, [], False, prefill=True)])
+        state.keep(after)
+    return Segment([0] * rows, after, state, [rows - 1], want_taps, prefill=True)
+
+
+def window(state: TargetState, rows: int, want_taps: bool) -> Segment:
+    """A decode window of `rows` rows at the state's end, every row's logits wanted (as lanes.py asks)."""
+    return Segment([0] * rows, state.length, state, list(range(rows)), want_taps)
+
+
+def sample(segments: list[Segment], outs: list[SegmentOut]) -> None:
+    """Each segment's logits through the sampler, greedy and sampled, evaluated with the forward."""
+    picks = []
+    for seg, out in zip(segments, outs):
+        if out.logits is not None:
+            positions = mx.arange(seg.start + 1, seg.start + 1 + out.logits.shape[0], dtype=mx.int32)
+            picks += [choose(out.logits, positions, params) for params in SAMPLERS]
+    mx.eval(picks)
+
+
+def propose(drafter: DFlashDrafter, outs: list[SegmentOut]) -> None:
+    """A round's drafter pass for these streams: absorb each window's first row, then draft a block."""
+    dstates = [drafter.new_state() for _ in outs]
+    drafter.absorb([(d, out.taps[:1]) for d, out in zip(dstates, outs)])
+    drafter.propose([Proposal(d, 0, drafter.block - 1, SAMPLERS[0]) for d in dstates])  # its drafts are read: evaluated

@@ -1,0 +1,114 @@
+"""engine-speed: the mode it loads in and records, mlx-lm's batched loop, the ratios and the table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from dflash_bench.checks import engine_speed, mlx_lm_speed, tables
+from dflash_bench.checks import prompts as prompt_sets
+from dflash_bench.checks.receipt import Receipt, summary
+from dflash_bench.cli import app
+from dflash_bench.engine import backend as backends
+from dflash_bench.fixtures.small import write_fixture
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("speed")
+    return {kind: write_fixture(kind, root / kind) for kind in ("llama", "qwen3_5", "llama-gguf", "dflash")}
+
+
+@pytest.fixture
+def one_probe(monkeypatch):
+    """The code probe alone: half the decoding, the same code path."""
+    probes = prompt_sets.probes()
+    monkeypatch.setattr(engine_speed.prompt_sets, "probes", lambda: {"code": probes["code"]})
+
+
+def text(receipt: Receipt) -> str:
+    console = tables.Console(width=tables.CI_WIDTH, record=True)
+    console.print(tables.render(receipt))
+    return console.export_text()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_batched_loop_gives_generate_steps_greedy_tokens(files, family):
+    model = mlx_lm_speed.load(files[family])
+    prompt = [3, 17, 5, 9, 250, 41, 7]
+    one = mlx_lm_speed.generate_one(model, prompt, 12)
+    assert len(one["tokens"][0]) == 12
+    for streams in (1, 3):
+        batched = mlx_lm_speed.generate_batched(model, prompt, streams, 12)
+        assert batched["tokens"] == one["tokens"] * streams
+        assert batched["aggregate_tok_s"] == pytest.approx(streams * batched["stream_tok_s"])
+
+
+def test_ratios_come_from_the_medians():
+    def c(tok_s: float, per_round: float | None = None) -> dict:
+        out = {"aggregate_tok_s": summary([tok_s])}
+        if per_round is not None:
+            out["seconds_per_round"] = summary([per_round])
+        return out
+
+    cells = {"plain": {"1": c(10, 0.1), "4": c(30, 0.13)}, "drafted": {"1": c(25, 0.14), "4": c(50, 0.26)},
+             engine_speed.MLX_LM: {"1": c(20), "4": c(60)}}
+    engine_speed.derive(cells)
+    plain, drafted = cells["plain"], cells["drafted"]
+    assert drafted["1"]["round_over_plain"] == pytest.approx(1.4)
+    assert drafted["4"]["round_over_plain"] == pytest.approx(2.0)
+    assert plain["4"]["round_over_plain"] is None
+    assert plain["1"]["over_mlx_lm"] == pytest.approx(0.5) and drafted["4"]["over_mlx_lm"] == pytest.approx(50 / 60)
+    assert plain["4"]["scaling"] == pytest.approx(3.0) and drafted["4"]["scaling"] == pytest.approx(2.0)
+    del cells[engine_speed.MLX_LM], cells["plain"]["1"]
+    engine_speed.derive(cells)
+    assert cells["plain"]["4"]["over_mlx_lm"] is None and cells["plain"]["4"]["scaling"] is None
+
+
+def test_gpu_mode_on_this_cpu_recorded_beside_mlx_lm_at_every_level(files, one_probe):
+    s = engine_speed.SpeedSettings(target=str(files["llama"]), drafter=str(files["dflash"]), levels=(1, 2),
+                                   tokens=6, reps=1, backend="gpu")
+    receipt = Receipt.new("engine-speed", ["test"], s.__dict__)
+    engine_speed.run(s, receipt)
+    receipt.finish(True)
+    assert receipt.server["backend"] == receipt.environment["backend"] == "gpu"
+    line = receipt.server["startup_line"]
+    assert line.startswith("serving llama: DFlash drafts") and "gpu mode" in line and "warmed" in line
+    assert receipt.passed, receipt.failures
+    cells = receipt.aggregates["code"]
+    assert set(cells) == {"plain", "drafted", engine_speed.MLX_LM}
+    for streams in ("1", "2"):
+        assert cells["drafted"][streams]["equals_plain"] is True
+        assert cells["drafted"][streams]["round_over_plain"] > 0 and cells["plain"][streams]["over_mlx_lm"] > 0
+        assert cells[engine_speed.MLX_LM][streams]["aggregate_tok_s"]["median"] > 0
+    shown = text(Receipt.from_dict(receipt.to_dict()))
+    assert "gpu mode" in shown and "round/plain round" in shown and "equal" in shown
+
+
+def test_a_gguf_target_is_noted_not_failed_in_the_mode_auto_picks(files, one_probe):
+    s = engine_speed.SpeedSettings(target=str(files["llama-gguf"]), levels=(1,), tokens=4, reps=1)
+    receipt = Receipt.new("engine-speed", ["test"], s.__dict__)
+    engine_speed.run(s, receipt)
+    receipt.finish(True)
+    assert receipt.server["backend"] == backends.device_backend().name
+    note = receipt.aggregates["mlx_lm_note"]
+    assert "GGUF" in note and not receipt.failures and [w["check"] for w in receipt.warnings] == ["mlx-lm"]
+    assert engine_speed.MLX_LM not in receipt.aggregates["code"]
+    assert "GGUF" in text(receipt)
+
+
+def test_bad_backend_refused_before_loading_anything():
+    result = CliRunner().invoke(app, ["engine-speed", "--backend", "tpu"])
+    assert result.exit_code == 2 and "--backend" in result.output
+
+
+def test_the_backend_option_reaches_the_run_and_the_receipts_settings(tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(engine_speed, "run", lambda s, receipt, progress: seen.append(s))
+    out = tmp_path / "r.json"
+    result = CliRunner().invoke(app, ["engine-speed", "--backend", "gpu", "--no-mlx-lm", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert seen[0].backend == "gpu" and not seen[0].mlx_lm
+    assert Receipt.load(out).settings["backend"] == "gpu"
