@@ -57,6 +57,8 @@ from itertools import accumulate
 
 import mlx.core as mx
 
+from dflash_bench.engine.cuda_source import CONVERSIONS
+
 PARTITION = 128  # keys per pass-1 block, at absolute positions (a multiple of CHUNK)
 CHUNK = 32  # keys per staged chunk: one per lane
 HEAD_DIMS = (32, 64, 128, 256)  # D / 32 elements a lane, each a power of two
@@ -64,17 +66,7 @@ MAX_GROUP = 16  # query heads per kv head a block serves
 # One decode segment as the kernel takes it: q (n, Hq, D), its cache k and v (Hkv, capacity, D), start
 Rows = tuple[mx.array, mx.array, mx.array, int]
 
-_HEADER = r"""
-__device__ __forceinline__ float da_to_f(float x) { return x; }
-__device__ __forceinline__ float da_to_f(__half x) { return __half2float(x); }
-__device__ __forceinline__ float da_to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
-
-template <typename T> __device__ __forceinline__ T da_from_f(float x);
-template <> __device__ __forceinline__ float da_from_f<float>(float x) { return x; }
-template <> __device__ __forceinline__ __half da_from_f<__half>(float x) { return __float2half_rn(x); }
-template <> __device__ __forceinline__ __nv_bfloat16 da_from_f<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
+_HEADER = CONVERSIONS + r"""
 
 template <typename T, int N> struct alignas(N * sizeof(T)) da_pack { T v[N]; };
 
@@ -87,7 +79,7 @@ __device__ __forceinline__ void da_load(const T* p, float* out) {
     const da_pack<T, W> pk = reinterpret_cast<const da_pack<T, W>*>(p)[i];
 #pragma unroll
     for (int t = 0; t < W; ++t) {
-      out[i * W + t] = da_to_f(pk.v[t]);
+      out[i * W + t] = cvt_to_f(pk.v[t]);
     }
   }
 }
@@ -265,7 +257,7 @@ _COMBINE = r"""
     total = __fadd_rn(total, __fmul_rn(ml[2 * (base + i) + 1], w));
     sum = __fadd_rn(sum, __fmul_rn(part_out[(base + i) * D + d], w));
   }
-  out[((long long)row * gridDim.y + h) * D + d] = da_from_f<T>(__fdiv_rn(sum, total));
+  out[((long long)row * gridDim.y + h) * D + d] = cvt_from_f<T>(__fdiv_rn(sum, total));
 """
 
 

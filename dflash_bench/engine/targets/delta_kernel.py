@@ -43,19 +43,11 @@ from itertools import accumulate
 
 import mlx.core as mx
 
+from dflash_bench.engine.cuda_source import CONVERSIONS
+
 Window = tuple[mx.array, mx.array, mx.array, mx.array, mx.array, mx.array]  # q, k, v, g, beta, state
 
-_HEADER = r"""
-__device__ __forceinline__ float dw_to_f(float x) { return x; }
-__device__ __forceinline__ float dw_to_f(__half x) { return __half2float(x); }
-__device__ __forceinline__ float dw_to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
-
-template <typename T> __device__ __forceinline__ T dw_from_f(float x);
-template <> __device__ __forceinline__ float dw_from_f<float>(float x) { return x; }
-template <> __device__ __forceinline__ __half dw_from_f<__half>(float x) { return __float2half_rn(x); }
-template <> __device__ __forceinline__ __nv_bfloat16 dw_from_f<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
+_HEADER = CONVERSIONS + r"""
 """
 
 # Template constants: Dk, Dv, Hk, Hv, LANES (ints), YT (y's dtype). The source avoids the substrings
@@ -77,21 +69,21 @@ _SOURCE = r"""
   float s[EPL];
 #pragma unroll
   for (int i = 0; i < EPL; ++i) {
-    s[i] = dw_to_f(state_in[sbase + i]);
+    s[i] = cvt_to_f(state_in[sbase + i]);
   }
 
   for (int r = lo; r < hi; ++r) {
     const long long qk = ((long long)r * Hk + hk) * Dk + lane * EPL;
     const long long gb = (long long)r * Hv + hv;
-    const float gt = dw_to_f(g[gb]);
-    const float bt = dw_to_f(beta[gb]);
-    const float vt = dw_to_f(v[gb * Dv + dv]);
+    const float gt = cvt_to_f(g[gb]);
+    const float bt = cvt_to_f(beta[gb]);
+    const float vt = cvt_to_f(v[gb * Dv + dv]);
     float kk[EPL];
     float qq[EPL];
 #pragma unroll
     for (int i = 0; i < EPL; ++i) {
-      kk[i] = dw_to_f(k[qk + i]);
-      qq[i] = dw_to_f(q[qk + i]);
+      kk[i] = cvt_to_f(k[qk + i]);
+      qq[i] = cvt_to_f(q[qk + i]);
     }
 
     // decay, then kv = state . k
@@ -119,7 +111,7 @@ _SOURCE = r"""
       out = __fadd_rn(out, __shfl_xor_sync(0xffffffffu, out, m));
     }
     if (lane == 0) {
-      y[gb * Dv + dv] = dw_from_f<YT>(out);
+      y[gb * Dv + dv] = cvt_from_f<YT>(out);
     }
   }
 
