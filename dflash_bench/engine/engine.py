@@ -45,6 +45,7 @@ class Settings:
     backend: str | None = None  # the numeric mode (backend.py): 'cpu', 'gpu', or None for the device's
     fresh_selfcheck: bool = False  # run the self-check even where a cached verdict exists
     verify_budget: str = "fixed"  # drafts a stream verifies a round: a full block, or "auto" (budget.py)
+    tree_nodes: int = 0  # 0: chains; N: a draft tree of N nodes (fixed) or of the budget's count (auto), tree.py
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,11 @@ class Engine:
         self.target = model
         self.drafter = draft_model
         self.tokenizer = self.loaded.tokenizer if self.loaded else None
+        if settings.tree_nodes < 0:
+            raise ValueError(f"tree nodes {settings.tree_nodes}: expected 0 (chains) or more")
         self.budget: Budget | None = None
+        # trees on a target whose state is one per path (qwen3_5's GatedDeltaNet) fall back to chains
+        self.tree_nodes = settings.tree_nodes if getattr(model, "supports_trees", False) else 0
         if draft_model is not None:  # the auto budget's cost model is timed here, on the machine that serves
             cost = measure_cost(model, draft_model, settings.parallel) if settings.verify_budget == "auto" else None
             self.budget = Budget(settings.verify_budget, draft_model.block, cost)
@@ -125,6 +130,7 @@ class Engine:
             tuple(eos_ids or ()),
             settings.chunk,
             self.budget,
+            self.tree_nodes if draft_model is not None else 0,
         )
         self._lock = threading.Lock()  # one round at a time
         self._wake = threading.Condition()  # submit() wakes the background loop
@@ -156,6 +162,10 @@ class Engine:
         budget = ""
         if self.budget is not None and self.budget.cost is not None:
             budget = f", verify budget auto ({self.budget.cost.describe()})"
+        if self.drafter and s.tree_nodes:
+            size = f"{s.tree_nodes} nodes" if s.verify_budget == "fixed" else "the budget's rows"
+            budget += (f", draft trees of {size}" if self.tree_nodes else
+                       ", draft trees off (chains): this target's linear-attention state is one per path")
         return (f"serving {self.model_name}: {drafts}{budget}, {s.parallel} streams of {s.context} tokens{cache}{mode}"
                 f"{where}{proof}")
 

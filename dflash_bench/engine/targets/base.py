@@ -25,6 +25,8 @@ import mlx.core as mx
 from dflash_bench.engine.cache import TargetState
 from dflash_bench.engine.target_config import TargetConfig
 from dflash_bench.engine.tiles import ROW_TILE, Layout, Weight, key_mask, linear, pad_rows, query_positions
+from dflash_bench.engine.tree import Tree
+from dflash_bench.engine.tree_attention import tail_index
 
 
 @dataclass
@@ -37,7 +39,9 @@ class Segment:
     logit_rows: list[int] = field(default_factory=list)  # rows (0-based in the segment) whose logits are wanted
     want_taps: bool = False
     prefill: bool = False  # every row is a prompt row of a chunk that starts at a chunk boundary
+    tree: Tree | None = None  # the rows are a draft tree's (tree.py): row r at position start + its depth
     _masks: dict[int, mx.array] = field(default_factory=dict, repr=False)
+    _tree_view: TreeView | None = field(default=None, repr=False)
 
     def key_mask(self, k_rows: int) -> mx.array:
         """The causal mask of this segment's rows over `k_rows` keys from position 0, built once."""
@@ -45,6 +49,33 @@ class Segment:
             n = len(self.tokens)
             self._masks[k_rows] = key_mask(query_positions(self.start, n), 0, k_rows, self.start + n)
         return self._masks[k_rows]
+
+    def positions(self) -> mx.array:
+        """Each row's absolute position: start + row, or start + depth in a tree."""
+        if self.tree is not None:
+            return mx.array(self.tree.depths, dtype=mx.int32) + self.start
+        return mx.arange(self.start, self.start + len(self.tokens), dtype=mx.int32)
+
+    def tree_view(self) -> TreeView:
+        """Where a tree's rows find their keys (tree_attention.py), built once for every layer."""
+        if self._tree_view is None:
+            assert self.tree is not None
+            rows = len(query_positions(self.start, len(self.tokens)))
+            prefix, tail, index = tail_index(self.tree, self.start, rows)
+            q_pos = mx.concatenate([self.positions(), mx.full((rows - len(self.tokens),), self.start, dtype=mx.int32)])
+            seen = key_mask(q_pos, 0, prefix + tail, self.start + self.tree.depth + 1)
+            self._tree_view = TreeView(prefix, mx.array(index), seen)
+        return self._tree_view
+
+
+@dataclass(frozen=True)
+class TreeView:
+    """A tree segment's key layout: shared key rows [0, prefix), each row's tail gathered by `index`
+    (tree_attention.tail_index), and the mask over prefix + tail keys at the rows' positions."""
+
+    prefix: int
+    index: mx.array
+    seen: mx.array
 
 
 @dataclass
@@ -67,6 +98,7 @@ class Target:
 
     config: TargetConfig
     mlps: list[tuple[Weight, Weight, Weight]]  # each layer's gate, up and down projections
+    supports_trees = False  # a draft tree's rows (Segment.tree) are each their path's serial step
 
     def __init__(self, config: TargetConfig, weights: dict[str, mx.array | Weight], dtype: mx.Dtype = mx.float32):
         self.config = config

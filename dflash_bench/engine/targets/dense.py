@@ -8,6 +8,7 @@ from dflash_bench.engine.cache import AttentionCache, TargetState
 from dflash_bench.engine.target_config import TargetConfig
 from dflash_bench.engine.targets.base import Segment, Target, as_weight, per_segment
 from dflash_bench.engine.tiles import AttentionPath, Layout, Weight, attention, linear, pad_queries
+from dflash_bench.engine.tree_attention import tree_attention, tree_keys
 
 
 class SelfAttention:
@@ -49,14 +50,19 @@ class SelfAttention:
             if self.q_norm is not None:
                 qs = mx.fast.rms_norm(qs, self.q_norm, self.eps)
                 ks = mx.fast.rms_norm(ks, self.k_norm, self.eps)
-            qs = self.rope(qs.transpose(1, 0, 2), seg.start)
-            ks = self.rope(ks.transpose(1, 0, 2), seg.start)
+            if seg.tree is not None:  # each row at start + its depth: one offset a row
+                qs, ks = self.rope_rows(qs, seg.positions()), self.rope_rows(ks, seg.positions())
+            else:
+                qs = self.rope(qs.transpose(1, 0, 2), seg.start)
+                ks = self.rope(ks.transpose(1, 0, 2), seg.start)
             vs = vs.reshape(n, self.kv_heads, self.head_dim).transpose(1, 0, 2)
             cache = seg.state.layers[layer]
             assert isinstance(cache, AttentionCache)
             cache.write(seg.start, ks, vs)
             if seg.prefill:
                 o = self.prefill_attention(qs, cache, seg.start + n)
+            elif seg.tree is not None:
+                o = self.tree_attention(qs, cache, seg)
             else:
                 keys, values = cache.view(seg.start + n)
                 o = attention(pad_queries(qs), keys, values, seg.key_mask(keys.shape[1]), scale=self.scale,
@@ -82,6 +88,23 @@ class SelfAttention:
         keys, values = cache.k[:, :length], cache.v[:, :length]
         return mx.fast.scaled_dot_product_attention(q[None], keys[None], values[None], scale=self.scale, mask="causal")[0]
 
+    def tree_attention(self, q: mx.array, cache: AttentionCache, seg: Segment) -> mx.array:
+        """A draft tree's rows (its K/V written at start + row), each over the keys of its serial step
+        (tree_attention.py): (Hq, n, d) -> (Hq, n, d)."""
+        n, view = len(seg.tokens), seg.tree_view()
+        a, b, end = view.prefix, seg.start, seg.start + n
+        tail_k = tree_keys(cache.k[:, a:b], cache.k[:, b:end], view.index)
+        tail_v = tree_keys(cache.v[:, a:b], cache.v[:, b:end], view.index)
+        return tree_attention(pad_queries(q), cache.k[:, :a], cache.v[:, :a], tail_k, tail_v, view.seen,
+                              scale=self.scale, path=self.path)[:, :n]
+
+    def rope_rows(self, x: mx.array, positions: mx.array) -> mx.array:
+        """(n, heads, d) rows each rotated at its own position: (heads, n, d)."""
+        n, heads, d = x.shape
+        out = mx.fast.rope(x.reshape(n, heads, 1, d), self.rope_dims, traditional=False, base=self.rope_theta,
+                           scale=1.0, offset=positions)
+        return out.reshape(n, heads, d).transpose(1, 0, 2)
+
     def rope(self, x: mx.array, offset: int) -> mx.array:
         return mx.fast.rope(
             x[None], self.rope_dims, traditional=False, base=self.rope_theta, scale=1.0, offset=offset
@@ -90,6 +113,8 @@ class SelfAttention:
 
 class DenseTarget(Target):
     """Embedding, N x (attention + SwiGLU MLP), final norm, lm_head."""
+
+    supports_trees = True  # every layer's state is attention K/V, which a tree's rows share by position
 
     def __init__(self, config: TargetConfig, weights: dict, dtype: mx.Dtype = mx.float32):
         super().__init__(config, weights, dtype)
