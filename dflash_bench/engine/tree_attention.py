@@ -33,14 +33,15 @@ def tail_index(tree: Tree, start: int, rows: int) -> tuple[int, int, np.ndarray]
 
     Returns (prefix, tail, index): the shared key rows [0, prefix) (whole tiles before `start`), the
     tail's length (whole tiles covering the deepest node), and index (rows, tail) into the source
-    rows [cache rows prefix .. start, the tree's rows, one zero row]. Padded rows copy the root's.
+    rows [cache rows prefix .. start, then the tree's rows]. Padded rows copy the root's. A masked
+    slot (past the row's own position) holds the root's key: any finite key adds an exact zero
+    there, as the stale rows past a chain window's end do.
     """
     prefix = start // KEY_TILE * KEY_TILE
     end = start + tree.depth + 1
     tail = -(-end // KEY_TILE) * KEY_TILE - prefix
     committed, n = start - prefix, len(tree.tokens)
-    zero = committed + n
-    index = np.full((rows, tail), zero, dtype=np.int32)
+    index = np.full((rows, tail), committed, dtype=np.int32)
     index[:, :committed] = np.arange(committed, dtype=np.int32)
     for row in range(rows):
         path = tree.path(row if row < n else 0)
@@ -48,11 +49,9 @@ def tail_index(tree: Tree, start: int, rows: int) -> tuple[int, int, np.ndarray]
     return prefix, tail, index
 
 
-def tree_keys(cache_rows: mx.array, tree_rows: mx.array, index: mx.array) -> mx.array:
-    """Each row's tail keys (or values): (heads, rows, tail, d) gathered from the committed rows of the
-    tail's first tile (heads, start - prefix, d), the tree's rows (heads, n, d) and a zero row."""
-    zero = mx.zeros((tree_rows.shape[0], 1, tree_rows.shape[2]), dtype=tree_rows.dtype)
-    source = mx.concatenate([cache_rows, tree_rows, zero], axis=1)
+def tree_keys(source: mx.array, index: mx.array) -> mx.array:
+    """Each row's tail keys (or values), (heads, rows, tail, d), gathered from the cache's rows
+    [prefix, start + n): the committed rows of the tail's first tile, then the tree's rows."""
     return source[:, index]
 
 
@@ -95,8 +94,7 @@ def tree_attention(
 
 def alone_tiles(rows: mx.array) -> mx.array:
     """(..., w) rows, each as row 0 of its own QUERY_TILE-row tile of zeros: (..., QUERY_TILE, w)."""
-    pad = mx.zeros((*rows.shape[:-1], QUERY_TILE - 1, rows.shape[-1]), dtype=rows.dtype)
-    return mx.concatenate([rows[..., None, :], pad], axis=-2)
+    return mx.pad(rows[..., None, :], [(0, 0)] * (rows.ndim - 1) + [(0, QUERY_TILE - 1), (0, 0)])
 
 
 def from_rows(x: mx.array, nq: int) -> mx.array:

@@ -92,9 +92,8 @@ class SelfAttention:
         """A draft tree's rows (its K/V written at start + row), each over the keys of its serial step
         (tree_attention.py): (Hq, n, d) -> (Hq, n, d)."""
         n, view = len(seg.tokens), seg.tree_view()
-        a, b, end = view.prefix, seg.start, seg.start + n
-        tail_k = tree_keys(cache.k[:, a:b], cache.k[:, b:end], view.index)
-        tail_v = tree_keys(cache.v[:, a:b], cache.v[:, b:end], view.index)
+        a, end = view.prefix, seg.start + n
+        tail_k, tail_v = tree_keys(cache.k[:, a:end], view.index), tree_keys(cache.v[:, a:end], view.index)
         return tree_attention(pad_queries(q), cache.k[:, :a], cache.v[:, :a], tail_k, tail_v, view.seen,
                               scale=self.scale, path=self.path)[:, :n]
 
