@@ -339,3 +339,20 @@ def test_hybrid_targets_fall_back_to_chains(fixtures) -> None:
     assert "draft trees off (chains)" in engine.startup_line()
     req = requests(1, 0.0)[0]
     assert engine.generate(req).tokens == plain(engine, req)
+
+
+def test_the_self_check_proves_trees_and_catches_a_misplaced_ancestor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The load-time self-check's model test includes a draft tree on dense targets (selfcheck.py)."""
+    from dflash_bench.engine import selfcheck
+
+    target = target_for("qwen3", "small")
+    assert selfcheck.model_faults(target) == []
+    tail_index = base.tail_index
+
+    def misplaced(tree: Tree, start: int, rows: int):
+        prefix, tail, index = tail_index(tree, start, rows)
+        index[:, [start - prefix, start - prefix + 1]] = index[:, [start - prefix + 1, start - prefix]]
+        return prefix, tail, index
+
+    monkeypatch.setattr(base, "tail_index", misplaced)
+    assert any("draft tree" in f for f in selfcheck.model_faults(target))
