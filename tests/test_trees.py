@@ -356,3 +356,25 @@ def test_the_self_check_proves_trees_and_catches_a_misplaced_ancestor(monkeypatc
 
     monkeypatch.setattr(base, "tail_index", misplaced)
     assert any("draft tree" in f for f in selfcheck.model_faults(target))
+
+
+def test_auto_budget_with_trees_keeps_drafted_equal_to_plain(fixtures) -> None:
+    """--verify-budget auto chooses each stream's rows and the tree takes that many nodes: staggered
+    streams at T=0.7 still decode plain decoding's tokens."""
+    engine = Engine(fixtures["llama"], fixtures["llama", "dflash"],
+                    Settings(parallel=4, context=512, verify_budget="auto", tree_nodes=15))
+    assert "draft trees of the budget's rows" in engine.startup_line()
+    reqs = requests(4, 0.7)
+    for req, got in zip(reqs, engine.run(reqs, arrivals=[0, 1, 2, 5])):
+        assert got.tokens == plain(engine, req)
+
+
+def test_a_trees_round_is_counted_by_its_nodes_and_depths() -> None:
+    """15 nodes reaching depth 6, a path of 3 kept: drafted 15, accepted 3, depths 1..6 reached."""
+    from dflash_bench.engine.request import Stats
+
+    stats = Stats()
+    stats.count_round(15, 3, depth=6)
+    assert (stats.drafted, stats.accepted, stats.rounds) == (15, 3, 1)
+    assert stats.accepted_counts == [0, 0, 0, 1] and stats.drafted_counts == [1] * 6
+    assert stats.acceptance_by_depth() == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
