@@ -9,12 +9,13 @@ step's: the committed keys, then its path at the serial positions, then masked s
 
 Only the key tiles from start // KEY_TILE on differ between rows. The tiles before them (`prefix`)
 are shared: their products run for all rows in packed query tiles, as a chain window's do (a row's
-bits in a fixed-shape gemm do not depend on the other rows of its tile: selfcheck.py proves it on
-the machine that serves). The `tail` tiles run per row, the row alone in a query tile of zeros (the
-layout of a serial step, whose query tile is padded with zeros). Both parts then go through the
-chain's own softmax and merge (tiles.py), reduced over key tiles in the same order, so masked
-slots and trailing tiles add exact zeros. tests/test_trees.py proves the result equals serial
-steps bit for bit.
+bits in a fixed-shape gemm do not depend on the other rows of its tile or its place there:
+selfcheck.py proves it on the machine that serves). The `tail` tiles run per row against that
+row's own keys: the row's query heads that share a K/V head fill one zero-padded query tile, the
+same QUERY_TILE x KEY_TILE gemm shape (one call per row and K/V head, not one per query head: a
+forward's cost is mostly such calls). Both parts then go through the chain's own softmax and
+merge (tiles.py), reduced over key tiles in the same order, so masked slots and trailing tiles add
+exact zeros. tests/test_trees.py proves the result equals serial steps bit for bit.
 """
 
 from __future__ import annotations
@@ -78,23 +79,34 @@ def tree_attention(
     if nsh:
         kt = prefix_k.reshape(hkv, 1, 1, nsh, KEY_TILE, d).swapaxes(-1, -2)
         parts.append(scores_of(qs.reshape(hkv, group, nq, 1, QUERY_TILE, d), kt, path))
-    alone = alone_tiles(qs.reshape(hkv, group, rq, 1, d))  # (hkv, group, R, 1, QUERY_TILE, d)
-    kt = tail_k.reshape(hkv, 1, rq, nt, KEY_TILE, d).swapaxes(-1, -2)
-    parts.append(from_rows(scores_of(alone, kt, path)[..., 0, :], nq))
+    heads_q = qs.reshape(hkv, group, rq, d).transpose(0, 2, 1, 3)  # (hkv, R, group, d): one row's heads
+    kt = tail_k.reshape(hkv, rq, nt, 1, KEY_TILE, d).swapaxes(-1, -2)
+    parts.append(from_rows(by_head(scores_of(head_tiles(heads_q)[:, :, None], kt, path), group), nq))
     e, total = softmax_parts(mx.concatenate(parts, axis=3) if len(parts) > 1 else parts[0], seen)
     weighted = []
     if nsh:
         vt = prefix_v.reshape(hkv, 1, 1, nsh, KEY_TILE, d)
         weighted.append(weighted_of(e[:, :, :, :nsh], vt, path))
-    rows_e = e[:, :, :, nsh:].swapaxes(3, 4).reshape(hkv, group, rq, nt, KEY_TILE)
-    vt = tail_v.reshape(hkv, 1, rq, nt, KEY_TILE, d)
-    weighted.append(from_rows(weighted_of(alone_tiles(rows_e), vt, path)[..., 0, :], nq))
+    heads_e = e[:, :, :, nsh:].swapaxes(3, 4).reshape(hkv, group, rq, nt, KEY_TILE).transpose(0, 2, 3, 1, 4)
+    vt = tail_v.reshape(hkv, rq, nt, 1, KEY_TILE, d)
+    weighted.append(from_rows(by_head(weighted_of(head_tiles(heads_e), vt, path), group), nq))
     return merge(mx.concatenate(weighted, axis=3) if len(weighted) > 1 else weighted[0], total).reshape(hq, rq, d)
 
 
-def alone_tiles(rows: mx.array) -> mx.array:
-    """(..., w) rows, each as row 0 of its own QUERY_TILE-row tile of zeros: (..., QUERY_TILE, w)."""
-    return mx.pad(rows[..., None, :], [(0, 0)] * (rows.ndim - 1) + [(0, QUERY_TILE - 1), (0, 0)])
+def head_tiles(rows: mx.array) -> mx.array:
+    """(..., group, w): one tree row's query heads that share a K/V head (or their weights), padded with
+    zero rows into whole QUERY_TILE-row tiles: (..., tiles, QUERY_TILE, w)."""
+    group = rows.shape[-2]
+    tiles = -(-group // QUERY_TILE)
+    padded = mx.pad(rows, [(0, 0)] * (rows.ndim - 2) + [(0, tiles * QUERY_TILE - group), (0, 0)])
+    return padded.reshape(*rows.shape[:-2], tiles, QUERY_TILE, rows.shape[-1])
+
+
+def by_head(x: mx.array, group: int) -> mx.array:
+    """(hkv, R, tail tiles, head tiles, QUERY_TILE, w) products of `head_tiles` back to
+    (hkv, group, R, tail tiles, w)."""
+    hkv, rq, nt, tiles, _, w = x.shape
+    return x.reshape(hkv, rq, nt, tiles * QUERY_TILE, w)[:, :, :, :group].transpose(0, 3, 1, 2, 4)
 
 
 def from_rows(x: mx.array, nq: int) -> mx.array:
