@@ -5,7 +5,9 @@ As each token's target forward completes, `absorb` fuses its tap planes into one
 cache: the stream's ring holds one fused row's K/V per token, never the raw planes. `propose` runs
 one pass over the block `[last token, mask x (B-1)]` of every drafting stream: each layer's queries
 see the context (a sliding layer its own window, a full layer all of it) plus the block (causal
-inside it when the layer is), and rows 1..B-1 become drafts through the target's lm_head.
+inside it when the layer is), and rows 1..B-1 become drafts through the target's lm_head: a chain
+(each position's pick), or from the same pass a draft tree (`propose_trees`, tree.py) over each
+position's top candidates.
 """
 
 from __future__ import annotations
