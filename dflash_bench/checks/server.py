@@ -43,12 +43,14 @@ class ServeSettings:
     drafter_bits: int | None = None
     backend: str | None = None
     verify_budget: str | None = None
+    tree_nodes: int | None = None
 
     def argv(self, host: str, port: int) -> list[str]:
         args = [self.target]
         for flag, value in (("--drafter", self.drafter), ("--parallel", self.parallel), ("--context", self.context),
                             ("--prompt-cache-gib", self.prompt_cache_gib), ("--drafter-bits", self.drafter_bits),
-                            ("--backend", self.backend), ("--verify-budget", self.verify_budget)):
+                            ("--backend", self.backend), ("--verify-budget", self.verify_budget),
+                            ("--tree-nodes", self.tree_nodes)):
             if value is not None:
                 args += [flag, str(value)]
         return args + ["--host", host, "--port", str(port)]

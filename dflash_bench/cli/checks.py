@@ -59,6 +59,9 @@ Backend = Annotated[Optional[str], typer.Option(help="--backend for the bundled 
 VerifyBudgetOpt = Annotated[Optional[str], typer.Option(
     "--verify-budget", help="--verify-budget for the bundled server: fixed (a full block a round) or auto.",
     rich_help_panel=SERVER)]
+TreeNodes = Annotated[Optional[int], typer.Option(
+    "--tree-nodes", min=0, help="--tree-nodes for the bundled server: draft trees of N nodes a round (0: chains).",
+    rich_help_panel=SERVER)]
 Startup = Annotated[float, typer.Option(help="Seconds to wait for the bundled server's /health to say ready.",
                                         rich_help_panel=SERVER)]
 Timeout = Annotated[float, typer.Option(help="Seconds one request may take.", rich_help_panel=SERVER)]
@@ -98,8 +101,9 @@ def default_out(kind: str) -> Path:
 
 def serve_settings(given: tuple, **defaults) -> ServeSettings:
     """The bundled server's settings from (target, drafter, parallel, context, prompt_cache_gib, drafter_bits, backend,
-    verify_budget): what was given, else the check's own defaults, else the server's."""
-    names = ("target", "drafter", "parallel", "context", "prompt_cache_gib", "drafter_bits", "backend", "verify_budget")
+    verify_budget, tree_nodes): what was given, else the check's own defaults, else the server's."""
+    names = ("target", "drafter", "parallel", "context", "prompt_cache_gib", "drafter_bits", "backend", "verify_budget",
+             "tree_nodes")
     return ServeSettings(**{k: v if v is not None else defaults.get(k) for k, v in zip(names, given)})
 
 
@@ -143,19 +147,19 @@ def report(receipt: Receipt, path: Path, json_out: bool) -> None:
 
 @app.command(rich_help_panel="Checks")
 def exactness(url: Url = None, plain_url: PlainUrl = None, tokenizer: TokenizerPath = None, target: Target = "default", drafter: Drafter = None, parallel: Parallel = None,
-              context: ContextSize = None, prompt_cache_gib: Cache = None, drafter_bits: Bits = None, backend: Backend = None, verify_budget: VerifyBudgetOpt = None,
+              context: ContextSize = None, prompt_cache_gib: Cache = None, drafter_bits: Bits = None, backend: Backend = None, verify_budget: VerifyBudgetOpt = None, tree_nodes: TreeNodes = None,
               startup_timeout: Startup = 600.0, timeout: Timeout = 600.0, out: Out = None, json_out: Json = False,
               known_tokens: int = 64, probe_tokens: int = 256, long_tokens: int = 256,
               window: Annotated[int, typer.Option(help="The drafter's sliding window: long prompts must pass it.")] = 512):
     """Drafted equals `"draft": false`, token for token: known-answer prompts, code and chat probes, long prompts."""
     s = exactness_check.ExactnessSettings(known_tokens, probe_tokens, long_tokens, window)
-    execute("exactness", out, url, serve_settings((target, drafter, parallel, context, prompt_cache_gib, drafter_bits, backend, verify_budget)),
+    execute("exactness", out, url, serve_settings((target, drafter, parallel, context, prompt_cache_gib, drafter_bits, backend, verify_budget, tree_nodes)),
             startup_timeout, timeout, s, exactness_check.run, json_out, plain_url, tokenizer)
 
 
 @app.command(rich_help_panel="Checks")
 def concurrent(url: Url = None, plain_url: PlainUrl = None, tokenizer: TokenizerPath = None, target: Target = "default", drafter: Drafter = None, parallel: Parallel = None,
-               context: ContextSize = None, prompt_cache_gib: Cache = None, drafter_bits: Bits = None, backend: Backend = None, verify_budget: VerifyBudgetOpt = None,
+               context: ContextSize = None, prompt_cache_gib: Cache = None, drafter_bits: Bits = None, backend: Backend = None, verify_budget: VerifyBudgetOpt = None, tree_nodes: TreeNodes = None,
                startup_timeout: Startup = 600.0, timeout: Timeout = 600.0, out: Out = None, json_out: Json = False,
                levels: Levels = "1,4", tokens: Tokens = 256, reps: Reps = 3,
                temperatures: Annotated[str, typer.Option(help="Temperatures, comma-separated (seeded).")] = "0,0.7",
@@ -167,26 +171,26 @@ def concurrent(url: Url = None, plain_url: PlainUrl = None, tokenizer: Tokenizer
     s = concurrent_check.ConcurrentSettings(lv, tokens, reps, floats(temperatures, "--temperatures"), alone, serial,
                                             seed)
     execute("concurrent", out, url,
-            serve_settings((target, drafter, parallel, context, prompt_cache_gib, drafter_bits, backend, verify_budget), parallel=max(lv)),
+            serve_settings((target, drafter, parallel, context, prompt_cache_gib, drafter_bits, backend, verify_budget, tree_nodes), parallel=max(lv)),
             startup_timeout, timeout, s, concurrent_check.run, json_out, plain_url, tokenizer)
 
 
 @app.command(rich_help_panel="Checks")
 def resume(url: Url = None, plain_url: PlainUrl = None, tokenizer: TokenizerPath = None, target: Target = "default", drafter: Drafter = None, parallel: Parallel = None,
-           context: ContextSize = None, prompt_cache_gib: Cache = None, drafter_bits: Bits = None, backend: Backend = None, verify_budget: VerifyBudgetOpt = None,
+           context: ContextSize = None, prompt_cache_gib: Cache = None, drafter_bits: Bits = None, backend: Backend = None, verify_budget: VerifyBudgetOpt = None, tree_nodes: TreeNodes = None,
            startup_timeout: Startup = 600.0, timeout: Timeout = 600.0, out: Out = None, json_out: Json = False,
            tokens: Tokens = 256,
            prompt: Annotated[Optional[str], typer.Option(help="Long prompt id (default: the longest).")] = None):
     """Resumed equals fresh: a long prompt twice with the prompt cache on (bundled server: 1 GiB)."""
     s = resume_check.ResumeSettings(tokens, prompt)
     execute("resume", out, url,
-            serve_settings((target, drafter, parallel, context, prompt_cache_gib, drafter_bits, backend, verify_budget), prompt_cache_gib=1.0),
+            serve_settings((target, drafter, parallel, context, prompt_cache_gib, drafter_bits, backend, verify_budget, tree_nodes), prompt_cache_gib=1.0),
             startup_timeout, timeout, s, resume_check.run, json_out, plain_url, tokenizer)
 
 
 @app.command(rich_help_panel="Checks")
 def cancel(url: Url = None, target: Target = "default", drafter: Drafter = None, parallel: Parallel = None,
-           context: ContextSize = None, prompt_cache_gib: Cache = None, drafter_bits: Bits = None, backend: Backend = None, verify_budget: VerifyBudgetOpt = None,
+           context: ContextSize = None, prompt_cache_gib: Cache = None, drafter_bits: Bits = None, backend: Backend = None, verify_budget: VerifyBudgetOpt = None, tree_nodes: TreeNodes = None,
            startup_timeout: Startup = 600.0, timeout: Timeout = 600.0, out: Out = None, json_out: Json = False,
            probe_tokens: int = 128, drop_after_tokens: int = 16,
            prefill_tokens: Annotated[int, typer.Option(help="Size of the prompt dropped mid-prefill.")] = 6000,
@@ -196,14 +200,14 @@ def cancel(url: Url = None, target: Target = "default", drafter: Drafter = None,
     s = cancel_check.CancelSettings(probe_tokens, drop_after_tokens, 512, prefill_tokens, drop_after_seconds,
                                     int(memory_tolerance_mib * MIB))
     execute("cancel", out, url,
-            serve_settings((target, drafter, parallel, context, prompt_cache_gib, drafter_bits, backend, verify_budget), parallel=2,
+            serve_settings((target, drafter, parallel, context, prompt_cache_gib, drafter_bits, backend, verify_budget, tree_nodes), parallel=2,
                            prompt_cache_gib=0, context=8192),
             startup_timeout, timeout, s, cancel_check.run, json_out)
 
 
 @app.command(rich_help_panel="Checks")
 def stress(url: Url = None, target: Target = "default", drafter: Drafter = None, parallel: Parallel = None,
-           context: ContextSize = None, prompt_cache_gib: Cache = None, drafter_bits: Bits = None, backend: Backend = None, verify_budget: VerifyBudgetOpt = None,
+           context: ContextSize = None, prompt_cache_gib: Cache = None, drafter_bits: Bits = None, backend: Backend = None, verify_budget: VerifyBudgetOpt = None, tree_nodes: TreeNodes = None,
            startup_timeout: Startup = 600.0,
            timeout: Annotated[float, typer.Option(help="Seconds one request may take: longer is a hang, which fails.",
                                                   rich_help_panel=SERVER)] = 120.0,
@@ -234,28 +238,28 @@ def stress(url: Url = None, target: Target = "default", drafter: Drafter = None,
     if s.min_tokens > s.max_tokens:
         raise typer.BadParameter(f"--min-tokens {min_tokens} is above --max-tokens {max_tokens}")
     execute("stress", out, url,
-            serve_settings((target, drafter, parallel, context, prompt_cache_gib, drafter_bits, backend, verify_budget), parallel=4,
+            serve_settings((target, drafter, parallel, context, prompt_cache_gib, drafter_bits, backend, verify_budget, tree_nodes), parallel=4,
                            prompt_cache_gib=0, context=2048),
             startup_timeout, timeout, s, stress_check.run, json_out)
 
 
 @app.command(rich_help_panel="Benchmarks")
 def decode(url: Url = None, target: Target = "default", drafter: Drafter = None, parallel: Parallel = None,
-           context: ContextSize = None, prompt_cache_gib: Cache = None, drafter_bits: Bits = None, backend: Backend = None, verify_budget: VerifyBudgetOpt = None,
+           context: ContextSize = None, prompt_cache_gib: Cache = None, drafter_bits: Bits = None, backend: Backend = None, verify_budget: VerifyBudgetOpt = None, tree_nodes: TreeNodes = None,
            startup_timeout: Startup = 600.0, timeout: Timeout = 600.0, out: Out = None, json_out: Json = False,
            levels: Levels = "1,4", tokens: Tokens = 256, reps: Reps = 3):
     """Decode speed, drafted and plain side by side: single-stream and aggregate tok/s, tokens a round, footprint."""
     lv = ints(levels, "--levels")
     s = decode_check.DecodeSettings(lv, tokens, reps)
     execute("decode", out, url,
-            serve_settings((target, drafter, parallel, context, prompt_cache_gib, drafter_bits, backend, verify_budget), parallel=max(lv),
+            serve_settings((target, drafter, parallel, context, prompt_cache_gib, drafter_bits, backend, verify_budget, tree_nodes), parallel=max(lv),
                            prompt_cache_gib=0),
             startup_timeout, timeout, s, decode_check.run, json_out)
 
 
 @app.command(rich_help_panel="Benchmarks")
 def prefill(url: Url = None, target: Target = "default", drafter: Drafter = None, parallel: Parallel = None,
-            context: ContextSize = None, prompt_cache_gib: Cache = None, drafter_bits: Bits = None, backend: Backend = None, verify_budget: VerifyBudgetOpt = None,
+            context: ContextSize = None, prompt_cache_gib: Cache = None, drafter_bits: Bits = None, backend: Backend = None, verify_budget: VerifyBudgetOpt = None, tree_nodes: TreeNodes = None,
             startup_timeout: Startup = 600.0, timeout: Timeout = 600.0, out: Out = None, json_out: Json = False,
             sizes: Annotated[str, typer.Option(help="Exact prompt sizes in tokens, comma-separated.")] = "512,2048,8192",
             rounds: Annotated[int, typer.Option(help="Rounds over the sizes (after one warm-up).")] = 3,
@@ -266,14 +270,14 @@ def prefill(url: Url = None, target: Target = "default", drafter: Drafter = None
     sz = ints(sizes, "--sizes")
     s = prefill_check.PrefillSettings(sz, rounds, tokenizer=tokenizer)
     execute("prefill", out, url,
-            serve_settings((target, drafter, parallel, context, prompt_cache_gib, drafter_bits, backend, verify_budget), parallel=1,
+            serve_settings((target, drafter, parallel, context, prompt_cache_gib, drafter_bits, backend, verify_budget, tree_nodes), parallel=1,
                            prompt_cache_gib=0, context=max(sz) + 64),
             startup_timeout, timeout, s, prefill_check.run, json_out)
 
 
 @app.command(rich_help_panel="Benchmarks")
 def suite(url: Url = None, target: Target = "default", drafter: Drafter = None, parallel: Parallel = None,
-          context: ContextSize = None, prompt_cache_gib: Cache = None, drafter_bits: Bits = None, backend: Backend = None, verify_budget: VerifyBudgetOpt = None,
+          context: ContextSize = None, prompt_cache_gib: Cache = None, drafter_bits: Bits = None, backend: Backend = None, verify_budget: VerifyBudgetOpt = None, tree_nodes: TreeNodes = None,
           startup_timeout: Startup = 600.0, timeout: Timeout = 600.0,
           out: Annotated[Optional[Path], typer.Option(help="Folder (default receipts/suite-<UTC stamp>/).")] = None,
           json_out: Json = False, levels: Levels = "1,4", tokens: Tokens = 256, reps: Reps = 3,
@@ -281,7 +285,7 @@ def suite(url: Url = None, target: Target = "default", drafter: Drafter = None, 
     """Every check and benchmark in one run, a folder of receipts plus suite.json (stops at a Ctrl-C)."""
     folder = out or Path("receipts") / f"suite-{utc_stamp()}"
     lv, sz = ints(levels, "--levels"), ints(sizes, "--sizes")
-    base = (target, drafter, parallel, context, prompt_cache_gib, drafter_bits, backend, verify_budget)
+    base = (target, drafter, parallel, context, prompt_cache_gib, drafter_bits, backend, verify_budget, tree_nodes)
     plan = [
         ("exactness", exactness_check.ExactnessSettings(), exactness_check.run, serve_settings(base)),
         ("concurrent", concurrent_check.ConcurrentSettings(lv, tokens, reps, floats(temperatures, "--temperatures")),

@@ -67,6 +67,10 @@ def serve(
     verify_budget: Annotated[VerifyBudget, typer.Option(
         help="Drafts a stream verifies a round: fixed (a full block) or auto (chosen each round from its recent "
              "acceptance and a cost model timed at load; never changes the output).")] = VerifyBudget.fixed,
+    tree_nodes: Annotated[int, typer.Option(
+        "--tree-nodes", min=0, help="Draft trees: each drafting stream verifies a tree of N draft nodes a round "
+                                    "(with --verify-budget auto, of the budget's count); 0: chains. Dense targets "
+                                    "(llama, qwen3); a qwen3_5 target drafts chains.")] = 0,
     host: Annotated[str, typer.Option(help="Address to listen on (loopback unless you mean otherwise).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535, help="Port to listen on.")] = 8000,
     api_key: Annotated[Optional[str], typer.Option(envvar=API_KEY_ENV, show_envvar=True,
@@ -95,7 +99,8 @@ def serve(
         raise typer.Exit(1)
     _request_log()
     settings = Settings(parallel=decision.streams, context=context, prompt_cache_gib=prompt_cache_gib,
-                        drafter_bits=drafter_bits, backend=mode.name, verify_budget=verify_budget.value)
+                        drafter_bits=drafter_bits, backend=mode.name, verify_budget=verify_budget.value,
+                        tree_nodes=tree_nodes)
     if not is_loopback(host):
         guard = "clients need --api-key" if api_key else "no --api-key: anyone who reaches it can use the engine"
         typer.echo(f"warning: serving on {host}, beyond loopback; {guard}", err=True)

@@ -52,6 +52,15 @@ class AttentionCache:
     def keep(self, length: int) -> None:
         self.length = length
 
+    def keep_path(self, start: int, rows: list[int]) -> None:
+        """Keep a draft tree's accepted path (tree.py): its rows, written at start + row, move to
+        start, start + 1, .. (their serial positions, where their keys were rotated), the rest leave."""
+        if rows != list(range(len(rows))):
+            index = mx.array([start + r for r in rows], dtype=mx.int32)
+            self.k[:, start : start + len(rows)] = self.k[:, index]
+            self.v[:, start : start + len(rows)] = self.v[:, index]
+        self.length = start + len(rows)
+
     def snapshot(self, length: int) -> "AttentionCache":
         """A copy holding the first `length` positions (for the prompt cache)."""
         out = AttentionCache(self.k.shape[0], self.k.shape[2], self.k.dtype)
@@ -109,6 +118,14 @@ class TargetState:
     def keep(self, length: int) -> None:
         for layer in self.layers:
             layer.keep(length)
+
+    def keep_path(self, start: int, rows: list[int]) -> None:
+        """Keep a draft tree's accepted rows (root first) at start, start + 1, ..: attention layers
+        only, since a linear-attention state is one per path (trees fall back to chains there)."""
+        for layer in self.layers:
+            if not isinstance(layer, AttentionCache):
+                raise ValueError("a linear-attention state cannot keep a draft tree's path")
+            layer.keep_path(start, rows)
 
     def snapshot(self, length: int) -> "TargetState":
         return TargetState([layer.snapshot(length) for layer in self.layers])

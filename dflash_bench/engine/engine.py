@@ -47,6 +47,7 @@ class Settings:
     fresh_selfcheck: bool = False  # run the self-check even where a cached verdict exists
     verify_budget: str = "fixed"  # drafts a stream verifies a round: a full block, or "auto" (budget.py)
     warm: bool = True  # run every serving shape once on scratch states before serving (warmup.py)
+    tree_nodes: int = 0  # 0: chains; N: a draft tree of N nodes (fixed) or of the budget's count (auto), tree.py
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,10 @@ class Engine:
         self.target = model
         self.drafter = draft_model
         self.tokenizer = self.loaded.tokenizer if self.loaded else None
+        if settings.tree_nodes < 0:
+            raise ValueError(f"tree nodes {settings.tree_nodes}: expected 0 (chains) or more")
+        # trees where the target can verify them (Target.tree_refusal says why not): chains elsewhere
+        self.tree_nodes = settings.tree_nodes if getattr(model, "supports_trees", False) else 0
         if self.loaded is not None:
             mx.eval([a for w in self.loaded.weights.values() for a in (w.arrays() if isinstance(w, Weight) else [w])])
         self.warmup: warmup.Warmup | None = None
@@ -136,6 +141,7 @@ class Engine:
             tuple(eos_ids or ()),
             settings.chunk,
             self.budget,
+            self.tree_nodes if draft_model is not None else 0,
         )
         self._lock = threading.Lock()  # one round at a time
         self._wake = threading.Condition()  # submit() wakes the background loop
@@ -165,6 +171,10 @@ class Engine:
         budget = ""
         if self.budget is not None and self.budget.measured is not None:
             budget = f", verify budget auto ({self.budget.measured.describe()}, refitted to the rounds)"
+        if self.drafter and s.tree_nodes:
+            size = f"{s.tree_nodes} nodes" if s.verify_budget == "fixed" else "the budget's rows"
+            budget += (f", draft trees of {size}" if self.tree_nodes else
+                       f", draft trees off (chains): {self.target.tree_refusal}")
         warmed = f", {self.warmup.line()}" if self.warmup else ""
         return (f"serving {self.model_name}: {drafts}{budget}, {s.parallel} streams of {s.context} tokens{cache}{mode}"
                 f"{warmed}{where}{proof}")

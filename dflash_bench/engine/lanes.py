@@ -1,9 +1,10 @@
 """Lanes: up to N streams share rounds.
 
 A round is one target forward over every active stream's segment (a prompt chunk, or its pending
-token plus its drafts), then keep (each stream commits the rows the target agreed with: trim the
-attention K/V, roll the linear-attention state back, absorb the kept rows' taps into the drafter's
-context), then one drafter pass over every drafting stream. Plain streams (`draft: false`) ride in
+token plus its drafts: a chain, or with `tree_nodes` a draft tree, tree.py), then keep (each stream
+commits the rows the target agreed with: trim the attention K/V, or move a tree's accepted path to
+its serial positions, roll the linear-attention state back, absorb the kept rows' taps into the
+drafter's context), then one drafter pass over every drafting stream. Plain streams (`draft: false`) ride in
 the same rounds with a window of one row. Prompt chunks and decode windows mix freely in a round:
 each segment's rows are computed independently of the other segments (targets/base.py), so a long
 prompt does not stall running streams and nothing a stream sees depends on its neighbours.
@@ -29,6 +30,7 @@ from dflash_bench.engine.prompt_cache import Entry, PromptCache, last_boundary
 from dflash_bench.engine.request import Event, Handle, Stats
 from dflash_bench.engine.sampling import SamplingParams, choose, seed_from_prompt
 from dflash_bench.engine.targets.base import Segment, Target
+from dflash_bench.engine.tree import Tree
 
 
 class ContextExceeded(ValueError):
@@ -54,6 +56,7 @@ class Stream:
     started: float
     pending: int | None = None
     drafts: tuple[int, ...] = ()
+    tree: Tree | None = None  # this round's draft tree, in place of `drafts` (tree.py)
     boundary: Entry | None = None
     decode_started: float = 0.0
     emitted: int = 0
@@ -81,9 +84,11 @@ class Lanes:
         eos_ids: tuple[int, ...],
         chunk: int = CHUNK,
         budget: Budget | None = None,
+        tree_nodes: int = 0,
     ):
         self.target, self.drafter = target, drafter
         self.budget = budget  # the engine's, whenever there is a drafter
+        self.tree_nodes = tree_nodes  # 0: chains; else each drafting stream verifies a draft tree (tree.py)
         self.parallel, self.context, self.chunk = parallel, context, chunk
         self.prompt_cache = prompt_cache
         self.eos = frozenset(eos_ids)
@@ -170,13 +175,19 @@ class Lanes:
             counts = self.budget.counts(limits, [s.acceptance for s in ready], [s.idle for s in ready], others)
             for s, count, limit in zip(ready, counts, limits):
                 s.idle = s.idle + 1 if count == 0 and limit > 0 else 0
-                if count > 0:
+                if count > 0 and self.tree_nodes:  # a tree of the budget's rows, as deep as the stream allows
+                    nodes = self.tree_nodes if self.budget.kind == "fixed" else count
+                    proposals.append((s, Proposal(s.drafter_state, s.pending, limit, s.params, nodes)))
+                elif count > 0:
                     proposals.append((s, Proposal(s.drafter_state, s.pending, count, s.params)))
-            drafting_at = time.perf_counter()
-            drafts = self.drafter.propose([p for _, p in proposals])  # its tokens come back as lists: evaluated
+            drafting_at = time.perf_counter()  # a pass's tokens come back as lists: it is evaluated when it returns
+            if self.tree_nodes:
+                for (s, _), tree in zip(proposals, self.drafter.propose_trees([p for _, p in proposals])):
+                    s.tree = tree
+            else:
+                for (s, _), d in zip(proposals, self.drafter.propose([p for _, p in proposals])):
+                    s.drafts = tuple(d)
             draft_seconds = time.perf_counter() - drafting_at
-            for (s, _), d in zip(proposals, drafts):
-                s.drafts = tuple(d)
         mx.eval([a for s in self.streams for a in self.arrays(s)])
         if self.budget is not None and not any(seg.prefill for seg in segments):
             # what a decode round cost, for the auto budget's fit (budget.py); prompt chunks take another
@@ -190,6 +201,9 @@ class Lanes:
             rows = list(s.prompt[s.pos : end])
             logit_rows = [len(rows) - 1] if end == len(s.prompt) else []
             return Segment(rows, s.pos, s.segment_state, logit_rows, s.drafting, prefill=True)
+        if s.tree is not None:
+            rows = list(range(len(s.tree.tokens)))
+            return Segment(list(s.tree.tokens), s.segment_state.length, s.segment_state, rows, s.drafting, tree=s.tree)
         window = [s.pending, *s.drafts]
         return Segment(window, s.segment_state.length, s.segment_state, list(range(len(window))), s.drafting)
 
@@ -212,6 +226,8 @@ class Lanes:
         return out.taps
 
     def after_window(self, s: Stream, seg: Segment, out) -> mx.array | None:
+        if s.tree is not None:
+            return self.after_tree(s, seg, out)
         n = len(seg.tokens)
         positions = mx.arange(seg.start + 1, seg.start + n + 1, dtype=mx.int32)
         chosen = choose(out.logits, positions, s.params).tolist()
@@ -226,6 +242,22 @@ class Lanes:
         s.pending = chosen[k]
         self.emit(s, chosen[: k + 1], from_round=True)
         return out.taps[: k + 1] if out.taps is not None else None
+
+    def after_tree(self, s: Stream, seg: Segment, out) -> mx.array | None:
+        """The accept walk (tree.py): commit the path of nodes carrying the target's keyed choices (each
+        node's choice keyed at start + depth + 1) and the choice after it; keep moves the path's K/V to
+        its serial positions, and the drafter absorbs the path's taps."""
+        tree = s.tree
+        chosen = choose(out.logits, seg.positions() + 1, s.params).tolist()
+        path = tree.accept(chosen)
+        s.segment_state.keep_path(seg.start, path)
+        s.stats.count_round(tree.nodes, len(path) - 1, tree.depth)
+        if s.acceptance is not None:
+            self.budget.record(s.acceptance, tree.depth, len(path) - 1)
+        s.tree = None
+        s.pending = chosen[path[-1]]
+        self.emit(s, [chosen[r] for r in path], from_round=True)
+        return out.taps[mx.array(path, dtype=mx.int32)] if out.taps is not None else None
 
     # -- output ------------------------------------------------------------------------------
     def emit(self, s: Stream, tokens: list[int], from_round: bool) -> None:

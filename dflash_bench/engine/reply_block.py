@@ -21,7 +21,7 @@ class DflashBlock(BaseModel):
 
     token_sha: Optional[str] = None  # request.token_sha of the completion's ids
     rounds: Optional[int] = None  # decode rounds (the first token comes from the prompt pass)
-    drafted: Optional[int] = None  # draft tokens verified
+    drafted: Optional[int] = None  # draft tokens verified (a draft tree's nodes; the target verified rounds + drafted rows)
     accepted: Optional[int] = None  # of them, accepted
     tokens_per_round: Optional[float] = None
     drafter: Optional[str] = None  # the drafter's kind, None when the reply was decoded plainly
@@ -31,7 +31,8 @@ class DflashBlock(BaseModel):
     seed: Optional[int] = None
     # index k: drafted rounds that accepted exactly k drafts (rounds without drafts are not counted)
     acceptance_histogram: Optional[list[int]] = None
-    # index d: rounds that drafted at least d + 1 tokens (so replies' acceptance can be summed exactly)
+    # index d: rounds that drafted at least d + 1 tokens, a tree's depth counting (so replies' acceptance can be
+    # summed exactly)
     drafted_by_depth: Optional[list[int]] = None
     # index d: of the rounds that drafted at least d + 1 tokens, the share that accepted the (d + 1)-th
     acceptance_by_depth: Optional[list[Optional[float]]] = Field(default=None)

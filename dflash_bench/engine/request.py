@@ -45,7 +45,8 @@ class Stats:
     ttft_seconds: float = 0.0
     drafter: str | None = None
     seed: int = 0
-    # index k: drafted rounds that accepted k drafts; index d: rounds that drafted more than d tokens.
+    # index k: drafted rounds that accepted k drafts; index d: rounds that drafted more than d tokens
+    # (a tree: whose nodes reached depth d + 1).
     # Counts, not a list of rounds, so a long reply's stats stay a few numbers (the reply's `dflash` block).
     accepted_counts: list[int] = field(default_factory=list)
     drafted_counts: list[int] = field(default_factory=list)
@@ -54,16 +55,20 @@ class Stats:
     def tokens_per_round(self) -> float:
         return self.decode_tokens / self.rounds if self.rounds else 0.0
 
-    def count_round(self, drafted: int, accepted: int) -> None:
-        """One decode round that verified `drafted` draft tokens and accepted the first `accepted`."""
+    def count_round(self, drafted: int, accepted: int, depth: int | None = None) -> None:
+        """One decode round that verified `drafted` draft tokens and accepted the first `accepted`.
+
+        A draft tree (tree.py) verifies `drafted` nodes reaching `depth` positions ahead and accepts a
+        path of `accepted` of them: per-depth counts follow the depths, the totals the nodes. A chain's
+        depth is its length."""
         self.rounds += 1
         self.drafted += drafted
         self.accepted += accepted
         if drafted:
             _grow(self.accepted_counts, accepted + 1)[accepted] += 1
-            counts = _grow(self.drafted_counts, drafted)
-            for depth in range(drafted):
-                counts[depth] += 1
+            counts = _grow(self.drafted_counts, drafted if depth is None else depth)
+            for d in range(drafted if depth is None else depth):
+                counts[d] += 1
 
     def acceptance_by_depth(self) -> list[float | None]:
         """Per draft position d: the share of rounds that drafted it and accepted it (accepted > d)."""

@@ -22,7 +22,8 @@ target, on the device and dtype that will serve:
   mlx-lm's `gated_delta_ops` elsewhere; no other path is tried);
 - the model itself with those choices: a window of 16 tokens equals 16 single steps (logits and
   the state after keeping all of it, or part of it), and a window packed beside another stream's
-  step equals each alone.
+  step equals each alone; on a dense target, every node of a 15-node draft tree equals its path's
+  single steps, and keeping a path leaves their state (tree_attention.py).
 
 A failure with no passing alternative makes the verdict fail, and the engine then serves without
 drafting (engine.py). A passing verdict is cached on disk, keyed by everything it depends on
@@ -50,6 +51,7 @@ from dflash_bench.engine.targets import attention_kernel
 from dflash_bench.engine.targets.base import Segment, Target
 from dflash_bench.engine.targets.dense import DecodePath, SelfAttention
 from dflash_bench.engine.targets.qwen3_5 import RECURRENCES, GatedDeltaNet
+from dflash_bench.engine.tree import Tree
 from dflash_bench.engine.tiles import (
     KEY_TILE, ROW_TILE, AttentionPath, Weight, attention, key_mask, pad_queries, query_positions, row_tile,
 )
@@ -136,11 +138,11 @@ def _cpu_signature() -> str:
 
 def _code_hash() -> str:
     """The sources whose arithmetic the verdict is about: a change to any of them re-runs the check."""
-    from dflash_bench.engine import cache, tiles
+    from dflash_bench.engine import cache, tiles, tree_attention
     from dflash_bench.engine.targets import base, delta_kernel, dense, qwen3_5
 
     h = hashlib.sha256()
-    for module in (tiles, matmul_kernel, cache, base, dense, qwen3_5, delta_kernel, attention_kernel):
+    for module in (tiles, matmul_kernel, tree_attention, cache, base, dense, qwen3_5, delta_kernel, attention_kernel):
         h.update(Path(module.__file__).read_bytes())
     h.update(Path(__file__).read_bytes())
     return h.hexdigest()[:16]
@@ -366,6 +368,33 @@ def model_faults(target: Target, seed: int = 0) -> list[str]:
     mx.eval([o.logits for o in outs])
     if _differing(outs[0].logits, alone_step) or _differing(outs[1].logits, window):
         faults.append("rows packed with another stream's differ from the same rows alone")
+    if target.supports_trees:
+        faults += tree_faults(target, base, window_tokens, logits)
+    return faults
+
+
+def tree_faults(target: Target, base: TargetState, tokens: list[int], logits: Callable) -> list[str]:
+    """A draft tree (tree.py) of WINDOW - 1 nodes from PROMPT, its spine crossing a key tile: every node's
+    logits equal its path's serial steps, and keeping the deepest path leaves their state."""
+    spine = WINDOW // 2  # rows 1..spine a chain from PROMPT across the key tile; the rest hang off it
+    parents = [-1] + [r - 1 for r in range(1, spine + 1)] + [(3 * r) % spine for r in range(spine + 1, WINDOW)]
+    tree = Tree.of(tokens, parents)
+    states: list[TargetState] = []
+    steps = []
+    for row, token in enumerate(tree.tokens):
+        state = (base if row == 0 else states[tree.parents[row]]).snapshot(PROMPT + tree.depths[row])
+        steps.append(logits(state, [token]))
+        states.append(state)
+    treed = base.snapshot(PROMPT)
+    out = target.forward([Segment(list(tree.tokens), PROMPT, treed, list(range(WINDOW)), tree=tree)])[0].logits
+    mx.eval(out)
+    faults = []
+    if bad := _differing(out, mx.concatenate(steps)):
+        faults.append(f"a draft tree's nodes {bad[:4]} differ from their paths' single steps")
+    deepest = tree.depths.index(tree.depth)
+    treed.keep_path(PROMPT, tree.path(deepest))
+    if not _same_state(treed, states[deepest]):
+        faults.append("the state after keeping a draft tree's path differs from its single steps")
     return faults
 
 
@@ -408,7 +437,8 @@ def _run(target: Target, key: str, mach: dict) -> Verdict:
     verdict = Verdict(passed=False, paths=paths, tiles=tiles, attention=chosen_paths, seconds=0.0, machine=mach, key=key)
     apply(target, verdict)
     faults = model_faults(target)
-    paths.append(PathResult("model: window == steps, packed == alone", not faults, "" if faults else "exact", "; ".join(faults)))
+    paths.append(PathResult("model: window == steps, packed == alone, tree nodes == their paths", not faults,
+                            "" if faults else "exact", "; ".join(faults)))
     verdict.passed = all(p.passed for p in paths)
     verdict.seconds = time.perf_counter() - start
     return verdict

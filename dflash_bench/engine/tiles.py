@@ -258,19 +258,40 @@ def attention(
     qt = (q * scale).reshape(hkv, group, nq, 1, QUERY_TILE, d)
     kt = k.reshape(hkv, 1, 1, nk, KEY_TILE, d).swapaxes(-1, -2)
     vt = v.reshape(hkv, 1, 1, nk, KEY_TILE, d)
+    e, total = softmax_parts(scores_of(qt, kt, path), seen)
+    return merge(weighted_of(e, vt, path), total).reshape(hq, rq, d)
+
+
+def scores_of(qt: mx.array, kt: mx.array, path: AttentionPath) -> mx.array:
+    """Query tiles (..., QUERY_TILE, d) times transposed key tiles (..., d, KEY_TILE): one fixed-shape
+    gemm per pair on the tiled path, MLX's broadcast multiply and sum on the elementwise one."""
     if path == "tiled":
-        products = qt @ kt  # one fixed-shape gemm per (query tile, key tile)
-    else:
-        products = mx.sum(qt[..., :, None, :] * kt.swapaxes(-1, -2)[..., None, :, :], axis=-1)
+        return qt @ kt
+    return mx.sum(qt[..., :, None, :] * kt.swapaxes(-1, -2)[..., None, :, :], axis=-1)
+
+
+def weighted_of(e: mx.array, vt: mx.array, path: AttentionPath) -> mx.array:
+    """Weight tiles (..., QUERY_TILE, KEY_TILE) times value tiles (..., KEY_TILE, d), as `scores_of`."""
+    if path == "tiled":
+        return e @ vt
+    return mx.sum(e[..., :, :, None] * vt[..., None, :, :], axis=-2)
+
+
+def softmax_parts(products: mx.array, seen: mx.array) -> tuple[mx.array, mx.array]:
+    """Products (hkv, group, query tiles, key tiles, QUERY_TILE, KEY_TILE) to the unnormalized
+    weights and their totals, reduced within a key tile, then over key tiles (axis 3) in order, so
+    trailing masked tiles add exact zeros."""
     scores = mx.where(seen, products, -math.inf)
     top = mx.max(mx.max(scores, axis=-1, keepdims=True), axis=3, keepdims=True)
     top = mx.maximum(top, -1e30)  # a padded query row with nothing to see stays finite
     e = mx.exp(scores - top)
     total = mx.sum(mx.sum(e, axis=-1, keepdims=True), axis=3)  # (hkv, group, nq, QUERY_TILE, 1)
-    weighted = e @ vt if path == "tiled" else mx.sum(e[..., :, :, None] * vt[..., None, :, :], axis=-2)
-    out = mx.sum(weighted, axis=3)  # per key tile (QUERY_TILE x KEY_TILE) @ (KEY_TILE x d), summed in order
-    out = out / mx.maximum(total, 1e-30)
-    return out.reshape(hq, rq, d)
+    return e, total
+
+
+def merge(weighted: mx.array, total: mx.array) -> mx.array:
+    """Each key tile's weighted values summed over key tiles (axis 3) in order, then normalized."""
+    return mx.sum(weighted, axis=3) / mx.maximum(total, 1e-30)
 
 
 def query_positions(start: int, n: int) -> mx.array:

@@ -5,7 +5,9 @@ As each token's target forward completes, `absorb` fuses its tap planes into one
 cache: the stream's ring holds one fused row's K/V per token, never the raw planes. `propose` runs
 one pass over the block `[last token, mask x (B-1)]` of every drafting stream: each layer's queries
 see the context (a sliding layer its own window, a full layer all of it) plus the block (causal
-inside it when the layer is), and rows 1..B-1 become drafts through the target's lm_head.
+inside it when the layer is), and rows 1..B-1 become drafts through the target's lm_head: a chain
+(each position's pick), or from the same pass a draft tree (`propose_trees`, tree.py) over each
+position's top candidates.
 """
 
 from __future__ import annotations
@@ -14,16 +16,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 from dflash_bench.engine.cache import AttentionCache
 from dflash_bench.engine.checkpoint import all_finite, files_sha256
 from dflash_bench.engine.draft_config import DraftConfig, read_draft_config
 from dflash_bench.engine.errors import CheckpointError
 from dflash_bench.engine.quantize import dequantize_packed
-from dflash_bench.engine.sampling import SamplingParams, choose
+from dflash_bench.engine.sampling import SamplingParams, choose, filtered, gumbel
 from dflash_bench.engine.targets.base import Target, repack
 from dflash_bench.engine.tiles import KEY_TILE, Weight, attention, key_mask, linear, pad_queries, pad_rows, query_positions
+from dflash_bench.engine.tree import Lattice, Tree, build
 from dflash_bench.engine.validate import check_drafter
+
+TREE_WIDTH = 4  # candidates a tree considers at each depth (tree.py); best-first picks among them
 
 
 class DrafterState:
@@ -49,12 +55,37 @@ class DrafterState:
 
 @dataclass
 class Proposal:
-    """What one drafting stream asks for: drafts after `last`, keyed like its target draws."""
+    """What one drafting stream asks for: drafts after `last`, keyed like its target draws: a chain of
+    `count`, or (`propose_trees`) a tree of `nodes` nodes at most `count` deep."""
 
     state: DrafterState
     last: int
     count: int
     params: SamplingParams
+    nodes: int = 0
+
+
+class PositionLattice:
+    """v1's tree candidates (tree.py): each depth's top `width` tokens by the chain's own scores (the
+    logits, or at T > 0 the keyed Gumbel-perturbed filtered ones), the same after any parent, the
+    chain's draft first, with their log-probabilities under those scores."""
+
+    def __init__(self, scores: mx.array, picks: mx.array, width: int):
+        width = min(width, scores.shape[-1])
+        logp = scores - mx.logsumexp(scores, axis=-1, keepdims=True)
+        top = mx.argpartition(-scores, width - 1, axis=-1)[:, :width]
+        top_np, logp_np, picks_np = np.array(top), np.array(mx.take_along_axis(logp, top, axis=-1)), np.array(picks)
+        pick_logp = np.array(mx.take_along_axis(logp, picks[:, None], axis=-1))[:, 0]
+        self.depths: list[tuple[list[int], list[float]]] = []
+        for row in range(top_np.shape[0]):
+            order = np.argsort(-logp_np[row], kind="stable")
+            others = [(int(top_np[row, i]), float(logp_np[row, i])) for i in order
+                      if top_np[row, i] != picks_np[row] and np.isfinite(logp_np[row, i])]  # not filtered out
+            ranked = [(int(picks_np[row]), float(pick_logp[row]))] + others[: width - 1]
+            self.depths.append(([t for t, _ in ranked], [lp for _, lp in ranked]))
+
+    def children(self, depth: int, parent_token: int) -> tuple[list[int], list[float]]:
+        return self.depths[depth - 1]
 
 
 class DFlashDrafter:
@@ -147,6 +178,31 @@ class DFlashDrafter:
         """Drafts for every drafting stream from one pass over their blocks."""
         if not items:
             return []
+        return self.drafts(*self.block_pass(items), items)
+
+    def propose_trees(self, items: list[Proposal]) -> list[Tree]:
+        """A draft tree for every drafting stream from one pass over their blocks (tree.py): its first
+        path is what `propose` would draft."""
+        if not items:
+            return []
+        lattices = self.lattices(*self.block_pass(items), items)
+        return [build(p.last, lattice, p.nodes, p.count) for p, lattice in zip(items, lattices)]
+
+    def lattices(self, x: mx.array, logits: mx.array, items: list[Proposal]) -> list[Lattice]:
+        """Each stream's tree candidates from its block rows' logits, scored as `drafts` picks."""
+        out = []
+        for i, p in enumerate(items):
+            part = logits[i * (self.block - 1) : i * (self.block - 1) + p.count]
+            positions = draft_positions(p)
+            scores = part
+            if not p.params.greedy:
+                scores = filtered(part / p.params.temperature, p.params.top_k, p.params.top_p)
+                scores = scores + gumbel(p.params.seed, positions, part.shape[-1])
+            out.append(PositionLattice(scores, choose(part, positions, p.params), TREE_WIDTH))
+        return out
+
+    def block_pass(self, items: list[Proposal]) -> tuple[mx.array, mx.array]:
+        """One pass over every stream's block `[last, mask x (B-1)]`: rows 1..B-1 normed, and their logits."""
         mask = self.config.mask_token_id
         blocks = [[p.last] + [mask] * (self.block - 1) for p in items]
         spans = [(i * self.block, (i + 1) * self.block) for i in range(len(items))]
@@ -155,7 +211,7 @@ class DFlashDrafter:
             h = self.layer(li, layer, h, items, spans)
         rows = [a + r for a, _ in spans for r in range(1, self.block)]
         x = mx.fast.rms_norm(h[mx.array(rows, dtype=mx.int32)], self.norm, self.eps)
-        return self.drafts(x, self.logits(x), items)
+        return x, self.logits(x)
 
     def layer(self, li: int, layer: dict, h: mx.array, items: list[Proposal], spans: list[tuple[int, int]]) -> mx.array:
         """One decoder layer over every stream's block: attention, then the SwiGLU MLP, each residual."""

@@ -19,6 +19,7 @@ Drafts are only proposals: the target's keyed choice decides every kept token (l
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 from dflash_bench.engine.draft_config import DraftConfig
 from dflash_bench.engine.drafters.dflash import DFlashDrafter, Proposal, draft_positions
@@ -90,6 +91,19 @@ class DFlash2Drafter(DFlashDrafter):
     # -- the selector ---------------------------------------------------------------------------------
     def drafts(self, x: mx.array, logits: mx.array, items: list[Proposal]) -> list[list[int]]:
         """Each stream's walk over its positions' top-k candidates, from its anchor."""
+        out = []
+        for selector in self.lattices(x, logits, items):
+            previous, picks = mx.array(selector.proposal.last), []
+            for depth in range(1, selector.proposal.count + 1):
+                scores = selector.scores(depth, previous)
+                previous = selector.candidates[selector.first + depth - 1][mx.argmax(scores)]
+                picks.append(previous)
+            out.append(mx.stack(picks).tolist() if picks else [])
+        return out
+
+    def lattices(self, x: mx.array, logits: mx.array, items: list[Proposal]) -> list[SelectorLattice]:
+        """Each stream's selector over its positions' top-k candidates: the walk of `drafts`, and the
+        tree candidates (tree.py) of any parent."""
         candidates = mx.argpartition(logits, -self.top_k, axis=-1)[:, -self.top_k :]
         unary = mx.take_along_axis(logits, candidates, axis=-1)
         projected = linear(pad_rows(x), self.hidden_projection)[: x.shape[0]].astype(mx.float32)
@@ -102,13 +116,32 @@ class DFlash2Drafter(DFlashDrafter):
             if not p.params.greedy:
                 full = gumbel(p.params.seed, draft_positions(p), logits.shape[-1])
                 noise = mx.take_along_axis(full, candidates[first : first + p.count], axis=-1)
-            previous, picks = mx.array(p.last), []
-            for j in range(p.count):
-                row = first + j
-                scores = unary[row] + mx.sum(predecessor[previous] * projected[row] * successors[row], axis=-1)
-                if noise is not None:
-                    scores = filtered(scores[None] / p.params.temperature, p.params.top_k, p.params.top_p)[0] + noise[j]
-                previous = candidates[row][mx.argmax(scores)]
-                picks.append(previous)
-            out.append(mx.stack(picks).tolist() if picks else [])
+            out.append(SelectorLattice(p, first, candidates, unary, projected, successors, predecessor, noise))
         return out
+
+
+class SelectorLattice:
+    """One stream's selector: a candidate's score at a depth is its logit plus the pairwise term with
+    its parent's token (at T > 0 filtered and keyed-noised as the target's draw); the walk picks the
+    best, a tree (tree.py) ranks them all, the walk's pick first."""
+
+    def __init__(self, proposal: Proposal, first: int, candidates: mx.array, unary: mx.array, projected: mx.array,
+                 successors: mx.array, predecessor: mx.array, noise: mx.array | None):
+        self.proposal, self.first, self.candidates, self.unary = proposal, first, candidates, unary
+        self.projected, self.successors, self.predecessor, self.noise = projected, successors, predecessor, noise
+
+    def scores(self, depth: int, parent: mx.array) -> mx.array:
+        """The candidates' scores at `depth` (1-based) after the token `parent`."""
+        row, params = self.first + depth - 1, self.proposal.params
+        scores = self.unary[row] + mx.sum(self.predecessor[parent] * self.projected[row] * self.successors[row], axis=-1)
+        if self.noise is not None:
+            scores = filtered(scores[None] / params.temperature, params.top_k, params.top_p)[0] + self.noise[depth - 1]
+        return scores
+
+    def children(self, depth: int, parent_token: int) -> tuple[list[int], list[float]]:
+        scores = self.scores(depth, mx.array(parent_token))
+        pick = int(mx.argmax(scores).item())
+        logp = np.array(scores - mx.logsumexp(scores))
+        tokens = np.array(self.candidates[self.first + depth - 1])
+        order = [pick] + [i for i in np.argsort(-logp, kind="stable") if i != pick and np.isfinite(logp[i])]
+        return [int(tokens[i]) for i in order], [float(logp[i]) for i in order]

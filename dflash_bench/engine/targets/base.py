@@ -25,6 +25,8 @@ import mlx.core as mx
 from dflash_bench.engine.cache import TargetState
 from dflash_bench.engine.target_config import TargetConfig
 from dflash_bench.engine.tiles import ROW_TILE, Layout, Weight, key_mask, linear, pad_rows, query_positions
+from dflash_bench.engine.tree import Tree
+from dflash_bench.engine.tree_attention import tail_index
 
 
 @dataclass
@@ -37,7 +39,9 @@ class Segment:
     logit_rows: list[int] = field(default_factory=list)  # rows (0-based in the segment) whose logits are wanted
     want_taps: bool = False
     prefill: bool = False  # every row is a prompt row of a chunk that starts at a chunk boundary
+    tree: Tree | None = None  # the rows are a draft tree's (tree.py): row r at position start + its depth
     _masks: dict[int, mx.array] = field(default_factory=dict, repr=False)
+    _tree_view: TreeView | None = field(default=None, repr=False)
 
     def key_mask(self, k_rows: int) -> mx.array:
         """The causal mask of this segment's rows over `k_rows` keys from position 0, built once."""
@@ -45,6 +49,33 @@ class Segment:
             n = len(self.tokens)
             self._masks[k_rows] = key_mask(query_positions(self.start, n), 0, k_rows, self.start + n)
         return self._masks[k_rows]
+
+    def positions(self) -> mx.array:
+        """Each row's absolute position: start + row, or start + depth in a tree."""
+        if self.tree is not None:
+            return mx.array(self.tree.depths, dtype=mx.int32) + self.start
+        return mx.arange(self.start, self.start + len(self.tokens), dtype=mx.int32)
+
+    def tree_view(self) -> TreeView:
+        """Where a tree's rows find their keys (tree_attention.py), built once for every layer."""
+        if self._tree_view is None:
+            assert self.tree is not None
+            rows = len(query_positions(self.start, len(self.tokens)))
+            prefix, tail, index = tail_index(self.tree, self.start, rows)
+            q_pos = mx.concatenate([self.positions(), mx.full((rows - len(self.tokens),), self.start, dtype=mx.int32)])
+            seen = key_mask(q_pos, 0, prefix + tail, self.start + self.tree.depth + 1)
+            self._tree_view = TreeView(prefix, mx.array(index), seen)
+        return self._tree_view
+
+
+@dataclass(frozen=True)
+class TreeView:
+    """A tree segment's key layout: shared key rows [0, prefix), each row's tail gathered by `index`
+    (tree_attention.tail_index), and the mask over prefix + tail keys at the rows' positions."""
+
+    prefix: int
+    index: mx.array
+    seen: mx.array
 
 
 @dataclass
@@ -79,6 +110,16 @@ class Target:
 
     def new_state(self) -> TargetState:
         raise NotImplementedError
+
+    @property
+    def tree_refusal(self) -> str | None:
+        """Why this target verifies chains only, or None where a draft tree's rows (Segment.tree) are
+        each their path's serial step. The hybrid's GatedDeltaNet state is one per path."""
+        return "this target's linear-attention state is one per path"
+
+    @property
+    def supports_trees(self) -> bool:
+        return self.tree_refusal is None
 
     def layer(self, i: int, x: mx.array, segments: list[Segment], layout: Layout) -> mx.array:
         raise NotImplementedError

@@ -17,6 +17,7 @@ from dflash_bench.engine.target_config import TargetConfig
 from dflash_bench.engine.targets import attention_kernel
 from dflash_bench.engine.targets.base import Segment, Target, as_weight, per_segment
 from dflash_bench.engine.tiles import AttentionPath, Layout, Weight, attention, linear, pad_queries
+from dflash_bench.engine.tree_attention import tree_attention, tree_keys
 
 # How a layer runs its decode rows: `tiles.attention` per segment (its two paths), or attention_kernel.py's
 # launch for every decode segment of the forward at once.
@@ -78,14 +79,19 @@ class SelfAttention:
             if self.q_norm is not None:
                 qs = mx.fast.rms_norm(qs, self.q_norm, self.eps)
                 ks = mx.fast.rms_norm(ks, self.k_norm, self.eps)
-            qs = self.rope(qs.transpose(1, 0, 2), seg.start)
-            ks = self.rope(ks.transpose(1, 0, 2), seg.start)
+            if seg.tree is not None:  # each row at start + its depth: one offset a row
+                qs, ks = self.rope_rows(qs, seg.positions()), self.rope_rows(ks, seg.positions())
+            else:
+                qs = self.rope(qs.transpose(1, 0, 2), seg.start)
+                ks = self.rope(ks.transpose(1, 0, 2), seg.start)
             vs = vs.reshape(n, self.kv_heads, self.head_dim).transpose(1, 0, 2)
             cache = seg.state.layers[layer]
             assert isinstance(cache, AttentionCache)
             cache.write(seg.start, ks, vs)
             if seg.prefill:
                 o = self.prefill_attention(qs, cache, seg.start + n)
+            elif seg.tree is not None:  # never on the kernel path: DenseTarget.tree_refusal
+                o = self.tree_attention(qs, cache, seg)
             elif self.path == "kernel":
                 launch.append((qs.transpose(1, 0, 2), cache.k, cache.v, seg.start))
                 attended.append(None)
@@ -120,6 +126,22 @@ class SelfAttention:
         keys, values = cache.k[:, :length], cache.v[:, :length]
         return mx.fast.scaled_dot_product_attention(q[None], keys[None], values[None], scale=self.scale, mask="causal")[0]
 
+    def tree_attention(self, q: mx.array, cache: AttentionCache, seg: Segment) -> mx.array:
+        """A draft tree's rows (its K/V written at start + row), each over the keys of its serial step
+        (tree_attention.py): (Hq, n, d) -> (Hq, n, d)."""
+        n, view = len(seg.tokens), seg.tree_view()
+        a, end = view.prefix, seg.start + n
+        tail_k, tail_v = tree_keys(cache.k[:, a:end], view.index), tree_keys(cache.v[:, a:end], view.index)
+        return tree_attention(pad_queries(q), cache.k[:, :a], cache.v[:, :a], tail_k, tail_v, view.seen,
+                              scale=self.scale, path=self.path)[:, :n]
+
+    def rope_rows(self, x: mx.array, positions: mx.array) -> mx.array:
+        """(n, heads, d) rows each rotated at its own position: (heads, n, d)."""
+        n, heads, d = x.shape
+        out = mx.fast.rope(x.reshape(n, heads, 1, d), self.rope_dims, traditional=False, base=self.rope_theta,
+                           scale=1.0, offset=positions)
+        return out.reshape(n, heads, d).transpose(1, 0, 2)
+
     def rope(self, x: mx.array, offset: int) -> mx.array:
         return mx.fast.rope(
             x[None], self.rope_dims, traditional=False, base=self.rope_theta, scale=1.0, offset=offset
@@ -128,6 +150,16 @@ class SelfAttention:
 
 class DenseTarget(Target):
     """Embedding, N x (attention + SwiGLU MLP), final norm, lm_head."""
+
+    @property
+    def tree_refusal(self) -> str | None:
+        """Every layer's state is attention K/V, which a tree's rows share by position, so a tree
+        verifies, in the tile products (tree_attention.py). Where decode attention runs our CUDA kernel
+        (the self-check's choice on a CUDA GPU), a plain step's bits are the kernel's, which a tree
+        row's tile products would not equal: chains there."""
+        if any(a.path == "kernel" for a in self.attn):
+            return "decode attention runs the CUDA kernel, which verifies chains only"
+        return None
 
     def __init__(self, config: TargetConfig, weights: dict, dtype: mx.Dtype = mx.float32):
         super().__init__(config, weights, dtype)
