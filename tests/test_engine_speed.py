@@ -83,8 +83,10 @@ def test_gpu_mode_on_this_cpu_recorded_beside_mlx_lm_at_every_level(files, one_p
         assert cells["drafted"][streams]["equals_plain"] is True
         assert cells["drafted"][streams]["round_over_plain"] > 0 and cells["plain"][streams]["over_mlx_lm"] > 0
         assert cells[engine_speed.MLX_LM][streams]["aggregate_tok_s"]["median"] > 0
+    assert receipt.aggregates["load_seconds"] > 0 and receipt.aggregates["first_request_seconds"] > 0
     shown = text(Receipt.from_dict(receipt.to_dict()))
     assert "gpu mode" in shown and "round/plain round" in shown and "equal" in shown
+    assert "first request" in shown and "ready after" in shown
 
 
 def test_a_gguf_target_is_noted_not_failed_in_the_mode_auto_picks(files, one_probe):

@@ -271,11 +271,14 @@ class MlxLmCell(Loose):
 
 class EngineSpeedAggregates(Loose):
     """probe -> mode -> streams -> cell, with "mlx-lm" beside the modes (its cells by level, or an
-    MlxLmCell in older receipts); peak_bytes and why mlx-lm was not measured beside the probes."""
+    MlxLmCell in older receipts); beside the probes: peak_bytes, why mlx-lm was not measured, and how
+    long the engine took to be ready and then to answer its first request."""
 
     __pydantic_extra__: dict[str, dict[str, Union[MlxLmCell, dict[str, SpeedCell]]]]
     peak_bytes: Optional[int] = None
     mlx_lm_note: Optional[str] = None
+    load_seconds: Optional[float] = None  # loading the target, the self-check and the warm-up: until ready
+    first_request_seconds: Optional[float] = None  # the first request after ready, start to last token
 
     def probes(self) -> dict[str, dict[str, Union[MlxLmCell, dict[str, SpeedCell]]]]:
         """The probes' cells (the keys beside peak_bytes)."""

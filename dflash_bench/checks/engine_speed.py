@@ -109,7 +109,9 @@ def engines(s: SpeedSettings, receipt: Receipt) -> tuple[LoadedTarget, list[tupl
     precision on the same loaded target."""
     mode = backends.resolve(s.backend)
     settings = Settings(parallel=max(s.levels), context=4096, backend=mode.name)
+    started = time.perf_counter()
     plain = Engine(s.target, settings=settings)
+    receipt.aggregates["load_seconds"] = time.perf_counter() - started
     loaded = plain.loaded
     receipt.server = {"engine": "dflash-bench (in process)", "target": str(loaded.path), "backend": mode.name,
                       "target_sha256": loaded.weights_sha256, "drafter": s.drafter}
@@ -145,7 +147,8 @@ def run(s: SpeedSettings, receipt: Receipt, progress: Callable[[str], None] = la
         cells: dict[str, dict[str, dict]] = receipt.aggregates.setdefault(name, {})
         for mode, engine, draft in modes:
             for streams in s.levels:
-                run_level(engine, ids, streams, WARM_TOKENS, draft)
+                warm = run_level(engine, ids, streams, WARM_TOKENS, draft)
+                receipt.aggregates.setdefault("first_request_seconds", warm["wall_seconds"])
                 reps = []
                 for rep in range(s.reps):
                     progress(f"{name} {mode} x{streams} rep {rep + 1}/{s.reps}")

@@ -273,6 +273,9 @@ def engine_speed(a: agg.EngineSpeedAggregates, r: Receipt) -> Table:
                           f"{c.aggregate_tok_s.spread or 0:.1%}")
     if a.peak_bytes is not None:
         t.add_row("peak footprint", "", "", gb(a.peak_bytes), *[""] * 9)
+    if a.first_request_seconds is not None:
+        t.add_row("ready after", "", "", f"{a.load_seconds:.1f} s", *[""] * 9)
+        t.add_row("first request", "", "", f"{a.first_request_seconds:.2f} s", *[""] * 9)
     return t
 
 

@@ -180,17 +180,32 @@ class Layout:
                 pos = blocks[-1][1]
         return cls(tuple(spans), tuple(blocks), decode_rows, pos)
 
+    @property
+    def decoded(self) -> int:
+        """The decode segments' rows, without the padding to whole tiles: [0, decoded)."""
+        return max([b for (a, b) in self.spans if a < self.decode_rows], default=0)
+
     def pack(self, parts: list[mx.array]) -> mx.array:
         """Each segment's rows (in the segments' order) into one array laid out as `spans`, zeros between."""
-        pieces, cursor = [], 0
-        for (a, b), part in sorted(zip(self.spans, parts), key=lambda item: item[0][0]):
+        return self.place(list(zip((a for a, _ in self.spans), parts)))
+
+    def join(self, decoded: mx.array | None, prompts: list[mx.array]) -> mx.array:
+        """The decode segments' rows as one block (`decoded` rows, in order) and each prompt chunk's rows
+        (in the segments' order), laid out as `spans`, zeros between."""
+        starts = [a for a, _ in self.spans if a >= self.decode_rows]
+        return self.place(([(0, decoded)] if decoded is not None else []) + list(zip(starts, prompts)))
+
+    def place(self, pieces: list[tuple[int, mx.array]]) -> mx.array:
+        """Row blocks at their first rows into `rows` rows, zeros between them and after."""
+        out, cursor = [], 0
+        for a, part in sorted(pieces, key=lambda item: item[0]):
             if a > cursor:
-                pieces.append(mx.zeros((a - cursor, *part.shape[1:]), dtype=part.dtype))
-            pieces.append(part)
-            cursor = b
+                out.append(mx.zeros((a - cursor, *part.shape[1:]), dtype=part.dtype))
+            out.append(part)
+            cursor = a + part.shape[0]
         if self.rows > cursor:
-            pieces.append(mx.zeros((self.rows - cursor, *parts[0].shape[1:]), dtype=parts[0].dtype))
-        return mx.concatenate(pieces) if len(pieces) > 1 else pieces[0]
+            out.append(mx.zeros((self.rows - cursor, *pieces[0][1].shape[1:]), dtype=pieces[0][1].dtype))
+        return mx.concatenate(out) if len(out) > 1 else out[0]
 
     def calls(self, tile: int) -> list[tuple[int, int]]:
         """The row ranges of one weight's matmul calls: decode tiles of `tile` rows, then each block."""

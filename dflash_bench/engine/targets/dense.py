@@ -15,7 +15,7 @@ import mlx.core as mx
 from dflash_bench.engine.cache import AttentionCache, TargetState
 from dflash_bench.engine.target_config import TargetConfig
 from dflash_bench.engine.targets import attention_kernel
-from dflash_bench.engine.targets.base import Segment, Target, as_weight, per_segment
+from dflash_bench.engine.targets.base import Segment, Target, as_weight
 from dflash_bench.engine.tiles import AttentionPath, Layout, Weight, attention, linear, pad_queries
 from dflash_bench.engine.tree_attention import tree_attention, tree_keys
 
@@ -61,55 +61,74 @@ class SelfAttention:
         return self.q, self.k, self.v, self.o
 
     def __call__(self, x: mx.array, segments: list[Segment], layout: Layout, layer: int) -> mx.array:
-        """Each segment's rows over its own stream's cache. A prompt chunk takes MLX's SDPA alone; decode
-        segments take the tile products one by one or, on the kernel path, one launch for all of them."""
+        """Each segment's rows over its own stream's cache. A prompt chunk takes MLX's SDPA alone; the
+        decode segments share their norms, RoPE and gate (`decode`)."""
         q, k, v = linear(x, self.q, layout), linear(x, self.k, layout), linear(x, self.v, layout)
-        attended: list[mx.array | None] = []  # each segment's (n, Hq * D) attention output
-        gates: list[mx.array | None] = []
-        launch: list[attention_kernel.Rows] = []  # the decode segments' kernel inputs, in order
-        spans = layout.spans
-        for seg, qs, ks, vs in zip(segments, per_segment(q, spans), per_segment(k, spans), per_segment(v, spans)):
-            n = len(seg.tokens)
-            if self.gated:
-                qs, gate = mx.split(qs.reshape(n, self.heads, 2 * self.head_dim), 2, axis=-1)
-            else:
-                qs, gate = qs.reshape(n, self.heads, self.head_dim), None
-            gates.append(gate)
-            ks = ks.reshape(n, self.kv_heads, self.head_dim)
-            if self.q_norm is not None:
-                qs = mx.fast.rms_norm(qs, self.q_norm, self.eps)
-                ks = mx.fast.rms_norm(ks, self.k_norm, self.eps)
-            if seg.tree is not None:  # each row at start + its depth: one offset a row
-                qs, ks = self.rope_rows(qs, seg.positions()), self.rope_rows(ks, seg.positions())
-            else:
-                qs = self.rope(qs.transpose(1, 0, 2), seg.start)
-                ks = self.rope(ks.transpose(1, 0, 2), seg.start)
-            vs = vs.reshape(n, self.kv_heads, self.head_dim).transpose(1, 0, 2)
+        decoding = [(seg, span) for seg, span in zip(segments, layout.spans) if not seg.prefill]
+        decoded = self.decode(q, k, v, decoding, layer) if decoding else None
+        prompts = [self.prompt_chunk(q[lo:hi], k[lo:hi], v[lo:hi], seg, layer)
+                   for seg, (lo, hi) in zip(segments, layout.spans) if seg.prefill]
+        return linear(layout.join(decoded, prompts), self.o, layout)
+
+    def split(self, q: mx.array, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array | None, mx.array, mx.array]:
+        """Rows into heads (n, H, D): queries (normed), the output gate if gated, keys (normed), values."""
+        n = q.shape[0]
+        if self.gated:
+            q, gate = mx.split(q.reshape(n, self.heads, 2 * self.head_dim), 2, axis=-1)
+        else:
+            q, gate = q.reshape(n, self.heads, self.head_dim), None
+        k = k.reshape(n, self.kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = mx.fast.rms_norm(q, self.q_norm, self.eps)
+            k = mx.fast.rms_norm(k, self.k_norm, self.eps)
+        return q, gate, k, v.reshape(n, self.kv_heads, self.head_dim)
+
+    def gate(self, o: mx.array, gate: mx.array | None) -> mx.array:
+        """(n, Hq * D) attention rows, times the sigmoid output gate where the layer has one."""
+        return o if gate is None else o * mx.sigmoid(gate.reshape(o.shape[0], -1))
+
+    def prompt_chunk(self, q: mx.array, k: mx.array, v: mx.array, seg: Segment, layer: int) -> mx.array:
+        n = len(seg.tokens)
+        q, gate, k, v = self.split(q, k, v)
+        q, k = self.rope(q.transpose(1, 0, 2), seg.start), self.rope(k.transpose(1, 0, 2), seg.start)
+        cache = seg.state.layers[layer]
+        assert isinstance(cache, AttentionCache)
+        cache.write(seg.start, k, v.transpose(1, 0, 2))
+        o = self.prefill_attention(q, cache, seg.start + n)
+        return self.gate(o.transpose(1, 0, 2).reshape(n, self.heads * self.head_dim), gate)
+
+    def decode(self, q: mx.array, k: mx.array, v: mx.array, decoding: list[tuple[Segment, tuple[int, int]]],
+               layer: int) -> mx.array:
+        """Every decode segment's rows (packed first, in order: tiles.Layout): norms, RoPE (each row at
+        its own position: `rope_rows`) and the gate over all rows at once, K/V into each stream's cache,
+        then attention: the tile products one segment at a time (a tree's over its rows' serial key
+        views) or, on the kernel path, one launch for all of them."""
+        rows = decoding[-1][1][1]
+        q, gate, k, v = self.split(q[:rows], k[:rows], v[:rows])
+        positions = mx.concatenate([seg.positions() for seg, _ in decoding]) if len(decoding) > 1 else decoding[0][0].positions()
+        q, k, v = self.rope_rows(q, positions), self.rope_rows(k, positions), v.transpose(1, 0, 2)  # (H, rows, D)
+        caches = []
+        for seg, (lo, hi) in decoding:
             cache = seg.state.layers[layer]
             assert isinstance(cache, AttentionCache)
-            cache.write(seg.start, ks, vs)
-            if seg.prefill:
-                o = self.prefill_attention(qs, cache, seg.start + n)
-            elif seg.tree is not None:  # never on the kernel path: DenseTarget.tree_refusal
-                o = self.tree_attention(qs, cache, seg)
-            elif self.path == "kernel":
-                launch.append((qs.transpose(1, 0, 2), cache.k, cache.v, seg.start))
-                attended.append(None)
-                continue
-            else:
-                keys, values = cache.view(seg.start + n)
-                o = attention(pad_queries(qs), keys, values, seg.key_mask(keys.shape[1]), scale=self.scale,
-                              path=self.path)[:, :n]
-            attended.append(o.transpose(1, 0, 2).reshape(n, self.heads * self.head_dim))
-        if launch:
-            rows = attention_kernel.decode_attention(launch, self.scale).reshape(-1, self.heads * self.head_dim)
-            cursor = 0
-            for i, o in enumerate(attended):
-                if o is None:
-                    n = len(segments[i].tokens)
-                    attended[i], cursor = rows[cursor : cursor + n], cursor + n
-        outs = [o if gate is None else o * mx.sigmoid(gate.reshape(o.shape[0], -1)) for o, gate in zip(attended, gates)]
-        return linear(layout.pack(outs), self.o, layout)
+            cache.write(seg.start, k[:, lo:hi], v[:, lo:hi])
+            caches.append(cache)
+        if self.path == "kernel" and not any(seg.tree is not None for seg, _ in decoding):
+            launch = [(q[:, lo:hi].transpose(1, 0, 2), c.k, c.v, seg.start) for (seg, (lo, hi)), c in zip(decoding, caches)]
+            o = attention_kernel.decode_attention(launch, self.scale).reshape(rows, -1)
+        else:  # never a tree on the kernel path: DenseTarget.tree_refusal
+            outs = []
+            for (seg, (lo, hi)), c in zip(decoding, caches):
+                n, qs = hi - lo, q[:, lo:hi]
+                if seg.tree is not None:
+                    a = self.tree_attention(qs, c, seg)
+                else:
+                    keys, values = c.view(seg.start + n)
+                    a = attention(pad_queries(qs), keys, values, seg.key_mask(keys.shape[1]), scale=self.scale,
+                                  path=self.path)[:, :n]
+                outs.append(a.transpose(1, 0, 2).reshape(n, self.heads * self.head_dim))
+            o = mx.concatenate(outs) if len(outs) > 1 else outs[0]
+        return self.gate(o, gate)
 
     def prefill_attention(self, q: mx.array, cache: AttentionCache, length: int) -> mx.array:
         """A prompt chunk's rows over the keys [0, length) in one call: (Hq, n, d) -> (Hq, n, d).
@@ -136,7 +155,8 @@ class SelfAttention:
                               scale=self.scale, path=self.path)[:, :n]
 
     def rope_rows(self, x: mx.array, positions: mx.array) -> mx.array:
-        """(n, heads, d) rows each rotated at its own position: (heads, n, d)."""
+        """(n, heads, d) rows each rotated at its own position: (heads, n, d). A row's rotation is its
+        own (each row is its own batch entry), so rows rotated together equal rows rotated alone."""
         n, heads, d = x.shape
         out = mx.fast.rope(x.reshape(n, heads, 1, d), self.rope_dims, traditional=False, base=self.rope_theta,
                            scale=1.0, offset=positions)

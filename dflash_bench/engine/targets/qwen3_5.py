@@ -111,47 +111,79 @@ class GatedDeltaNet:
     def __call__(self, x: mx.array, segments: list[Segment], layout: Layout, layer: int) -> mx.array:
         qkv, z = linear(x, self.qkv, layout), linear(x, self.z, layout)
         b, a = linear(x, self.b, layout), linear(x, self.a, layout)
-        ys: list[mx.array | None] = []
-        windows: list[delta_kernel.Window] = []  # the decode segments' recurrence inputs, run together below
-        decoding: list[tuple[int, LinearCache]] = []
-        for i, (seg, (lo, hi)) in enumerate(zip(segments, layout.spans)):
-            cache = seg.state.layers[layer]
-            assert isinstance(cache, LinearCache)
-            n = hi - lo
-            inputs = mx.concatenate([cache.conv, qkv[lo:hi]])  # (kernel - 1 + n, conv_dim)
-            q, k, v = self.mix(inputs, n)
-            beta = mx.sigmoid(b[lo:hi])
-            if seg.prefill:  # a prompt chunk is kept whole: no rollback record
-                log_g = log_gate(self.A_log, a[lo:hi], self.dt_bias)
-                y, cache.state = chunked_gated_delta(q, k, v, log_g, beta, cache.state)
-                cache.redo = None
-            else:
-                y = None
-                windows.append((q, k, v, compute_g(self.A_log, a[lo:hi], self.dt_bias), beta, cache.state))
-                decoding.append((i, cache))
-                cache.redo = self.redo_fn(cache.conv, cache.state, inputs, a[lo:hi], b[lo:hi]) if n > 1 else None
-            ys.append(y)
-            cache.conv = mx.contiguous(inputs[n:])  # a copy: a view would pin the chunk
-            cache.window_start = seg.start
-            cache.length = seg.start + n
-        if windows:
-            for (i, cache), (y, state) in zip(decoding, RECURRENCES[self.recurrence](windows)):
-                ys[i], cache.state = y, state
-        outs = [self.gated_norm(y, z[lo:hi].reshape(hi - lo, self.hv, self.dv)).reshape(hi - lo, -1)
-                for y, (lo, hi) in zip(ys, layout.spans)]
-        return linear(layout.pack(outs), self.out, layout)
+        decoding = [(seg, span) for seg, span in zip(segments, layout.spans) if not seg.prefill]
+        decoded = self.decode(qkv, z, b, a, decoding, layer) if decoding else None
+        prompts = [self.prompt_chunk(qkv[lo:hi], z[lo:hi], b[lo:hi], a[lo:hi], seg, layer)
+                   for seg, (lo, hi) in zip(segments, layout.spans) if seg.prefill]
+        return linear(layout.join(decoded, prompts), self.out, layout)
 
-    def mix(self, inputs: mx.array, n: int) -> tuple[mx.array, mx.array, mx.array]:
-        """Conv (row t sees inputs t .. t + kernel - 1, summed in tap order), silu, normalized q/k, v."""
+    def prompt_chunk(self, qkv: mx.array, z: mx.array, b: mx.array, a: mx.array, seg: Segment, layer: int) -> mx.array:
+        """A prompt chunk's rows, kept whole (no rollback record): the chunkwise recurrence."""
+        cache = seg.state.layers[layer]
+        assert isinstance(cache, LinearCache)
+        n = len(seg.tokens)
+        inputs = mx.concatenate([cache.conv, qkv])  # (kernel - 1 + n, conv_dim)
+        q, k, v = self.mix(inputs, n)
+        y, cache.state = chunked_gated_delta(q, k, v, log_gate(self.A_log, a, self.dt_bias), mx.sigmoid(b), cache.state)
+        cache.redo = None
+        cache.conv = mx.contiguous(inputs[n:])  # a copy: a view would pin the chunk
+        cache.window_start, cache.length = seg.start, seg.start + n
+        return self.gated_norm(y, z.reshape(n, self.hv, self.dv)).reshape(n, -1)
+
+    def decode(self, qkv: mx.array, z: mx.array, b: mx.array, a: mx.array,
+               decoding: list[tuple[Segment, tuple[int, int]]], layer: int) -> mx.array:
+        """Every decode segment's rows at once (tiles.Layout packs them first, in order): the conv over
+        the segments' inputs laid end to end, each its stream's conv tail then its rows (a row reads
+        only its own segment's inputs; the rows straddling two segments are dropped), the norms and
+        gates over all rows, the recurrence over every window in one call. Each row's arithmetic is
+        elementwise or its own row's, as for one segment alone, so its bits are."""
+        span = self.kernel - 1
+        caches = [seg.state.layers[layer] for seg, _ in decoding]
+        assert all(isinstance(c, LinearCache) for c in caches)
+        rows = decoding[-1][1][1]
+        inputs = mx.concatenate([p for c, (lo, hi) in zip(caches, (sp for _, sp in decoding)) for p in (c.conv, qkv[lo:hi])])
+        starts = [lo + i * span for i, (_, (lo, _)) in enumerate(decoding)]  # each segment's first input row
+        mixed = self.conv(inputs, inputs.shape[0] - span)
+        if len(decoding) > 1:
+            mixed = mixed[mx.array([st + r for st, (_, (lo, hi)) in zip(starts, decoding) for r in range(hi - lo)])]
+        q, k, v = self.heads(mixed)
+        g, beta = compute_g(self.A_log, a[:rows], self.dt_bias), mx.sigmoid(b[:rows])
+        spans = [sp for _, sp in decoding]
+        windows = [(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], c.state) for c, (lo, hi) in zip(caches, spans)]
+        results = RECURRENCES[self.recurrence](windows)
+        tails = [st + hi - lo for st, (lo, hi) in zip(starts, spans)]  # where each segment's new conv tail starts
+        if len(decoding) > 1:
+            kept = inputs[mx.array([t + j for t in tails for j in range(span)])]  # one small copy; views of it below
+            new_convs = [kept[i * span : (i + 1) * span] for i in range(len(decoding))]
+        else:
+            new_convs = [mx.contiguous(inputs[tails[0] :])]
+        for (seg, (lo, hi)), c, st, conv, (_, state) in zip(decoding, caches, starts, new_convs, results):
+            n = hi - lo
+            c.redo = self.redo_fn(c.conv, c.state, inputs[st : st + span + n], a[lo:hi], b[lo:hi]) if n > 1 else None
+            c.conv, c.state = conv, state
+            c.window_start, c.length = seg.start, seg.start + n
+        y = mx.concatenate([y for y, _ in results]) if len(results) > 1 else results[0][0]
+        return self.gated_norm(y, z[:rows].reshape(rows, self.hv, self.dv)).reshape(rows, -1)
+
+    def conv(self, inputs: mx.array, n: int) -> mx.array:
+        """The causal conv's rows 0..n-1 (row t sees inputs t .. t + kernel - 1, summed in tap order), then silu."""
         acc = self.conv_w[0] * inputs[0:n]
         for j in range(1, self.kernel):
             acc = acc + self.conv_w[j] * inputs[j : j + n]
-        mixed = silu(acc)
+        return silu(acc)
+
+    def heads(self, mixed: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """The conv's rows split into normalized q and k heads and v heads."""
+        n = mixed.shape[0]
         q = mixed[:, : self.key_dim].reshape(n, self.hk, self.dk)
         k = mixed[:, self.key_dim : 2 * self.key_dim].reshape(n, self.hk, self.dk)
         v = mixed[:, 2 * self.key_dim :].reshape(n, self.hv, self.dv)
         q, k = normalize_qk(q, k, inv_scale=self.dk**-0.5, eps=1e-6)
         return q, k, v
+
+    def mix(self, inputs: mx.array, n: int) -> tuple[mx.array, mx.array, mx.array]:
+        """Conv (row t sees inputs t .. t + kernel - 1, summed in tap order), silu, normalized q/k, v."""
+        return self.heads(self.conv(inputs, n))
 
     def redo_fn(self, prev_conv: mx.array, prev_state: mx.array, inputs: mx.array, a: mx.array, b: mx.array):
         """The (conv, state) after the first m rows of this window, from the state before it.
