@@ -177,11 +177,6 @@ class Target:
         return linear(mx.sigmoid(g := linear(x, gate, layout)) * g * linear(x, up, layout), down, layout)
 
 
-def per_segment(x: mx.array, spans: list[tuple[int, int]]) -> list[mx.array]:
-    """The rows of each segment out of the packed rows."""
-    return [x[a:b] for a, b in spans]
-
-
 def repack(parts: list[mx.array], rows: int) -> mx.array:
     """Blocks' rows back into one packed array padded to `rows` (the drafter's, which has no Layout)."""
     x = mx.concatenate(parts) if len(parts) > 1 else parts[0]
