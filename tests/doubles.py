@@ -51,19 +51,20 @@ class HashTarget:
         for seg in segments:
             kv, rec = seg.state.layers
             assert seg.start == kv.length == rec.length, "segment is not at the state's end"
-            n = len(seg.tokens)
-            ids = mx.array(seg.tokens, dtype=mx.float32).reshape(1, n, 1)
+            tokens = list(seg.tokens) if seg.ids is None else seg.ids.tolist()  # a queued round's are an array
+            n = len(tokens)
+            ids = mx.array(tokens, dtype=mx.float32).reshape(1, n, 1)
             kv.write(seg.start, ids, ids)
             history = [int(t) for t in np.array(kv.k[0, : seg.start + n, 0])]
             before = int(rec.state.item())
             sums, c = [], before
-            for i, t in enumerate(seg.tokens):
+            for i, t in enumerate(tokens):
                 c = step_checksum(c, t, seg.start + i)
                 sums.append(c)
 
-            def redo(m: int, before=before, seg=seg) -> tuple[mx.array, mx.array]:
+            def redo(m: int, before=before, seg=seg, tokens=tokens) -> tuple[mx.array, mx.array]:
                 c = before
-                for i, t in enumerate(seg.tokens[:m]):
+                for i, t in enumerate(tokens[:m]):
                     c = step_checksum(c, t, seg.start + i)
                 return mx.zeros((1, 1)), mx.array([c], dtype=mx.int32)
 
@@ -71,7 +72,7 @@ class HashTarget:
             rec.length, rec.window_start, rec.redo = seg.start + n, seg.start, (redo if n > 1 else None)
             rows = [history_logits(history[: seg.start + r + 1], sums[r]) for r in seg.logit_rows]
             logits = mx.array(np.stack(rows)) if rows else None
-            tap_rows = mx.array(seg.tokens, dtype=mx.float32).reshape(n, 1) if seg.want_taps else None
+            tap_rows = mx.array(tokens, dtype=mx.float32).reshape(n, 1) if seg.want_taps else None
             outs.append(SegmentOut(logits, tap_rows))
         return outs
 

@@ -13,6 +13,15 @@ A prompt chunk runs from a multiple of `chunk` to the next one (or the prompt's 
 stream starts fresh or from a prompt-cache boundary, so a prompt row is always computed in the same
 chunk; its segment is marked `prefill` and takes the faster per-chunk attention and recurrence.
 Decode windows must equal single steps, and keep the row-independent path.
+
+A round whose streams all decode plainly (no drafts, no prompt rows) is read back only after the next
+round's forward is queued on its still-unread tokens (`lookahead`), as mlx-lm's `generate_step` queues
+its next step: the host builds round r + 1 while the device runs round r, which is most of a plain
+step's cost on a GPU, where a forward is thousands of small launches. The queued forward is the one
+the next round would build (the same segments, its tokens as an array instead of a list), so it
+changes no bits. A stream that ends on eos or is cancelled meanwhile leaves its queued row unused
+(its state goes with it); one that reaches max_tokens is left out of it; a request that arrives
+meanwhile is admitted one round later.
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ from dflash_bench.engine.drafters.dflash import DFlashDrafter, Proposal
 from dflash_bench.engine.prompt_cache import Entry, PromptCache, last_boundary
 from dflash_bench.engine.request import Event, Handle, Stats
 from dflash_bench.engine.sampling import SamplingParams, choose, seed_from_prompt
-from dflash_bench.engine.targets.base import Segment, Target
+from dflash_bench.engine.targets.base import Segment, SegmentOut, Target
 from dflash_bench.engine.tree import Tree
 
 
@@ -85,6 +94,7 @@ class Lanes:
         chunk: int = CHUNK,
         budget: Budget | None = None,
         tree_nodes: int = 0,
+        lookahead: bool = True,
     ):
         self.target, self.drafter = target, drafter
         self.budget = budget  # the engine's, whenever there is a drafter
@@ -95,6 +105,8 @@ class Lanes:
         self.waiting: deque[Handle] = deque()
         self.streams: list[Stream] = []
         self.rounds = 0
+        self.lookahead = lookahead  # queue plain rounds ahead (the module's docstring); tests turn it off
+        self.ahead: dict[int, tuple[Segment, SegmentOut]] | None = None  # the queued round, by id(stream)
 
     # -- admission ---------------------------------------------------------------------------
     def check(self, prompt_tokens: int, max_tokens: int) -> None:
@@ -148,13 +160,23 @@ class Lanes:
         """Admit, run one target forward over every stream, keep, then one drafter pass."""
         for s in [s for s in self.streams if s.handle.cancelled.is_set()]:
             self.finish(s, "cancelled")
-        self.admit()
+        ahead, self.ahead = self.ahead, None
+        if not self.streams:  # every stream the queued round covered has ended
+            ahead = None
+        if ahead is None:
+            self.admit()
         if not self.streams:
             return
         self.rounds += 1
         started = time.perf_counter()
-        segments = [self.segment(s) for s in self.streams]
-        outs = self.target.forward(segments, self.drafter.taps if self.drafter else ())
+        if ahead is not None:  # queued by the last round for every stream still running
+            segments, outs = map(list, zip(*(ahead[id(s)] for s in self.streams)))
+        else:
+            segments = [self.segment(s) for s in self.streams]
+            outs = self.target.forward(segments, self.drafter.taps if self.drafter else ())
+        if all(s.pending is not None and not s.drafting for s in self.streams):
+            self.plain_round(segments, outs)
+            return
         absorb, proposals, draft_seconds = [], [], 0.0
         for s, seg, out in zip(list(self.streams), segments, outs):
             if s.pending is None:
@@ -194,6 +216,37 @@ class Lanes:
             # path whose rows cost less, so their rounds would skew the price of a decode row
             self.budget.observe([len(seg.tokens) for seg in segments],
                                 time.perf_counter() - started - draft_seconds, len(proposals), draft_seconds)
+
+    def plain_round(self, segments: list[Segment], outs: list[SegmentOut]) -> None:
+        """Every stream takes its keyed choice of its one row, with the next round queued before the
+        choices are read (`look_ahead`) unless a waiting request could take a lane."""
+        picks = [choose(out.logits, mx.array([seg.start + 1], dtype=mx.int32), s.params)
+                 for s, seg, out in zip(self.streams, segments, outs)]
+        for s, seg in zip(self.streams, segments):
+            s.segment_state.keep(seg.start + 1)
+        admitting = self.waiting and len(self.streams) < self.parallel
+        self.ahead = self.look_ahead(picks) if self.lookahead and not admitting else None
+        for s, pick in zip(list(self.streams), picks):
+            token = pick.item()
+            if self.ahead is not None and id(s) in self.ahead:
+                self.ahead[id(s)][0].tokens[0] = token
+            s.stats.count_round(0, 0)
+            s.pending = token
+            self.emit(s, [token], from_round=True)
+        if self.ahead is None:
+            mx.eval([a for s in self.streams for a in self.arrays(s)])
+
+    def look_ahead(self, picks: list[mx.array]) -> dict[int, tuple[Segment, SegmentOut]] | None:
+        """The next plain round's forward over the streams that will still run after this one's tokens
+        (`picks`, unread), queued on the device with them. Its segments' tokens are filled in as read."""
+        going = [(s, p) for s, p in zip(self.streams, picks) if s.emitted + 1 < s.request.max_tokens]
+        if not going:
+            return None
+        segments = [Segment([-1], s.segment_state.length, s.segment_state, [0], ids=p.astype(mx.int32))
+                    for s, p in going]
+        outs = self.target.forward(segments)
+        mx.async_eval(picks, [o.logits for o in outs], [a for s, _ in going for a in s.segment_state.arrays()])
+        return {id(s): (seg, out) for (s, _), seg, out in zip(going, segments, outs)}
 
     def segment(self, s: Stream) -> Segment:
         if s.pending is None:
@@ -292,6 +345,7 @@ class Lanes:
 
     def fail_all(self, error: str) -> None:
         """An engine failure: every stream and waiting request ends with the error."""
+        self.ahead = None
         for s in list(self.streams):
             self.finish(s, "error", error)
         while self.waiting:

@@ -40,6 +40,7 @@ class Segment:
     want_taps: bool = False
     prefill: bool = False  # every row is a prompt row of a chunk that starts at a chunk boundary
     tree: Tree | None = None  # the rows are a draft tree's (tree.py): row r at position start + its depth
+    ids: mx.array | None = None  # the tokens as an array not yet read back (a lookahead round, lanes.py)
     _masks: dict[int, mx.array] = field(default_factory=dict, repr=False)
     _tree_view: TreeView | None = field(default=None, repr=False)
 
@@ -136,9 +137,10 @@ class Target:
         found.setdefault(id(self.lm_head), self.lm_head)
         return list(found.values())
 
-    def embed_rows(self, tokens: list[int]) -> mx.array:
-        """The embedding rows of `tokens`, in the activation dtype."""
-        return self.embed.rows(mx.array(tokens, dtype=mx.int32)).astype(self.dtype)
+    def embed_rows(self, tokens: list[int] | mx.array) -> mx.array:
+        """The embedding rows of `tokens` (a list, or int32 ids still being computed), in the activation dtype."""
+        ids = tokens if isinstance(tokens, mx.array) else mx.array(tokens, dtype=mx.int32)
+        return self.embed.rows(ids).astype(self.dtype)
 
     def forward(self, segments: list[Segment], taps: tuple[int, ...] = ()) -> list[SegmentOut]:
         """Run every segment through the model; caches grow by each segment's rows."""
@@ -147,7 +149,7 @@ class Target:
                 raise ValueError(f"segment starts at {seg.start} but its state holds {seg.state.length} positions")
         layout = Layout.of([len(seg.tokens) for seg in segments], [seg.prefill for seg in segments])
         spans = layout.spans
-        x = layout.pack([self.embed_rows(seg.tokens) for seg in segments])
+        x = layout.pack([self.embed_rows(seg.tokens if seg.ids is None else seg.ids) for seg in segments])
         planes: list[mx.array] = []
         for i in range(self.config.num_layers):
             x = self.layer(i, x, segments, layout)

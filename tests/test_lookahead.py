@@ -1,0 +1,83 @@
+"""Plain rounds queued ahead (lanes.py's lookahead): the same tokens and endings as rounds read one at a
+time, whatever ends a stream meanwhile (max_tokens, eos, a cancel) or joins while a round is queued."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from dflash_bench.engine.engine import Engine, Settings
+from dflash_bench.engine.request import Request
+from dflash_bench.fixtures.small import write_fixture
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3_5"])
+def target(request, tmp_path_factory) -> Path:
+    return write_fixture(request.param, tmp_path_factory.mktemp(request.param) / "target", seed=1)
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(8, 500) for _ in range(rng.randrange(3, 70))] for _ in range(n)]
+
+
+def engine(target: Path, lookahead: bool) -> tuple[Engine, list[int]]:
+    """An engine with the lookahead on or off, and a list that counts the rounds it queued."""
+    e = Engine(target, None, Settings(parallel=3, context=512, chunk=32))
+    e.lanes.lookahead = lookahead
+    queued: list[int] = []
+    look_ahead = e.lanes.look_ahead
+
+    def counted(picks):
+        ahead = look_ahead(picks)
+        queued.append(0 if ahead is None else len(ahead))
+        return ahead
+
+    e.lanes.look_ahead = counted
+    return e, queued
+
+
+def requests() -> list[Request]:
+    return [Request(p, max_tokens=m, temperature=t, seed=i, ignore_eos=True)
+            for i, (p, m, t) in enumerate(zip(prompts(4, seed=5), (12, 21, 9, 16), (0.0, 0.7, 0.0, 0.7)))]
+
+
+def test_queued_rounds_equal_rounds_read_one_at_a_time(target):
+    on, queued = engine(target, True)
+    off, _ = engine(target, False)
+    arrivals = [0, 0, 2, 7]  # the fourth waits for a lane: admitted after a queued round
+    got, want = on.run(requests(), arrivals), off.run(requests(), arrivals)
+    assert [r.tokens for r in got] == [r.tokens for r in want]
+    assert [len(r.tokens) for r in got] == [12, 21, 9, 16]
+    assert sum(n > 0 for n in queued) > 20  # the rounds were queued ahead, not read one at a time
+
+
+def run_with_endings(e: Engine, eos: int) -> list[tuple[list[int], str]]:
+    """Stream 0 may end on `eos`, stream 1 is cancelled mid-decode, a late request joins at round 12."""
+    e.lanes.eos = frozenset({eos})
+    reqs = requests()
+    reqs[0].ignore_eos = False
+    handles = [e.submit(r) for r in reqs[:3]]
+    for round_no in range(200):
+        if round_no == 9:
+            handles[1].cancel()
+        if round_no == 12:
+            handles.append(e.submit(reqs[3]))
+        if round_no > 12 and not e.lanes.busy:
+            break
+        e.step()
+    return [(r.tokens, r.finish) for r in (h.result() for h in handles)]
+
+
+def test_eos_cancel_and_a_late_request_while_a_round_is_queued(target):
+    off, _ = engine(target, False)
+    first = off.generate(requests()[0]).tokens
+    eos = next(t for t in first[4:] if t not in first[:4])  # ends stream 0 after at least four tokens
+    on, queued = engine(target, True)
+    got = run_with_endings(on, eos)
+    assert got == run_with_endings(engine(target, False)[0], eos)
+    assert got[0][1] == "stop" and got[1][1] == "cancelled" and got[2][1] == got[3][1] == "length"
+    assert any(n > 0 for n in queued)
+    assert on.lanes.ahead is None and not on.lanes.streams
