@@ -320,7 +320,7 @@ def test_every_accepted_depth_keeps_drafted_equal_to_plain(fixtures, family: str
     reference = Engine(model=target, settings=Settings(parallel=1, context=512), eos_ids=())
     oracle = OracleTreeDrafter()
     engine = Engine(model=target, draft_model=oracle, eos_ids=(),  # a double: no drafter pass to warm
-                    settings=Settings(parallel=1, context=512, tree_nodes=1, warm=False))
+                    settings=Settings(parallel=1, context=512, tree_nodes=OracleTreeDrafter.block - 1, warm=False))
     kept = np.zeros(OracleTreeDrafter.block, dtype=int)
     for req in requests(3, temperature, max_tokens=48):
         want = plain(reference, req)

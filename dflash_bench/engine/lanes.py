@@ -199,7 +199,8 @@ class Lanes:
                 s.idle = s.idle + 1 if count == 0 and limit > 0 else 0
                 if count > 0 and self.tree_nodes:  # a tree of the budget's rows, as deep as the stream allows
                     nodes = self.tree_nodes if self.budget.kind == "fixed" else count
-                    proposals.append((s, Proposal(s.drafter_state, s.pending, limit, s.params, nodes)))
+                    # n nodes reach at most n deep: the drafter's lm_head then runs no row the tree cannot use
+                    proposals.append((s, Proposal(s.drafter_state, s.pending, min(limit, nodes), s.params, nodes)))
                 elif count > 0:
                     proposals.append((s, Proposal(s.drafter_state, s.pending, count, s.params)))
             drafting_at = time.perf_counter()  # a pass's tokens come back as lists: it is evaluated when it returns

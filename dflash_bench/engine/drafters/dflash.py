@@ -191,8 +191,8 @@ class DFlashDrafter:
     def lattices(self, x: mx.array, logits: mx.array, items: list[Proposal]) -> list[Lattice]:
         """Each stream's tree candidates from its block rows' logits, scored as `drafts` picks."""
         out = []
-        for i, p in enumerate(items):
-            part = logits[i * (self.block - 1) : i * (self.block - 1) + p.count]
+        for first, p in zip(firsts(items), items):
+            part = logits[first : first + p.count]
             positions = draft_positions(p)
             scores = part
             if not p.params.greedy:
@@ -202,14 +202,16 @@ class DFlashDrafter:
         return out
 
     def block_pass(self, items: list[Proposal]) -> tuple[mx.array, mx.array]:
-        """One pass over every stream's block `[last, mask x (B-1)]`: rows 1..B-1 normed, and their logits."""
+        """One pass over every stream's block `[last, mask x (B-1)]`: each stream's rows 1..count normed,
+        and their logits (stream i's from row `firsts(items)[i]`). Only the rows a stream drafts from
+        go through the lm_head, the pass's largest product; its row tiles keep each row's bits."""
         mask = self.config.mask_token_id
         blocks = [[p.last] + [mask] * (self.block - 1) for p in items]
         spans = [(i * self.block, (i + 1) * self.block) for i in range(len(items))]
         h = pad_rows(self.target.embed_rows([t for b in blocks for t in b]))
         for li, layer in enumerate(self.layers):
             h = self.layer(li, layer, h, items, spans)
-        rows = [a + r for a, _ in spans for r in range(1, self.block)]
+        rows = [a + r for (a, _), p in zip(spans, items) for r in range(1, 1 + p.count)]
         x = mx.fast.rms_norm(h[mx.array(rows, dtype=mx.int32)], self.norm, self.eps)
         return x, self.logits(x)
 
@@ -231,8 +233,8 @@ class DFlashDrafter:
     def drafts(self, x: mx.array, logits: mx.array, items: list[Proposal]) -> list[list[int]]:
         """Each stream's drafts from its block rows' logits, keyed like the target's own draws."""
         out = []
-        for i, p in enumerate(items):
-            part = logits[i * (self.block - 1) : i * (self.block - 1) + p.count]
+        for first, p in zip(firsts(items), items):
+            part = logits[first : first + p.count]
             out.append(choose(part, draft_positions(p), p.params).tolist())
         return out
 
@@ -265,6 +267,12 @@ class DFlashDrafter:
         seen = key_mask(query_positions(start, n), first, keys.shape[1] - first, start + n, layer["causal"], layer["window"])
         o = attention(pad_queries(qs), keys[:, first:], values[:, first:], seen, scale=self.scale)[:, :n]
         return o.transpose(1, 0, 2).reshape(n, self.heads * self.head_dim)
+
+
+def firsts(items: list[Proposal]) -> list[int]:
+    """Where each stream's rows start in a block pass's output rows (`block_pass`): after the rows of
+    the streams before it, `count` each."""
+    return [sum(p.count for p in items[:i]) for i in range(len(items))]
 
 
 def draft_positions(p: Proposal) -> mx.array:

@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from dflash_bench.engine.draft_config import DraftConfig
-from dflash_bench.engine.drafters.dflash import DFlashDrafter, Proposal, draft_positions
+from dflash_bench.engine.drafters.dflash import DFlashDrafter, Proposal, draft_positions, firsts
 from dflash_bench.engine.sampling import filtered, gumbel
 from dflash_bench.engine.targets.base import Target
 from dflash_bench.engine.tiles import Weight, linear, pad_rows
@@ -110,8 +110,7 @@ class DFlash2Drafter(DFlashDrafter):
         successors = self.successor[candidates].astype(mx.float32)  # (rows, k, rank)
         predecessor = self.predecessor.astype(mx.float32)
         out = []
-        for i, p in enumerate(items):
-            first = i * (self.block - 1)
+        for first, p in zip(firsts(items), items):
             noise = None
             if not p.params.greedy:
                 full = gumbel(p.params.seed, draft_positions(p), logits.shape[-1])
