@@ -180,11 +180,6 @@ class Layout:
                 pos = blocks[-1][1]
         return cls(tuple(spans), tuple(blocks), decode_rows, pos)
 
-    @property
-    def decoded(self) -> int:
-        """The decode segments' rows, without the padding to whole tiles: [0, decoded)."""
-        return max([b for (a, b) in self.spans if a < self.decode_rows], default=0)
-
     def pack(self, parts: list[mx.array]) -> mx.array:
         """Each segment's rows (in the segments' order) into one array laid out as `spans`, zeros between."""
         return self.place(list(zip((a for a, _ in self.spans), parts)))

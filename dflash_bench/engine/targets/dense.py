@@ -113,10 +113,11 @@ class SelfAttention:
             assert isinstance(cache, AttentionCache)
             cache.write(seg.start, k[:, lo:hi], v[:, lo:hi])
             caches.append(cache)
-        if self.path == "kernel" and not any(seg.tree is not None for seg, _ in decoding):
+        if self.path == "kernel":
+            assert all(seg.tree is None for seg, _ in decoding), "trees never reach the kernel: DenseTarget.tree_refusal"
             launch = [(q[:, lo:hi].transpose(1, 0, 2), c.k, c.v, seg.start) for (seg, (lo, hi)), c in zip(decoding, caches)]
             o = attention_kernel.decode_attention(launch, self.scale).reshape(rows, -1)
-        else:  # never a tree on the kernel path: DenseTarget.tree_refusal
+        else:
             outs = []
             for (seg, (lo, hi)), c in zip(decoding, caches):
                 n, qs = hi - lo, q[:, lo:hi]

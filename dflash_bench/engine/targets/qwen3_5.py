@@ -140,15 +140,15 @@ class GatedDeltaNet:
         span = self.kernel - 1
         caches = [seg.state.layers[layer] for seg, _ in decoding]
         assert all(isinstance(c, LinearCache) for c in caches)
-        rows = decoding[-1][1][1]
-        inputs = mx.concatenate([p for c, (lo, hi) in zip(caches, (sp for _, sp in decoding)) for p in (c.conv, qkv[lo:hi])])
-        starts = [lo + i * span for i, (_, (lo, _)) in enumerate(decoding)]  # each segment's first input row
+        spans = [sp for _, sp in decoding]
+        rows = spans[-1][1]
+        inputs = mx.concatenate([p for c, (lo, hi) in zip(caches, spans) for p in (c.conv, qkv[lo:hi])])
+        starts = [lo + i * span for i, (lo, _) in enumerate(spans)]  # each segment's first input row
         mixed = self.conv(inputs, inputs.shape[0] - span)
         if len(decoding) > 1:
-            mixed = mixed[mx.array([st + r for st, (_, (lo, hi)) in zip(starts, decoding) for r in range(hi - lo)])]
+            mixed = mixed[mx.array([st + r for st, (lo, hi) in zip(starts, spans) for r in range(hi - lo)])]
         q, k, v = self.heads(mixed)
         g, beta = compute_g(self.A_log, a[:rows], self.dt_bias), mx.sigmoid(b[:rows])
-        spans = [sp for _, sp in decoding]
         windows = [(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], c.state) for c, (lo, hi) in zip(caches, spans)]
         results = RECURRENCES[self.recurrence](windows)
         tails = [st + hi - lo for st, (lo, hi) in zip(starts, spans)]  # where each segment's new conv tail starts
