@@ -6,19 +6,21 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_bench.engine.checkpoint import load_target
-from dflash_bench.engine.drafters.dflash import Proposal, load_drafter
+from dflash_bench.engine.drafters.dflash import Proposal
+from dflash_bench.engine.engine import Engine, Settings
 from dflash_bench.engine.sampling import SamplingParams
-from dflash_bench.engine.targets import Segment, build_target
+from dflash_bench.engine.targets import Segment
 from dflash_bench.fixtures.small import write_fixture
 
 
 @pytest.fixture(scope="module", params=["dflash", "dflash2"])
 def drafter(request, tmp_path_factory):
+    """The engine's drafter: the lm_head's row tiles are the ones its self-check proved on this machine."""
     root = tmp_path_factory.mktemp(request.param)
-    loaded = load_target(write_fixture("llama", root / "target", seed=1))
-    target = build_target(loaded.config, loaded.weights)
-    drafter = load_drafter(write_fixture(request.param, root / "drafter", seed=2, target="llama"), target)
+    engine = Engine(write_fixture("llama", root / "target", seed=1),
+                    write_fixture(request.param, root / "drafter", seed=2, target="llama"), Settings(parallel=3, context=512))
+    assert engine.selfcheck.passed, engine.selfcheck.line()
+    target, drafter = engine.target, engine.drafter
     prompt = [(11 * i) % 400 + 8 for i in range(37)]
     taps = target.forward([Segment(prompt, 0, target.new_state(), want_taps=True)], drafter.taps)[0].taps
     states = []
