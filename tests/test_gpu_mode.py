@@ -28,6 +28,7 @@ from dflash_bench.engine.request import Request
 from dflash_bench.engine.targets import Segment
 from dflash_bench.engine.tiles import Weight
 from dflash_bench.fixtures.big import write_big
+from tiny_targets import tiny_target
 
 pytestmark = pytest.mark.gpu  # run on this CPU in CI, and with `pytest -m gpu` on the GPU machine
 
@@ -48,9 +49,36 @@ def prompts(n: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(8, 1000) for _ in range(rng.randrange(20, 50))] for _ in range(n)]
 
 
+def test_the_gpu_mode_stacks_the_projections_that_share_their_input(engine: Engine) -> None:
+    """qwen3_5's in_proj qkv/z/b/a, gated attention's q/k/v and each MLP's gate/up are one weight and
+    one matmul call each in the gpu mode, and the stacked product's columns are each part's product."""
+    target = engine.target
+    linear_attn, attn = target.mixers[0], target.mixers[3]
+    gate_up, _ = target.mlps[0]
+    for stacked in (linear_attn.in_proj, attn.qkv, gate_up):
+        assert len(stacked.weights) == 1 and stacked.weights[0].out_features == sum(stacked.widths)
+    assert len(target.projections()) == len({id(w) for w in target.projections()})
+    x = (mx.random.normal((16, target.config.hidden_size), key=mx.random.key(3))).astype(mx.bfloat16)
+    parts = linear_attn.in_proj(x)
+    assert [p.shape for p in parts] == [(16, w) for w in linear_attn.in_proj.widths]
+    whole = linear_attn.in_proj.weights[0]
+    lo = 0
+    for part, width in zip(parts, linear_attn.in_proj.widths):
+        alone = Weight.packed(whole.w[lo : lo + width], whole.scales[lo : lo + width], whole.biases[lo : lo + width],
+                              whole.group_size, whole.bits)
+        assert mx.allclose(part.astype(mx.float32), alone.tile(x).astype(mx.float32), rtol=2e-2, atol=2e-2).item()
+        lo += width
+
+
+def test_the_cpu_mode_keeps_one_call_a_projection() -> None:
+    target, _ = tiny_target("qwen3_5", "small", layers=4, seed=2)  # float32
+    assert len(target.mixers[0].in_proj.weights) == 4 and len(target.mlps[0][0].weights) == 2
+    assert len(target.mixers[3].qkv.weights) == 3
+
+
 def test_quantized_weights_stay_packed_and_everything_else_is_bf16(engine: Engine, pair: tuple[Path, Path]) -> None:
     target = engine.target
-    projections = [target.embed, target.lm_head, *target.mlps[0], target.mixers[0].qkv, target.mixers[3].q]
+    projections = [target.embed, target.lm_head, *target.projections()]
     assert all(isinstance(w, Weight) and (w.bits, w.group_size) == (4, 64) for w in projections)
     assert all(w.w.dtype == mx.uint32 and w.scales.dtype == mx.bfloat16 for w in projections)
     assert target.lm_head is not target.embed  # untied: both packed

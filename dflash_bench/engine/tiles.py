@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Literal
 
 import mlx.core as mx
@@ -90,6 +91,20 @@ class Weight:
         self.w, self.scales, self.biases = w, scales, biases
         return self
 
+    @classmethod
+    def stacked(cls, parts: list["Weight"]) -> "Weight":
+        """Weights that multiply the same rows as one: their output rows one after another."""
+        first = parts[0]
+        if not first.bits:
+            return Weight(mx.concatenate([p.w for p in parts]))
+        return Weight.packed(mx.concatenate([p.w for p in parts]), mx.concatenate([p.scales for p in parts]),
+                             mx.concatenate([p.biases for p in parts]), first.group_size, first.bits)
+
+    def stacks_with(self, other: "Weight") -> bool:
+        """Whether `other` can share one stacked weight with this one: same input width, packing and dtype."""
+        return (self.in_features == other.in_features and (self.bits, self.group_size, self.kind)
+                == (other.bits, other.group_size, other.kind))
+
     def rows(self, ids: mx.array) -> mx.array:
         """Rows `ids` as a float matrix (an embedding lookup): a packed table dequantizes only those."""
         if not self.bits:
@@ -141,6 +156,26 @@ class Weight:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays())
+
+
+class Stacked:
+    """Projections of the same rows: one stacked weight and one matmul call where `stack` asks for it
+    (the gpu mode, whose decode forward pays per call: docs/gpu-round-profile.md), else one call each.
+
+    A column's product does not depend on the columns beside it, but the row kernel's reduction order
+    is set by the weight's shape (matmul_kernel.geometry), so a stacked weight's bits are its own: the
+    self-check proves the stacked weight, and every row, decode or prompt, goes through it."""
+
+    def __init__(self, parts: list[Weight], stack: bool):
+        self.widths = tuple(p.out_features for p in parts)
+        joined = stack and len(parts) > 1 and all(parts[0].stacks_with(p) for p in parts[1:])
+        self.weights = (Weight.stacked(parts),) if joined else tuple(parts)
+
+    def __call__(self, x: mx.array, layout: Layout | None = None) -> list[mx.array]:
+        """Each part's product of `x`, in the parts' order."""
+        if len(self.weights) == 1 and len(self.widths) > 1:
+            return mx.split(linear(x, self.weights[0], layout), list(accumulate(self.widths[:-1])), axis=-1)
+        return [linear(x, w, layout) for w in self.weights]
 
 
 def row_tile(in_features: int, out_features: int) -> int:

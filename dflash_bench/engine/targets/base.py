@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from dflash_bench.engine.cache import TargetState
+from dflash_bench.engine.fused import swiglu
 from dflash_bench.engine.target_config import TargetConfig
-from dflash_bench.engine.tiles import ROW_TILE, Layout, Weight, key_mask, linear, pad_rows, query_positions
+from dflash_bench.engine.tiles import ROW_TILE, Layout, Stacked, Weight, key_mask, linear, pad_rows, query_positions
 from dflash_bench.engine.tree import Tree
 from dflash_bench.engine.tree_attention import tail_index
 
@@ -98,7 +99,7 @@ class Target:
     """
 
     config: TargetConfig
-    mlps: list[tuple[Weight, Weight, Weight]]  # each layer's gate, up and down projections
+    mlps: list[tuple[Stacked, Weight]]  # each layer's gate and up projections, and its down projection
 
     def __init__(self, config: TargetConfig, weights: dict[str, mx.array | Weight], dtype: mx.Dtype = mx.float32):
         self.config = config
@@ -108,6 +109,13 @@ class Target:
         self.lm_head = self.embed if tied else as_weight(weights["lm_head.weight"])
         self.norm = weights["norm.weight"]
         self.eps = config.rms_norm_eps
+        # the gpu mode (bf16) stacks the projections that share their input (tiles.Stacked)
+        self.stacks = dtype == mx.bfloat16
+
+    def mlp_weights(self, weights: dict, prefix: str) -> tuple[Stacked, Weight]:
+        """An MLP's gate and up projections (stacked where `stacks`) and its down projection."""
+        gate_up = Stacked([as_weight(weights[f"{prefix}.{n}_proj.weight"]) for n in ("gate", "up")], self.stacks)
+        return gate_up, as_weight(weights[f"{prefix}.down_proj.weight"])
 
     def new_state(self) -> TargetState:
         raise NotImplementedError
@@ -132,7 +140,7 @@ class Target:
     def projections(self) -> list[Weight]:
         """Every weight a decode row is multiplied by, each once: what the self-check proves."""
         found: dict[int, Weight] = {}
-        for w in [p for m in self.mixer_layers() for p in m.projections] + [w for mlp in self.mlps for w in mlp]:
+        for w in [p for m in self.mixer_layers() for p in m.projections] + [w for gate_up, down in self.mlps for w in (*gate_up.weights, down)]:
             found.setdefault(id(w), w)
         found.setdefault(id(self.lm_head), self.lm_head)
         return list(found.values())
@@ -175,8 +183,8 @@ class Target:
         h = mx.fast.rms_norm(x[mx.array(rows, dtype=mx.int32)], self.norm, self.eps)
         return linear(pad_rows(h), self.lm_head)[: len(rows)].astype(mx.float32)
 
-    def mlp(self, x: mx.array, layout: Layout, gate: Weight, up: Weight, down: Weight) -> mx.array:
-        return linear(mx.sigmoid(g := linear(x, gate, layout)) * g * linear(x, up, layout), down, layout)
+    def mlp(self, x: mx.array, layout: Layout, gate_up: Stacked, down: Weight) -> mx.array:
+        return linear(swiglu(*gate_up(x, layout)), down, layout)
 
 
 def repack(parts: list[mx.array], rows: int) -> mx.array:

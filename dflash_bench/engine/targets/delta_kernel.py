@@ -162,19 +162,29 @@ def delta_windows(windows: list[Window]) -> list[tuple[mx.array, mx.array]]:
     n >= 1. Every window has the same heads and dtypes. y is (n, Hv, Dv) in q's dtype; the state is
     float32."""
     starts = (0, *accumulate(w[0].shape[0] for w in windows))
-    assert windows and all(a < b for a, b in zip(starts, starts[1:])), f"every window needs a row: {starts}"
     q, k, v, g, beta = (mx.concatenate([w[i] for w in windows]) if len(windows) > 1 else windows[0][i]
                         for i in range(5))
-    states = mx.stack([w[5] for w in windows])
+    y, states = delta_packed(q, k, v, g, beta, [w[5] for w in windows], starts)
+    return [(y[a:b], st) for st, (a, b) in zip(states, zip(starts, starts[1:]))]
+
+
+def delta_packed(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, states: list[mx.array],
+                 starts: tuple[int, ...]) -> tuple[mx.array, list[mx.array]]:
+    """`delta_windows` for windows already packed one after another: window i is rows
+    starts[i] .. starts[i + 1] - 1 of q, k, v, g and beta, from states[i]. Returns every row's y and
+    each window's new state (a forward's decode segments pass their rows as they lie)."""
+    assert states and len(starts) == len(states) + 1 and starts[0] == 0 and starts[-1] == q.shape[0]
+    assert all(a < b for a, b in zip(starts, starts[1:])), f"every window needs a row: {starts}"
     (rows, hk, dk), (hv, dv) = q.shape, v.shape[1:]
     assert fits(hk, hv, dk, dv), f"no launch for {hk}/{hv} heads of {dk}/{dv}"
     lanes = _lanes(dk)
+    stacked = mx.stack(states) if len(states) > 1 else states[0][None]
     y, new_states = _kernel()(
-        inputs=[q, k, v, g, beta, states, _offsets(starts)],
+        inputs=[q, k, v, g, beta, stacked, _offsets(tuple(starts))],
         template=[("Dk", dk), ("Dv", dv), ("Hk", hk), ("Hv", hv), ("LANES", lanes), ("YT", q.dtype)],
-        grid=(dv * lanes, hv, len(windows)),
+        grid=(dv * lanes, hv, len(states)),
         threadgroup=(math.gcd(dv * lanes, 256), 1, 1),
-        output_shapes=[(rows, hv, dv), (len(windows), hv, dv, dk)],
+        output_shapes=[(rows, hv, dv), (len(states), hv, dv, dk)],
         output_dtypes=[q.dtype, mx.float32],
     )
-    return [(y[a:b], new_states[i]) for i, (a, b) in enumerate(zip(starts, starts[1:]))]
+    return y, [new_states[i] for i in range(len(states))]

@@ -13,10 +13,11 @@ from typing import Literal
 import mlx.core as mx
 
 from dflash_bench.engine.cache import AttentionCache, TargetState
+from dflash_bench.engine.fused import sigmoid_gate
 from dflash_bench.engine.target_config import TargetConfig
 from dflash_bench.engine.targets import attention_kernel
 from dflash_bench.engine.targets.base import Segment, Target, as_weight
-from dflash_bench.engine.tiles import AttentionPath, Layout, Weight, attention, linear, pad_queries
+from dflash_bench.engine.tiles import AttentionPath, Layout, Stacked, Weight, attention, linear, pad_queries
 from dflash_bench.engine.tree_attention import tree_attention, tree_keys
 
 # How a layer runs its decode rows: `tiles.attention` per segment (its two paths), or attention_kernel.py's
@@ -37,11 +38,10 @@ class SelfAttention:
     `gated` is qwen3_5's variant: q_proj yields queries and a sigmoid gate on the output.
     """
 
-    def __init__(self, config: TargetConfig, weights: dict, prefix: str, gated: bool = False):
+    def __init__(self, config: TargetConfig, weights: dict, prefix: str, gated: bool = False, stack: bool = False):
         self.heads, self.kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        self.q = as_weight(weights[f"{prefix}.q_proj.weight"])
-        self.k = as_weight(weights[f"{prefix}.k_proj.weight"])
-        self.v = as_weight(weights[f"{prefix}.v_proj.weight"])
+        # q, k, v: one stacked weight where `stack` (the gpu mode: tiles.Stacked)
+        self.qkv = Stacked([as_weight(weights[f"{prefix}.{n}_proj.weight"]) for n in "qkv"], stack)
         self.o = as_weight(weights[f"{prefix}.o_proj.weight"])
         self.q_norm = weights.get(f"{prefix}.q_norm.weight") if config.qk_norm else None
         self.k_norm = weights.get(f"{prefix}.k_norm.weight") if config.qk_norm else None
@@ -58,12 +58,12 @@ class SelfAttention:
 
     @property
     def projections(self) -> tuple[Weight, ...]:
-        return self.q, self.k, self.v, self.o
+        return (*self.qkv.weights, self.o)
 
     def __call__(self, x: mx.array, segments: list[Segment], layout: Layout, layer: int) -> mx.array:
         """Each segment's rows over its own stream's cache. A prompt chunk takes MLX's SDPA alone; the
         decode segments share their norms, RoPE and gate (`decode`)."""
-        q, k, v = linear(x, self.q, layout), linear(x, self.k, layout), linear(x, self.v, layout)
+        q, k, v = self.qkv(x, layout)
         decoding = [(seg, span) for seg, span in zip(segments, layout.spans) if not seg.prefill]
         decoded = self.decode(q, k, v, decoding, layer) if decoding else None
         prompts = [self.prompt_chunk(q[lo:hi], k[lo:hi], v[lo:hi], seg, layer)
@@ -85,7 +85,7 @@ class SelfAttention:
 
     def gate(self, o: mx.array, gate: mx.array | None) -> mx.array:
         """(n, Hq * D) attention rows, times the sigmoid output gate where the layer has one."""
-        return o if gate is None else o * mx.sigmoid(gate.reshape(o.shape[0], -1))
+        return o if gate is None else sigmoid_gate(o, gate.reshape(o.shape[0], -1))
 
     def prompt_chunk(self, q: mx.array, k: mx.array, v: mx.array, seg: Segment, layer: int) -> mx.array:
         n = len(seg.tokens)
@@ -187,8 +187,8 @@ class DenseTarget(Target):
         self.attn, self.mlps, self.norms = [], [], []
         for i in range(config.num_layers):
             p = f"layers.{i}"
-            self.attn.append(SelfAttention(config, weights, f"{p}.self_attn"))
-            self.mlps.append(tuple(as_weight(weights[f"{p}.mlp.{n}_proj.weight"]) for n in ("gate", "up", "down")))
+            self.attn.append(SelfAttention(config, weights, f"{p}.self_attn", stack=self.stacks))
+            self.mlps.append(self.mlp_weights(weights, f"{p}.mlp"))
             self.norms.append((weights[f"{p}.input_layernorm.weight"], weights[f"{p}.post_attention_layernorm.weight"]))
 
     def new_state(self) -> TargetState:

@@ -35,16 +35,13 @@ import mlx.core as mx
 from mlx_lm.models.gated_delta import compute_g, gated_delta_ops, normalize_qk
 
 from dflash_bench.engine.cache import AttentionCache, LinearCache, TargetState
+from dflash_bench.engine.fused import conv_silu, gated
 from dflash_bench.engine.target_config import TargetConfig
 from dflash_bench.engine.targets import delta_kernel
 from dflash_bench.engine.targets.base import Segment, Target, as_weight
 from dflash_bench.engine.targets.chunked_delta import chunked_gated_delta, log_gate
 from dflash_bench.engine.targets.dense import SelfAttention
-from dflash_bench.engine.tiles import Layout, Weight, linear
-
-
-def silu(x: mx.array) -> mx.array:
-    return x * mx.sigmoid(x)
+from dflash_bench.engine.tiles import Layout, Stacked, Weight, linear
 
 
 def per_window_ops(windows: list[delta_kernel.Window]) -> list[tuple[mx.array, mx.array]]:
@@ -85,12 +82,15 @@ class GatedDeltaNet:
         self.key_dim = self.hk * self.dk
         self.conv_dim = lin.conv_dim
         self.dtype = dtype
-        self.qkv = as_weight(weights[f"{prefix}.in_proj_qkv.weight"])
-        self.z = as_weight(weights[f"{prefix}.in_proj_z.weight"])
-        self.b = as_weight(weights[f"{prefix}.in_proj_b.weight"])
-        self.a = as_weight(weights[f"{prefix}.in_proj_a.weight"])
+        # qkv, z, b, a: one stacked weight in the gpu mode (tiles.Stacked)
+        self.in_proj = Stacked([as_weight(weights[f"{prefix}.in_proj_{n}.weight"]) for n in ("qkv", "z", "b", "a")],
+                               stack=dtype == mx.bfloat16)
         self.out = as_weight(weights[f"{prefix}.out_proj.weight"])
-        self.conv_w = weights[f"{prefix}.conv1d.weight"][:, :, 0].T  # (kernel, conv_dim): tap j of every channel
+        # tap j of every channel, each its own float32 row (the conv's inputs are float32), so a forward
+        # neither gathers a row of the transposed weight nor casts it, once a tap a layer
+        conv_w = weights[f"{prefix}.conv1d.weight"][:, :, 0].T.astype(mx.float32)
+        self.taps = [mx.contiguous(conv_w[j]) for j in range(self.kernel)]
+        mx.eval(self.taps)
         self.dt_bias = weights[f"{prefix}.dt_bias"]
         self.A_log = weights[f"{prefix}.A_log"]
         self.norm = weights[f"{prefix}.norm.weight"]
@@ -100,7 +100,7 @@ class GatedDeltaNet:
 
     @property
     def projections(self) -> tuple[Weight, ...]:
-        return self.qkv, self.z, self.b, self.a, self.out
+        return (*self.in_proj.weights, self.out)
 
     def new_cache(self) -> LinearCache:
         return LinearCache(
@@ -109,8 +109,7 @@ class GatedDeltaNet:
         )
 
     def __call__(self, x: mx.array, segments: list[Segment], layout: Layout, layer: int) -> mx.array:
-        qkv, z = linear(x, self.qkv, layout), linear(x, self.z, layout)
-        b, a = linear(x, self.b, layout), linear(x, self.a, layout)
+        qkv, z, b, a = self.in_proj(x, layout)
         decoding = [(seg, span) for seg, span in zip(segments, layout.spans) if not seg.prefill]
         decoded = self.decode(qkv, z, b, a, decoding, layer) if decoding else None
         prompts = [self.prompt_chunk(qkv[lo:hi], z[lo:hi], b[lo:hi], a[lo:hi], seg, layer)
@@ -145,32 +144,33 @@ class GatedDeltaNet:
         inputs = mx.concatenate([p for c, (lo, hi) in zip(caches, spans) for p in (c.conv, qkv[lo:hi])])
         starts = [lo + i * span for i, (lo, _) in enumerate(spans)]  # each segment's first input row
         mixed = self.conv(inputs, inputs.shape[0] - span)
-        if len(decoding) > 1:
-            mixed = mixed[mx.array([st + r for st, (lo, hi) in zip(starts, spans) for r in range(hi - lo)])]
+        if len(decoding) > 1:  # slices, not a row gather (26 us a layer on an H200: docs/profiles/ncu-forward-h200.txt)
+            mixed = mx.concatenate([mixed[st : st + hi - lo] for st, (lo, hi) in zip(starts, spans)])
         q, k, v = self.heads(mixed)
         g, beta = compute_g(self.A_log, a[:rows], self.dt_bias), mx.sigmoid(b[:rows])
-        windows = [(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], c.state) for c, (lo, hi) in zip(caches, spans)]
-        results = RECURRENCES[self.recurrence](windows)
-        tails = [st + hi - lo for st, (lo, hi) in zip(starts, spans)]  # where each segment's new conv tail starts
-        if len(decoding) > 1:
-            kept = inputs[mx.array([t + j for t in tails for j in range(span)])]  # one small copy; views of it below
-            new_convs = [kept[i * span : (i + 1) * span] for i in range(len(decoding))]
-        else:
-            new_convs = [mx.contiguous(inputs[tails[0] :])]
-        for (seg, (lo, hi)), c, st, conv, (_, state) in zip(decoding, caches, starts, new_convs, results):
+        y, states = self.recur(q, k, v, g, beta, [c.state for c in caches], spans)
+        for (seg, (lo, hi)), c, st, state in zip(decoding, caches, starts, states):
             n = hi - lo
             c.redo = self.redo_fn(c.conv, c.state, inputs[st : st + span + n], a[lo:hi], b[lo:hi]) if n > 1 else None
-            c.conv, c.state = conv, state
+            c.conv, c.state = mx.contiguous(inputs[st + n : st + n + span]), state
             c.window_start, c.length = seg.start, seg.start + n
-        y = mx.concatenate([y for y, _ in results]) if len(results) > 1 else results[0][0]
         return self.gated_norm(y, z[:rows].reshape(rows, self.hv, self.dv)).reshape(rows, -1)
+
+    def recur(self, q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, states: list[mx.array],
+              spans: list[tuple[int, int]]) -> tuple[mx.array, list[mx.array]]:
+        """The recurrence over every decode segment's rows (`spans` of the packed q .. beta) from its
+        stream's state: all rows' y, and each segment's new state. The kernel takes the packed rows as
+        they are; mlx-lm's ops take one window at a time."""
+        if self.recurrence == "delta_kernel":
+            return delta_kernel.delta_packed(q, k, v, g, beta, states, (0, *(hi for _, hi in spans)))
+        windows = [(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], st) for st, (lo, hi) in zip(states, spans)]
+        results = RECURRENCES[self.recurrence](windows)
+        y = mx.concatenate([y for y, _ in results]) if len(results) > 1 else results[0][0]
+        return y, [st for _, st in results]
 
     def conv(self, inputs: mx.array, n: int) -> mx.array:
         """The causal conv's rows 0..n-1 (row t sees inputs t .. t + kernel - 1, summed in tap order), then silu."""
-        acc = self.conv_w[0] * inputs[0:n]
-        for j in range(1, self.kernel):
-            acc = acc + self.conv_w[j] * inputs[j : j + n]
-        return silu(acc)
+        return conv_silu(*self.taps, *(inputs[j : j + n] for j in range(self.kernel)))
 
     def heads(self, mixed: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """The conv's rows split into normalized q and k heads and v heads."""
@@ -207,7 +207,7 @@ class GatedDeltaNet:
     def gated_norm(self, y: mx.array, z: mx.array) -> mx.array:
         """RMSNorm of each value head, times silu of the z gate (mlx-lm's precise_swiglu order), in
         the activation dtype (the recurrence's float32 output is cast first)."""
-        return silu(z) * mx.fast.rms_norm(y.astype(self.dtype), self.norm, self.eps)
+        return gated(z, mx.fast.rms_norm(y.astype(self.dtype), self.norm, self.eps))
 
 
 class HybridTarget(Target):
@@ -222,8 +222,8 @@ class HybridTarget(Target):
             if kind == "linear_attention":
                 self.mixers.append(GatedDeltaNet(config, weights, f"{p}.linear_attn", dtype))
             else:
-                self.mixers.append(SelfAttention(config, weights, f"{p}.self_attn", gated=True))
-            self.mlps.append(tuple(as_weight(weights[f"{p}.mlp.{n}_proj.weight"]) for n in ("gate", "up", "down")))
+                self.mixers.append(SelfAttention(config, weights, f"{p}.self_attn", gated=True, stack=self.stacks))
+            self.mlps.append(self.mlp_weights(weights, f"{p}.mlp"))
             self.norms.append((weights[f"{p}.input_layernorm.weight"], weights[f"{p}.post_attention_layernorm.weight"]))
 
     def new_state(self) -> TargetState:
