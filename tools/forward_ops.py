@@ -1,0 +1,125 @@
+"""How many operations one decode forward asks MLX for, and how long Python takes to build them.
+
+usage: python3 tools/forward_ops.py [--streams 1,4]
+
+On a GPU a decode forward pays per launch (docs/gpu-round-profile.md), so the number of operations
+that are not views, and the Python time to build them, are what a change to the forward should cut.
+This counts them on any machine: the 9B-shaped `tiny` preset (fixture qwen3_5-9b-4bit's layer pattern,
+8 layers) in the gpu mode, each of our three CUDA kernels stood in for by one node (the self-check
+runs first on reference arithmetic for them), and the fused chains compiled as they are on a GPU
+(engine/fused.py). Run it at two revisions (PYTHONPATH=a checkout) to compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import dflash_bench  # noqa: F401  (loads the BLAS before mlx.core)
+import mlx.core as mx
+
+from dflash_bench.engine import matmul_kernel, tiles
+from dflash_bench.engine.cache import tiles_for
+from dflash_bench.engine.engine import Engine, Settings
+from dflash_bench.engine.targets import attention_kernel, base, delta_kernel, dense, qwen3_5
+from dflash_bench.engine.targets.base import Segment
+from dflash_bench.engine.tiles import attention, key_mask, pad_queries, query_positions
+from dflash_bench.fixtures.big import write_big
+
+VIEWS = {"Broadcast", "Reshape", "Slice", "Squeeze", "ExpandDims", "Transpose", "Split", "AsStrided"}
+
+
+def reference_attention(segments, scale):
+    outs = []
+    for q, k, v, start in segments:
+        n, kr = q.shape[0], tiles_for(start + q.shape[0])
+        seen = key_mask(query_positions(start, n), 0, kr, start + n)
+        outs.append(attention(pad_queries(q.transpose(1, 0, 2)), k[:, :kr], v[:, :kr], seen, scale=scale)[:, :n]
+                    .transpose(1, 0, 2))
+    return mx.concatenate(outs).astype(segments[0][0].dtype)
+
+
+def reference_packed(q, k, v, g, beta, states, starts):
+    res = qwen3_5.per_window_ops([(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], s)
+                                  for s, a, b in zip(states, starts, starts[1:])])
+    return mx.concatenate([y for y, _ in res]), [s for _, s in res]
+
+
+class Launch:
+    """Stands in for `mx.fast.cuda_kernel`'s row matmul: the reference product, or one node."""
+
+    def __init__(self, one_node: bool):
+        self.one_node, self.zeros = one_node, {}
+
+    def __call__(self, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+        x, w, scales, biases, _ = inputs
+        t = dict(template)
+        if self.one_node:
+            key = (t["K"], t["N"])
+            if key not in self.zeros:
+                self.zeros[key] = mx.zeros(key, dtype=mx.bfloat16)
+            return [x @ self.zeros[key]]
+        y = x @ w.T if t["BITS"] == 16 else mx.quantized_matmul(x, w, scales, biases, transpose=True,
+                                                                group_size=t["G"], bits=t["BITS"])
+        return [y.astype(mx.bfloat16)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--streams", default="1,4")
+    args = parser.parse_args()
+    dense.kernel_runs_here = lambda heads, device, cuda: attention_kernel.fits(*heads)
+    qwen3_5.decode_recurrence = lambda heads, device, cuda: "delta_kernel" if delta_kernel.fits(*heads) else "gated_delta_ops"
+    tiles.available = lambda dtype: dtype == mx.bfloat16
+    matmul_kernel._kernel = lambda: Launch(one_node=False)
+    attention_kernel.decode_attention = reference_attention
+    qwen3_5.RECURRENCES["delta_kernel"] = qwen3_5.per_window_ops
+    if hasattr(delta_kernel, "delta_packed"):
+        delta_kernel.delta_packed = reference_packed
+    root = Path(tempfile.mkdtemp())
+    target = Engine(write_big("qwen3_5-9b-4bit", root / "target", "tiny"), None,
+                    Settings(parallel=4, context=256, chunk=32, backend="gpu")).target
+    stand_in = Launch(one_node=True)
+    matmul_kernel._kernel = lambda: stand_in
+    attention_kernel.decode_attention = lambda segs, scale: mx.abs(mx.concatenate([s[0] for s in segs]))
+    if hasattr(delta_kernel, "delta_packed"):
+        delta_kernel.delta_packed = lambda q, k, v, g, beta, states, starts: (mx.abs(v).astype(mx.float32),
+                                                                              [mx.abs(s) for s in states])
+    qwen3_5.RECURRENCES["delta_kernel"] = lambda ws: [(mx.abs(w[2]).astype(mx.float32), mx.abs(w[5])) for w in ws]
+    try:  # the chains engine/fused.py compiles on a GPU
+        from dflash_bench.engine import fused
+
+        base.swiglu, qwen3_5.conv_silu = mx.compile(fused._swiglu), mx.compile(fused._conv)
+        qwen3_5.gated, dense.sigmoid_gate = mx.compile(fused._gated), mx.compile(fused._sigmoid_gate)
+    except ImportError:
+        pass
+    for streams in (int(s) for s in args.streams.split(",")):
+        states = [target.new_state() for _ in range(streams)]
+        for st in states:
+            out = target.forward([Segment(list(range(10, 42)), 0, st, [31], prefill=True)])
+            mx.eval(out[0].logits, st.arrays())
+            st.keep(32)
+        times = []
+        for rep in range(40):
+            t0 = time.perf_counter()
+            outs = target.forward([Segment([5], st.length, st, [0]) for st in states])
+            times.append(time.perf_counter() - t0)
+            mx.eval([o.logits for o in outs], [st.arrays() for st in states])
+        dot = root / "forward.dot"
+        outs = target.forward([Segment([5], st.length, st, [0]) for st in states])
+        mx.export_to_dot(str(dot), *[o.logits for o in outs], *[a for st in states for a in st.arrays()])
+        labels = [label.split()[0] for label in re.findall(r'label ="([^"]+)"', dot.read_text())]
+        counts = collections.Counter(labels)
+        ops = sum(n for name, n in counts.items() if name not in VIEWS)
+        print(f"{streams} stream(s), {target.config.num_layers} layers: {ops} operations that are not views "
+              f"({len(labels)} nodes; {counts.get('Matmul', 0)} products), graph build "
+              f"{1e3 * statistics.median(times[5:]):.2f} ms (median of {len(times) - 5})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
