@@ -1,12 +1,15 @@
-"""A drafter pass sends only the rows each stream drafts from through the lm_head (drafters/dflash.py's
-`block_pass`), and those rows keep their bits: short proposals draft what a full block's first rows draft,
-alone or beside other streams, for DFlash v1 and DFlash2, greedy and sampled."""
+"""A drafter pass runs only what each stream drafts (drafters/dflash.py's `block_pass`): its lm_head
+takes only the rows drafted from, and a DFlash v1 block only its anchor and draft rows (`block_rows`);
+and a stream's drafts keep their bits whatever shares the pass, greedy and sampled. DFlash2 runs whole
+blocks, so its short proposals draft a full block's first rows; so does v1 where no layer is
+bidirectional inside the block (a short block then loses nothing a draft row could see)."""
 
 from __future__ import annotations
 
 import pytest
 
 from dflash_bench.engine.drafters.dflash import Proposal
+from dflash_bench.engine.drafters.dflash2 import DFlash2Drafter
 from dflash_bench.engine.engine import Engine, Settings
 from dflash_bench.engine.sampling import SamplingParams
 from dflash_bench.engine.targets import Segment
@@ -46,6 +49,21 @@ def test_short_proposals_draft_a_full_blocks_first_rows_and_run_only_their_rows(
         return logits(x)
 
     monkeypatch.setattr(drafter, "logits", counted)
-    short = drafter.propose([Proposal(st, 9 + i, n, p) for i, (st, n, p) in enumerate(zip(states, counts, params))])
-    assert short == [w[:n] for w, n in zip(whole, counts)]
+    embedded: list[int] = []
+    embed_rows = drafter.target.embed_rows
+    monkeypatch.setattr(drafter.target, "embed_rows", lambda tokens: embedded.append(len(tokens)) or embed_rows(tokens))
+    proposals = [Proposal(st, 9 + i, n, p) for i, (st, n, p) in enumerate(zip(states, counts, params))]
+    short = drafter.propose(proposals)
     assert rows == [sum(counts)]  # not 3 x full
+    assert embedded == [sum(drafter.block_rows(p) for p in proposals)]
+    assert short == [drafter.propose([p])[0] for p in proposals]  # beside other streams == alone
+    assert short[1] == whole[1]  # a full proposal runs the whole block
+    if isinstance(drafter, DFlash2Drafter):
+        assert embedded[0] == 3 * drafter.block
+    else:
+        assert embedded[0] == sum(n + 1 for n in counts)
+        for layer in drafter.layers:  # causal in every layer: rows past a draft cannot reach it
+            monkeypatch.setitem(layer, "causal", True)
+        whole = [drafter.propose([Proposal(st, 9 + i, full, p)])[0] for i, (st, p) in enumerate(zip(states, params))]
+        short = drafter.propose(proposals)
+    assert short == [w[:n] for w, n in zip(whole, counts)]

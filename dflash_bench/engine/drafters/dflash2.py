@@ -57,6 +57,10 @@ class DFlash2Drafter(DFlashDrafter):
                 out += [base, *projection.arrays()]
         return out + [*self.hidden_projection.arrays(), self.predecessor, self.successor]
 
+    def block_rows(self, p: Proposal) -> int:
+        """Every block whole: each layer is bidirectional in the block and its convs run per block."""
+        return self.block
+
     # -- the body: each sublayer between its two convs ------------------------------------------
     def layer(self, li: int, layer: dict, h: mx.array, items: list[Proposal], spans: list[tuple[int, int]]) -> mx.array:
         base, projection = self.convs[li]["attention_conv"]
