@@ -48,7 +48,6 @@ def _on_gpu(plain: Callable[..., mx.array]) -> Callable[..., mx.array]:
     def run(*args: mx.array) -> mx.array:
         return (compiled if mx.default_device().type == mx.DeviceType.gpu else plain)(*args)
 
-    run.__doc__ = plain.__doc__
     return run
 
 

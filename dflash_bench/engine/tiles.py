@@ -102,8 +102,7 @@ class Weight:
 
     def stacks_with(self, other: "Weight") -> bool:
         """Whether `other` can share one stacked weight with this one: same input width, packing and dtype."""
-        return (self.in_features == other.in_features and (self.bits, self.group_size, self.kind)
-                == (other.bits, other.group_size, other.kind))
+        return self.in_features == other.in_features and self.kind == other.kind
 
     def rows(self, ids: mx.array) -> mx.array:
         """Rows `ids` as a float matrix (an embedding lookup): a packed table dequantizes only those."""

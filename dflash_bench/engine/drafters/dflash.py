@@ -213,7 +213,7 @@ class DFlashDrafter:
         return p.count + 1
 
     def block_pass(self, items: list[Proposal]) -> tuple[mx.array, mx.array]:
-        """One pass over every stream's block `[last, mask x (B-1)]`: each stream's rows 1..count normed,
+        """One pass over every stream's block `[last, mask x (block_rows - 1)]`: each stream's rows 1..count normed,
         and their logits (stream i's from row `firsts(items)[i]`). Only the rows a stream drafts from
         go through the lm_head, the pass's largest product; its row tiles keep each row's bits."""
         mask = self.config.mask_token_id

@@ -140,7 +140,8 @@ class Target:
     def projections(self) -> list[Weight]:
         """Every weight a decode row is multiplied by, each once: what the self-check proves."""
         found: dict[int, Weight] = {}
-        for w in [p for m in self.mixer_layers() for p in m.projections] + [w for gate_up, down in self.mlps for w in (*gate_up.weights, down)]:
+        mlps = [w for gate_up, down in self.mlps for w in (*gate_up.weights, down)]
+        for w in [p for m in self.mixer_layers() for p in m.projections] + mlps:
             found.setdefault(id(w), w)
         found.setdefault(id(self.lm_head), self.lm_head)
         return list(found.values())

@@ -74,7 +74,8 @@ class GatedDeltaNet:
     """One linear-attention layer: packed projections, the conv per segment, then the recurrence (a
     prompt chunk's alone, the decode segments' together: `recurrence`)."""
 
-    def __init__(self, config: TargetConfig, weights: dict, prefix: str, dtype: mx.Dtype = mx.float32):
+    def __init__(self, config: TargetConfig, weights: dict, prefix: str, dtype: mx.Dtype = mx.float32,
+                 stack: bool = False):
         lin = config.linear
         assert lin is not None
         self.hk, self.hv, self.dk, self.dv = lin.num_key_heads, lin.num_value_heads, lin.key_head_dim, lin.value_head_dim
@@ -82,9 +83,8 @@ class GatedDeltaNet:
         self.key_dim = self.hk * self.dk
         self.conv_dim = lin.conv_dim
         self.dtype = dtype
-        # qkv, z, b, a: one stacked weight in the gpu mode (tiles.Stacked)
-        self.in_proj = Stacked([as_weight(weights[f"{prefix}.in_proj_{n}.weight"]) for n in ("qkv", "z", "b", "a")],
-                               stack=dtype == mx.bfloat16)
+        # qkv, z, b, a: one stacked weight where `stack` (the gpu mode: tiles.Stacked)
+        self.in_proj = Stacked([as_weight(weights[f"{prefix}.in_proj_{n}.weight"]) for n in ("qkv", "z", "b", "a")], stack)
         self.out = as_weight(weights[f"{prefix}.out_proj.weight"])
         # tap j of every channel, each its own float32 row (the conv's inputs are float32), so a forward
         # neither gathers a row of the transposed weight nor casts it, once a tap a layer
@@ -220,7 +220,7 @@ class HybridTarget(Target):
         for i, kind in enumerate(config.layer_types):
             p = f"layers.{i}"
             if kind == "linear_attention":
-                self.mixers.append(GatedDeltaNet(config, weights, f"{p}.linear_attn", dtype))
+                self.mixers.append(GatedDeltaNet(config, weights, f"{p}.linear_attn", dtype, self.stacks))
             else:
                 self.mixers.append(SelfAttention(config, weights, f"{p}.self_attn", gated=True, stack=self.stacks))
             self.mlps.append(self.mlp_weights(weights, f"{p}.mlp"))
