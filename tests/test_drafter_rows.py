@@ -55,7 +55,7 @@ def test_short_proposals_draft_a_full_blocks_first_rows_and_run_only_their_rows(
     proposals = [Proposal(st, 9 + i, n, p) for i, (st, n, p) in enumerate(zip(states, counts, params))]
     short = drafter.propose(proposals)
     assert rows == [sum(counts)]  # not 3 x full
-    assert embedded == [sum(drafter.block_rows(p) for p in proposals)]
+    assert embedded == [sum(drafter.block_rows(p.count) for p in proposals)]
     assert short == [drafter.propose([p])[0] for p in proposals]  # beside other streams == alone
     assert short[1] == whole[1]  # a full proposal runs the whole block
     if isinstance(drafter, DFlash2Drafter):

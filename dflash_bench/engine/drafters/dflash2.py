@@ -57,7 +57,7 @@ class DFlash2Drafter(DFlashDrafter):
                 out += [base, *projection.arrays()]
         return out + [*self.hidden_projection.arrays(), self.predecessor, self.successor]
 
-    def block_rows(self, p: Proposal) -> int:
+    def block_rows(self, count: int) -> int:
         """Every block whole: each layer is bidirectional in the block and its convs run per block."""
         return self.block
 
