@@ -109,6 +109,9 @@ class OracleDrafter:
         self.proposed_k: list[int] = []
         self._turn = 0
 
+    def block_rows(self, count: int) -> int:
+        return count + 1
+
     def new_state(self) -> OracleState:
         return OracleState()
 

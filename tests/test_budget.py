@@ -9,15 +9,18 @@ import random
 import numpy as np
 import pytest
 
-from dflash_bench.engine.budget import PROBE_DRAFTS, PROBE_EVERY, Acceptance, Budget, CostFit, CostModel, measure_cost
+from dflash_bench.engine.budget import (PROBE_DRAFTS, PROBE_EVERY, Acceptance, Budget, CostFit, CostModel, forward_features,
+                                        measure_cost, nonnegative)
 from dflash_bench.engine.engine import Engine, Settings
 from dflash_bench.engine.request import Request
 from dflash_bench.fixtures.small import write_fixture
 
 BLOCK = 16
-# a CPU-like model: a row costs a tenth of a forward's fixed part, a drafter pass about half a forward
-CPU_LIKE = CostFit.around(CostModel(base=0.010, per_segment=0.002, per_row=0.001, draft_base=0.005,
-                                     draft_per_stream=0.001))
+# a CPU-like model, as the default model's timings on a 2-core CPU (docs/verify-budget.md): a 16-row tile
+# of projections a quarter of a plain step, an 8-query tile of attention a twentieth, a drafter pass at
+# one stream about a quarter of a step
+CPU_LIKE = CostFit.around(CostModel(base=0.160, per_row_tile=0.060, per_query_tile=0.010, per_tree_row=0.004,
+                                     draft_base=0.040, draft_per_stream=0.010, draft_per_row_tile=0.015))
 
 
 def seen(rate: float, rounds: int = 40) -> Acceptance:
@@ -49,10 +52,50 @@ def test_auto_drafts_long_where_drafts_are_kept_and_not_at_all_where_they_never_
 
 
 def test_auto_shortens_windows_when_rows_cost_more() -> None:
-    """With a row at 0.4 of a forward's fixed part (not 0.1), a middling stream verifies fewer drafts."""
-    cheap = Budget("auto", BLOCK, CPU_LIKE).counts([15], [seen(0.7)], [0], [])[0]
-    dear = Budget("auto", BLOCK, CostFit.around(CostModel(0.010, 0.002, 0.004, 0.005, 0.001))).counts([15], [seen(0.7)], [0], [])[0]
-    assert 0 < dear < cheap, (dear, cheap)
+    """With a second query tile of attention at a tenth of a step's fixed part (not a sixteenth of
+    it), a stream that keeps most drafts stops at the first query tile's 8 rows."""
+    cheap = Budget("auto", BLOCK, CPU_LIKE).counts([15], [seen(0.8)], [0], [])[0]
+    dear = Budget("auto", BLOCK, CostFit.around(CostModel(0.160, 0.060, 0.100, 0.004, 0.040, 0.010, 0.015))).counts(
+        [15], [seen(0.8)], [0], [])[0]
+    assert 0 < dear <= 7 < cheap, (dear, cheap)
+
+
+def test_a_window_inside_one_row_tile_is_priced_as_the_tile() -> None:
+    """A forward's projections run in 16-row tiles over all decode rows (tiles.Layout): one stream's
+    16-row window pays a plain step's projections and one more query tile, so a stream whose drafts
+    are mostly kept verifies a whole block; eight such streams' windows take eight tiles, and the
+    budget drafts less there."""
+    cost = CPU_LIKE.model()
+    assert cost.forward([16]) - cost.forward([1]) == pytest.approx(cost.per_query_tile)
+    assert cost.forward([16] * 8) - cost.forward([1] * 8) == pytest.approx(7 * cost.per_row_tile + 8 * cost.per_query_tile)
+    assert forward_features([16, 1]).tolist() == [1.0, 2.0, 3.0, 0.0]
+    budget = Budget("auto", BLOCK, CPU_LIKE)
+    assert budget.counts([15], [seen(0.8)], [0], []) == [15]
+    assert sum(budget.counts([15] * 8, [seen(0.8)] * 8, [0] * 8, [])) < 8 * 15
+
+
+def test_branching_trees_are_priced_by_their_rows() -> None:
+    """A tree's rows attend over their own key views (tree_attention.py), a cost a chain window does
+    not pay: with trees on and tree rows dear, eight streams draft single drafts (a one-node tree is a
+    chain) where the same streams with trees off draft several."""
+    dear_trees = CostFit.around(CostModel(0.160, 0.060, 0.010, 0.030, 0.040, 0.010, 0.015))
+    with_trees = Budget("auto", BLOCK, dear_trees, trees=True).counts([15] * 8, [seen(0.8)] * 8, [0] * 8, [])
+    chains = Budget("auto", BLOCK, dear_trees).counts([15] * 8, [seen(0.8)] * 8, [0] * 8, [])
+    assert max(with_trees) <= 1 < min(chains), (with_trees, chains)
+
+
+def test_the_fit_keeps_every_part_at_zero_or_more_by_refitting_the_others() -> None:
+    """Observations that pull one part below zero: the others are refitted with it at zero, which fits
+    better than the full solution with the negative part clipped."""
+    rows = np.array([[1.0, 1.0, 0.0], [1.0, 2.0, 1.0], [1.0, 3.0, 1.0], [1.0, 4.0, 3.0]])
+    seconds = np.array([1.0, 2.0, 3.2, 3.9])
+    a, b = rows.T @ rows, rows.T @ seconds
+    full = np.linalg.solve(a, b)
+    assert (full < 0).any()
+    got = np.array(nonnegative(a, b))
+    clipped = np.maximum(full, 0)
+    assert (got >= 0).all()
+    assert np.sum((rows @ got - seconds) ** 2) < np.sum((rows @ clipped - seconds) ** 2)
 
 
 def test_acceptance_counts_reached_and_kept_depths() -> None:
@@ -77,49 +120,57 @@ def pair(tmp_path_factory):
 def test_cost_model_is_timed_at_load_and_named_in_the_startup_line(pair) -> None:
     engine = Engine(*pair, Settings(parallel=2, context=512, verify_budget="auto"))
     cost = engine.budget.cost
-    assert cost is not None and cost.seconds([1], 0) > 0 and cost.seconds([16, 16], 2) > cost.seconds([1], 0)
+    assert cost is not None and cost.seconds([1], []) > 0 and cost.seconds([16, 16], [16, 16]) > cost.seconds([1], [])
     assert "verify budget auto (a forward" in engine.startup_line()
     again = measure_cost(engine.target, engine.drafter, 1, reps=1).model()
-    assert again.seconds([1], 0) > 0
+    assert again.seconds([1], []) > 0
 
 
 def test_the_fit_recovers_a_linear_cost_and_follows_the_rounds_away_from_a_wrong_start() -> None:
-    """Exact observations of a linear cost give back its parts; rounds that disagree with the load-time
-    fit (a drafter pass priced 20x too high, as one noisy timing at load gave) pull the model to them."""
-    truth = CostModel(base=0.004, per_segment=0.0005, per_row=0.0002, draft_base=0.002, draft_per_stream=0.0015)
+    """Exact observations of a cost linear in the tiles give back its parts; rounds that disagree with the
+    load-time fit (a drafter pass priced 10x too high, as one noisy timing at load gave) pull the model
+    to them."""
+    truth = CostModel(base=0.004, per_row_tile=0.002, per_query_tile=0.0005, per_tree_row=0.0003, draft_base=0.002,
+                      draft_per_stream=0.0015, draft_per_row_tile=0.001)
     fit = CostFit()
-    for segments, rows in ((1, 1), (1, 16), (2, 2), (4, 64), (8, 8), (3, 39)):
-        fit.add_forward(segments, rows, truth.seconds([rows // segments] * segments, 0))
-    for streams in (1, 2, 4, 8):
-        fit.add_draft(streams, truth.draft_base + truth.draft_per_stream * streams)
+    for rows, trees in (([1], 0), ([16], 0), ([2, 2], 0), ([16] * 4, 0), ([8] * 8, 0), ([13, 13, 13], 26), ([16], 16)):
+        fit.add_forward(rows, truth.forward(rows, trees), tree_rows=trees)
+    for blocks in ([2], [16], [2] * 4, [16] * 4, [8] * 8):
+        fit.add_draft(blocks, truth.draft(blocks))
     got = fit.model()
-    for part in ("base", "per_segment", "per_row", "draft_base", "draft_per_stream"):
+    for part in ("base", "per_row_tile", "per_query_tile", "per_tree_row", "draft_base", "draft_per_stream",
+                 "draft_per_row_tile"):
         assert getattr(got, part) == pytest.approx(getattr(truth, part), rel=1e-6), part
-    wrong = CostModel(truth.base, truth.per_segment, truth.per_row, 0.009, 0.0895)
+    wrong = CostModel(truth.base, truth.per_row_tile, truth.per_query_tile, truth.per_tree_row, 0.009, 0.0195, 0.01)
     budget = Budget("auto", BLOCK, CostFit.around(wrong))
-    assert budget.cost.draft_per_stream == pytest.approx(0.0895, rel=1e-6)
+    assert budget.cost.draft_per_stream == pytest.approx(0.0195, rel=1e-6)
     rng = random.Random(4)
-    for _ in range(200):  # rounds of 1 to 4 drafting streams, each of 1 to 16 rows
-        rows = [rng.randrange(1, 17) for _ in range(rng.randrange(1, 5))]
-        budget.observe(rows, truth.seconds(rows, 0), len(rows), truth.draft_base + truth.draft_per_stream * len(rows))
+    for _ in range(200):  # rounds of 1 to 4 drafting streams, each drafting 1 to 15
+        counts = [rng.randrange(1, 16) for _ in range(rng.randrange(1, 5))]
+        rows = [c + 1 for c in counts]
+        budget.observe(rows, truth.forward(rows), counts, truth.draft(rows))
     assert budget.cost.draft_per_stream == pytest.approx(truth.draft_per_stream, rel=0.05)
-    assert budget.measured.draft_per_stream == pytest.approx(0.0895, rel=1e-6)  # the startup line's, unchanged
-    high = seen(0.8)
+    assert budget.measured.draft_per_stream == pytest.approx(0.0195, rel=1e-6)  # the startup line's, unchanged
+    high = seen(0.6)
     assert budget.counts([15], [high], [0], [])[0] > Budget("auto", BLOCK, CostFit.around(wrong)).counts([15], [high], [0], [])[0]
 
 
-def test_the_lanes_time_decode_rounds_for_the_fit(pair) -> None:
-    """Every decode round reaches `observe` with its segments' rows; prompt chunks' rounds do not."""
-    engine = Engine(*pair, Settings(parallel=2, context=512, verify_budget="auto"))
-    seen_rounds: list[tuple[list[int], float, int, float]] = []
+@pytest.mark.parametrize("tree_nodes", [0, 4])
+def test_the_lanes_time_decode_rounds_for_the_fit(pair, tree_nodes) -> None:
+    """Every decode round reaches `observe` with its segments' rows, the drafting streams' counts and
+    the rows in branching trees (none without trees); prompt chunks' rounds do not."""
+    engine = Engine(*pair, Settings(parallel=2, context=512, verify_budget="auto", tree_nodes=tree_nodes))
+    seen_rounds: list[tuple[list[int], float, list[int], float, int]] = []
     observe = engine.budget.observe
     engine.budget.observe = lambda *a: seen_rounds.append(a) or observe(*a)
     rng = random.Random(5)
     reqs = [Request([rng.randrange(8, 500) for _ in range(40)], max_tokens=20, ignore_eos=True, seed=i) for i in range(2)]
     engine.run(reqs)
-    assert seen_rounds and all(fs > 0 and ds >= 0 and len(rows) <= 2 for rows, fs, _, ds in seen_rounds)
+    assert seen_rounds and all(fs > 0 and ds >= 0 and len(rows) <= 2 for rows, fs, _, ds, _ in seen_rounds)
     assert all(max(rows) <= BLOCK for rows, *_ in seen_rounds)  # decode segments only, no 40-row prompt chunk
-    assert any(n > 0 and ds > 0 for _, _, n, ds in seen_rounds)
+    assert any(counts and ds > 0 for _, _, counts, ds, _ in seen_rounds)
+    assert all(0 <= trees <= sum(rows) for rows, *_, trees in seen_rounds)
+    assert any(trees for *_, trees in seen_rounds) == bool(tree_nodes)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7])

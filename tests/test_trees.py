@@ -279,6 +279,9 @@ class OracleTreeDrafter:
         self.turn = 0
         self.depths: list[int] = []  # the depth k each tree's true path reaches, in order
 
+    def block_rows(self, count: int) -> int:
+        return count + 1
+
     def new_state(self) -> OracleState:
         return OracleState()
 
@@ -331,6 +334,24 @@ def test_every_accepted_depth_keeps_drafted_equal_to_plain(fixtures, family: str
     # every round kept exactly the true path the oracle hid, and every depth 0..block-1 occurred
     assert kept.tolist() == np.bincount(oracle.depths, minlength=OracleTreeDrafter.block).tolist()
     assert kept.min() > 0, kept
+
+
+@pytest.mark.parametrize("temperature", (0.0, 0.7))
+def test_a_tree_on_one_path_is_verified_as_a_chain_window(fixtures, temperature: float, monkeypatch) -> None:
+    """One-node trees (the auto budget's count of 1) lie on one path: the target verifies them as
+    chain windows, whose attention needs no per-row key view, with the same replies as plain."""
+    engine = Engine(fixtures["llama"], fixtures["llama", "dflash"], Settings(parallel=2, context=512, tree_nodes=1))
+    forward, shapes = engine.target.forward, []
+
+    def recorded(segments, *args, **kwargs):
+        shapes.extend((seg.tree is not None, len(seg.tokens)) for seg in segments if not seg.prefill)
+        return forward(segments, *args, **kwargs)
+
+    monkeypatch.setattr(engine.target, "forward", recorded)
+    reqs = requests(3, temperature)
+    for req, got in zip(reqs, engine.run(reqs, arrivals=[0, 0, 3])):
+        assert got.tokens == plain(engine, req)
+    assert (False, 2) in shapes and not any(tree for tree, _ in shapes)
 
 
 def test_hybrid_targets_fall_back_to_chains(fixtures) -> None:

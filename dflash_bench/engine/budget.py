@@ -7,12 +7,18 @@ tokens per second over all streams:
 - a stream with per-depth acceptance a_1, a_2, ... (the chance draft d is kept given every draft
   before it was) commits 1 + sum over d <= k of a_1 * ... * a_d tokens in expectation;
 - the round costs the target forward over every segment's rows plus, when any stream drafts, the
-  drafter pass over the drafting streams: a linear model (a fixed part, a part a segment, a part a
-  row; the drafter's fixed part and a part a stream), fitted by least squares first to forwards and
-  drafter passes timed at load (`measure_cost`), then to every round the lanes time while serving,
-  older observations fading by FORGET a round (`CostFit`): one timing at load, on a machine other
+  drafter pass over the drafting streams. Both are priced by the tiles they run (tiles.py): a
+  forward's projections run over all decode rows packed in ROW_TILE-row tiles and its attention in
+  QUERY_TILE-query tiles per segment, so a 16-row window costs a plain step's projections; a drafter
+  pass runs each stream's block rows (`block_rows`) packed the same way. The model is linear in those
+  counts (a forward: a fixed part, a part a row tile, a part a query tile; a drafter pass: a fixed
+  part, a part a stream, a part a row tile), fitted by least squares first to forwards and drafter
+  passes timed at load (`measure_cost`), then to every round the lanes time while serving, older
+  observations fading by FORGET a round (`CostFit`): one timing at load, on a machine other
   processes share, can be far off (a drafter pass priced at 10x what rounds then showed), and the
-  rounds themselves are what the choice is about;
+  rounds themselves are what the choice is about. Priced by rows instead, a window looked 2.25x a
+  plain step where it cost 1.1x, and the budget drafted 2-4 tokens where 15 paid
+  (docs/verify-budget.md);
 - acceptance is counted per stream and per depth, discounted so it follows the text, and starts from
   what all streams saw so far; a stream held at k = 0 probes a few drafts every PROBE_EVERY rounds,
   so a stream whose text turns predictable drafts again.
@@ -25,9 +31,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import mlx.core as mx
 import numpy as np
+
+from dflash_bench.engine.tiles import QUERY_TILE, ROW_TILE
 
 BUDGETS = ("fixed", "auto")
 DISCOUNT = 0.9  # each stream's counts fade by this a round they are updated: recent text weighs most
@@ -38,55 +47,84 @@ FORGET = 0.95  # the weight an observation of the round costs keeps a round late
 RIDGE = 1e-9  # keeps the normal equations solvable when every round so far had the same shape
 
 
+def forward_features(rows: list[int], tree_rows: int = 0) -> np.ndarray:
+    """[1, row tiles, query tiles, tree rows] of a forward whose decode segments have `rows` rows each,
+    `tree_rows` of them in branching draft trees (each row attends over its own key view there:
+    tree_attention.py)."""
+    return np.array([1.0, -(-sum(rows) // ROW_TILE), sum(-(-r // QUERY_TILE) for r in rows), tree_rows])
+
+
+def draft_features(block_rows: list[int]) -> np.ndarray:
+    """[1, streams, row tiles] of a drafter pass over blocks of `block_rows` rows each."""
+    return np.array([1.0, len(block_rows), -(-sum(block_rows) // ROW_TILE)])
+
+
 @dataclass(frozen=True)
 class CostModel:
-    """Seconds of a round: forward = base + per_segment * segments + per_row * rows, plus
-    draft_base + draft_per_stream * drafting streams when any stream drafts."""
+    """Seconds of a round: the forward, base + per_row_tile * row tiles + per_query_tile * query tiles
+    + per_tree_row * rows in branching trees, plus, when any stream drafts, draft_base +
+    draft_per_stream * streams + draft_per_row_tile * the pass's row tiles (`forward_features`,
+    `draft_features`)."""
 
     base: float
-    per_segment: float
-    per_row: float
+    per_row_tile: float
+    per_query_tile: float
+    per_tree_row: float
     draft_base: float
     draft_per_stream: float
+    draft_per_row_tile: float
 
-    def seconds(self, rows: list[int], drafting: int) -> float:
-        forward = self.base + self.per_segment * len(rows) + self.per_row * sum(rows)
-        return forward + (self.draft_base + self.draft_per_stream * drafting if drafting else 0.0)
+    def forward(self, rows: list[int], tree_rows: int = 0) -> float:
+        return float(np.dot([self.base, self.per_row_tile, self.per_query_tile, self.per_tree_row],
+                            forward_features(rows, tree_rows)))
 
-    def describe(self) -> str:
-        b, s, r, d, ds = (f"{x * 1e3:.2f}" for x in (self.base, self.per_segment, self.per_row, self.draft_base,
-                                                      self.draft_per_stream))
-        return f"a forward {b} ms + {s} a stream + {r} a row; a drafter pass {d} + {ds} a stream"
+    def draft(self, block_rows: list[int]) -> float:
+        if not block_rows:
+            return 0.0
+        return float(np.dot([self.draft_base, self.draft_per_stream, self.draft_per_row_tile], draft_features(block_rows)))
+
+    def seconds(self, rows: list[int], block_rows: list[int], tree_rows: int = 0) -> float:
+        """A round whose decode segments have `rows` rows (`tree_rows` in branching trees) and whose
+        drafter pass runs `block_rows`."""
+        return self.forward(rows, tree_rows) + self.draft(block_rows)
+
+    def describe(self, trees: bool = False) -> str:
+        b, t, q, r, d, ds, dt = (f"{x * 1e3:.2f}" for x in (
+            self.base, self.per_row_tile, self.per_query_tile, self.per_tree_row, self.draft_base,
+            self.draft_per_stream, self.draft_per_row_tile))
+        tree = f" + {r} a tree row" if trees else ""
+        return (f"a forward {b} ms + {t} a {ROW_TILE}-row tile + {q} a {QUERY_TILE}-query tile{tree}; "
+                f"a drafter pass {d} + {ds} a stream + {dt} a row tile")
 
 
 @dataclass
 class CostFit:
     """Weighted least squares of forward and drafter-pass seconds on their features, kept as normal
-    equations so each observation costs a rank-one update: forward ~ [1, segments, rows], drafter
-    pass ~ [1, streams]."""
+    equations so each observation costs a rank-one update."""
 
-    forward_a: np.ndarray = field(default_factory=lambda: RIDGE * np.eye(3))
-    forward_b: np.ndarray = field(default_factory=lambda: np.zeros(3))
-    draft_a: np.ndarray = field(default_factory=lambda: RIDGE * np.eye(2))
-    draft_b: np.ndarray = field(default_factory=lambda: np.zeros(2))
+    forward_a: np.ndarray = field(default_factory=lambda: RIDGE * np.eye(4))
+    forward_b: np.ndarray = field(default_factory=lambda: np.zeros(4))
+    draft_a: np.ndarray = field(default_factory=lambda: RIDGE * np.eye(3))
+    draft_b: np.ndarray = field(default_factory=lambda: np.zeros(3))
 
     @classmethod
     def around(cls, model: CostModel, weight: float = 1.0) -> CostFit:
         """A fit holding `model` as `weight` rounds' worth of observations at a spread of shapes."""
         fit = cls()
-        for segments, rows in ((1, 1), (1, 16), (4, 4), (4, 64)):
-            fit.add_forward(segments, rows, model.seconds([rows // segments] * segments, 0), weight)
-        for streams in (1, 4):
-            fit.add_draft(streams, model.draft_base + model.draft_per_stream * streams, weight)
+        for rows, trees in (([1], 0), ([16], 0), ([8, 8], 0), ([1] * 4, 0), ([16] * 4, 0), ([4] * 8, 0), ([16], 16),
+                            ([4] * 4, 16)):
+            fit.add_forward(rows, model.forward(rows, trees), weight, trees)
+        for blocks in ([2], [16], [2] * 4, [16] * 4, [8] * 8):
+            fit.add_draft(blocks, model.draft(blocks), weight)
         return fit
 
-    def add_forward(self, segments: int, rows: int, seconds: float, weight: float = 1.0) -> None:
-        x = np.array([1.0, segments, rows])
+    def add_forward(self, rows: list[int], seconds: float, weight: float = 1.0, tree_rows: int = 0) -> None:
+        x = forward_features(rows, tree_rows)
         self.forward_a += weight * np.outer(x, x)
         self.forward_b += weight * seconds * x
 
-    def add_draft(self, streams: int, seconds: float, weight: float = 1.0) -> None:
-        x = np.array([1.0, streams])
+    def add_draft(self, block_rows: list[int], seconds: float, weight: float = 1.0) -> None:
+        x = draft_features(block_rows)
         self.draft_a += weight * np.outer(x, x)
         self.draft_b += weight * seconds * x
 
@@ -95,10 +133,24 @@ class CostFit:
             a *= factor
 
     def model(self) -> CostModel:
-        """The least-squares model, each part held at zero or more."""
-        base, per_segment, per_row = np.maximum(np.linalg.solve(self.forward_a, self.forward_b), 0.0)
-        draft_base, per_stream = np.maximum(np.linalg.solve(self.draft_a, self.draft_b), 0.0)
-        return CostModel(float(base), float(per_segment), float(per_row), float(draft_base), float(per_stream))
+        """The least-squares model with every part zero or more."""
+        return CostModel(*nonnegative(self.forward_a, self.forward_b), *nonnegative(self.draft_a, self.draft_b))
+
+
+def nonnegative(a: np.ndarray, b: np.ndarray) -> list[float]:
+    """argmin over x >= 0 of x.a.x - 2 b.x (least squares from its normal equations a, b): the best of
+    the unconstrained solutions on each subset of free parts (at most four parts: 16 subsets); clipping
+    the full solution instead would leave the other parts fitted around a negative one."""
+    n = len(b)
+    best, best_value = np.zeros(n), 0.0
+    for mask in range(1, 1 << n):
+        free = [i for i in range(n) if mask >> i & 1]
+        x = np.zeros(n)
+        x[free] = np.linalg.solve(a[np.ix_(free, free)], b[free])
+        value = float(x @ a @ x - 2 * b @ x)
+        if (x >= 0).all() and value < best_value:
+            best, best_value = x, value
+    return [float(v) for v in best]
 
 
 @dataclass
@@ -126,11 +178,16 @@ class Acceptance:
 
 @dataclass
 class Budget:
-    """Chooses each drafting stream's draft count every round (see the module docstring)."""
+    """Chooses each drafting stream's draft count every round (see the module docstring).
+    `block_rows` is the drafter's rows a pass runs for a stream's count (DFlashDrafter.block_rows);
+    with `trees` a count of 2 or more is a draft tree of that many nodes (lanes.py), priced as
+    branching."""
 
     kind: str
     block: int
     fit: CostFit | None = None
+    block_rows: Callable[[int], int] = lambda count: count + 1
+    trees: bool = False
     shared: Acceptance = field(init=False)
     cost: CostModel | None = field(init=False, default=None)  # the fit's model now
     measured: CostModel | None = field(init=False, default=None)  # the fit's model at load (the startup line's)
@@ -144,15 +201,17 @@ class Budget:
         if self.fit is not None:
             self.cost = self.measured = self.fit.model()
 
-    def observe(self, rows: list[int], forward_seconds: float, drafting: int, draft_seconds: float) -> None:
-        """A round as the lanes timed it: its segments' rows and forward (with keep), and the drafter
-        pass over `drafting` streams (none: 0). Older rounds fade; the model is refitted."""
+    def observe(self, rows: list[int], forward_seconds: float, counts: list[int], draft_seconds: float,
+                tree_rows: int = 0) -> None:
+        """A round as the lanes timed it: its segments' rows (`tree_rows` of them in branching trees)
+        and forward (with keep), and the drafter pass for the drafting streams' `counts` (none: []).
+        Older rounds fade; the model is refitted."""
         if self.fit is None or not rows:
             return
         self.fit.fade()
-        self.fit.add_forward(len(rows), sum(rows), forward_seconds)
-        if drafting:
-            self.fit.add_draft(drafting, draft_seconds)
+        self.fit.add_forward(rows, forward_seconds, tree_rows=tree_rows)
+        if counts:
+            self.fit.add_draft([self.block_rows(c) for c in counts], draft_seconds)
         self.cost = self.fit.model()
 
     def new_stream(self) -> Acceptance:
@@ -166,18 +225,22 @@ class Budget:
     def counts(self, limits: list[int], acceptances: list[Acceptance], idle: list[int], other_rows: list[int]) -> list[int]:
         """Draft counts for the decoding drafting streams (each at most its limit), given the rows of
         the round's other segments (prompt chunks, plain streams)."""
-        if self.kind == "fixed":
+        if self.kind == "fixed" or not limits:
             return list(limits)
         prior = self.shared.rates(np.full(self.block - 1, 0.5), 1.0)
         gains = [np.concatenate([[0.0], np.cumsum(np.cumprod(a.rates(prior, PRIOR_WEIGHT)[:n]))])
                  for a, n in zip(acceptances, limits)]
-        k = [0] * len(limits)
 
         def rate(ks: list[int]) -> float:
             rows = other_rows + [1 + x for x in ks]
             tokens = sum(1 + g[x] for g, x in zip(gains, ks))
-            return tokens / self.cost.seconds(rows, sum(1 for x in ks if x))
+            tree_rows = sum(1 + x for x in ks if x > 1) if self.trees else 0
+            return tokens / max(self.cost.seconds(rows, [self.block_rows(x) for x in ks if x], tree_rows), 1e-9)
 
+        # The price is a step function of the rows (whole tiles) with a fixed part for any drafting,
+        # so moving one stream at a time from all-plain stalls where only several moving together pay:
+        # start from the best count shared by all streams, then improve one stream at a time.
+        k = max(([min(n, limit) for limit in limits] for n in range(max(limits, default=0) + 1)), key=rate)
         best = rate(k)
         while True:
             options = [(rate(k[:i] + [n] + k[i + 1 :]), i, n) for i in range(len(k)) for n in range(limits[i] + 1)
@@ -192,13 +255,15 @@ class Budget:
                 for x, n, wait in zip(k, limits, idle)]
 
 
-def measure_cost(target, drafter, parallel: int, context: int = 64, reps: int = 3) -> CostFit:
+def measure_cost(target, drafter, parallel: int, trees: bool = False, context: int = 64, reps: int = 3) -> CostFit:
     """Time target forwards (1, 2, 4 .. `parallel` streams of 1, 4, 8 and `drafter.block` rows after
-    a `context`-token prompt) and drafter passes (1 .. `parallel` streams), median of `reps`: the fit
-    the rounds then refine."""
+    a `context`-token prompt) and drafter passes (as many streams, each drafting 1, half a block or a
+    block's drafts; as trees of that many nodes where the lanes draft trees), median of `reps`: the
+    fit the rounds then refine."""
     from dflash_bench.engine.drafters.dflash import Proposal
     from dflash_bench.engine.sampling import SamplingParams
     from dflash_bench.engine.targets.base import Segment
+    from dflash_bench.engine.tree import Tree
 
     streams = sorted({s for s in (1, 2, 4, 8, parallel) if s <= parallel})
     prompt = [(7 * i) % 97 + 8 for i in range(context)]
@@ -226,14 +291,26 @@ def measure_cost(target, drafter, parallel: int, context: int = 64, reps: int = 
         for state in states[:s]:
             state.keep(context)
 
+    def tree_forward(s: int) -> None:
+        tree = Tree.of(prompt[: drafter.block], [-1] + [(r - 1) // 2 for r in range(1, drafter.block)])  # a binary tree
+        segs = [Segment(list(tree.tokens), context, states[i], list(range(drafter.block)), True, tree=tree)
+                for i in range(s)]
+        mx.eval([o.logits for o in target.forward(segs, drafter.taps)])
+        for state in states[:s]:
+            state.keep(context)
+
     fit = CostFit()
     for s in streams:
         for r in (1, 4, 8, drafter.block):
-            fit.add_forward(s, s * r, timed(lambda s=s, r=r: forward(s, r)))
+            fit.add_forward([r] * s, timed(lambda s=s, r=r: forward(s, r)))
+        if trees:
+            fit.add_forward([drafter.block] * s, timed(lambda s=s: tree_forward(s)), tree_rows=s * drafter.block)
 
-    def propose(s: int) -> None:
-        drafter.propose([Proposal(dstates[i], prompt[-1], drafter.block - 1, SamplingParams()) for i in range(s)])
+    def propose(s: int, count: int) -> None:
+        items = [Proposal(dstates[i], prompt[-1], count, SamplingParams(), count if trees else 0) for i in range(s)]
+        drafter.propose_trees(items) if trees else drafter.propose(items)
 
     for s in streams:
-        fit.add_draft(s, timed(lambda s=s: propose(s)))
+        for count in (1, drafter.block // 2 - 1, drafter.block - 1):
+            fit.add_draft([drafter.block_rows(count)] * s, timed(lambda s=s, c=count: propose(s, c)))
     return fit

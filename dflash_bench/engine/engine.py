@@ -130,8 +130,10 @@ class Engine:
             self.warmup = warmup.warm(model, draft_model, settings.parallel, settings.chunk, every=on_gpu)
         self.budget: Budget | None = None
         if draft_model is not None:  # the auto budget's cost model is timed here (warm), on the machine that serves
-            fit = measure_cost(model, draft_model, settings.parallel) if settings.verify_budget == "auto" else None
-            self.budget = Budget(settings.verify_budget, draft_model.block, fit)
+            fit = (measure_cost(model, draft_model, settings.parallel, trees=self.tree_nodes > 0)
+                   if settings.verify_budget == "auto" else None)
+            self.budget = Budget(settings.verify_budget, draft_model.block, fit, draft_model.block_rows,
+                                 trees=self.tree_nodes > 0)
         self.lanes = Lanes(
             model,
             draft_model,
@@ -170,7 +172,7 @@ class Engine:
         proof = f"; {self.drafting_refused or self.selfcheck.line()}" if self.selfcheck else ""
         budget = ""
         if self.budget is not None and self.budget.measured is not None:
-            budget = f", verify budget auto ({self.budget.measured.describe()}, refitted to the rounds)"
+            budget = f", verify budget auto ({self.budget.measured.describe(self.budget.trees)}, refitted to the rounds)"
         if self.drafter and s.tree_nodes:
             size = f"{s.tree_nodes} nodes" if s.verify_budget == "fixed" else "the budget's rows"
             budget += (f", draft trees of {size}" if self.tree_nodes else

@@ -206,7 +206,12 @@ class Lanes:
             drafting_at = time.perf_counter()  # a pass's tokens come back as lists: it is evaluated when it returns
             if self.tree_nodes:
                 for (s, _), tree in zip(proposals, self.drafter.propose_trees([p for _, p in proposals])):
-                    s.tree = tree
+                    # a tree whose nodes lie on one path is a chain: verified as a window, the same
+                    # rows and bits (window == steps) without each row's own key view (tree_attention.py)
+                    if tree.depth == tree.nodes:
+                        s.drafts = tree.tokens[1:]
+                    else:
+                        s.tree = tree
             else:
                 for (s, _), d in zip(proposals, self.drafter.propose([p for _, p in proposals])):
                     s.drafts = tuple(d)
@@ -216,7 +221,8 @@ class Lanes:
             # what a decode round cost, for the auto budget's fit (budget.py); prompt chunks take another
             # path whose rows cost less, so their rounds would skew the price of a decode row
             self.budget.observe([len(seg.tokens) for seg in segments],
-                                time.perf_counter() - started - draft_seconds, len(proposals), draft_seconds)
+                                time.perf_counter() - started - draft_seconds, [p.count for _, p in proposals],
+                                draft_seconds, sum(len(seg.tokens) for seg in segments if seg.tree is not None))
 
     def plain_round(self, segments: list[Segment], outs: list[SegmentOut]) -> None:
         """Every stream takes its keyed choice of its one row, with the next round queued before the
