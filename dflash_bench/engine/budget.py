@@ -11,14 +11,15 @@ tokens per second over all streams:
   forward's projections run over all decode rows packed in ROW_TILE-row tiles and its attention in
   QUERY_TILE-query tiles per segment, so a 16-row window costs a plain step's projections; a drafter
   pass runs each stream's block rows (`block_rows`) packed the same way. The model is linear in those
-  counts (a forward: a fixed part, a part a row tile, a part a query tile; a drafter pass: a fixed
+  counts (a forward: a fixed part, a part a row tile, a part a query tile, a part a row of a
+  branching draft tree, whose rows each attend over their own key view; a drafter pass: a fixed
   part, a part a stream, a part a row tile), fitted by least squares first to forwards and drafter
   passes timed at load (`measure_cost`), then to every round the lanes time while serving, older
   observations fading by FORGET a round (`CostFit`): one timing at load, on a machine other
   processes share, can be far off (a drafter pass priced at 10x what rounds then showed), and the
-  rounds themselves are what the choice is about. Priced by rows instead, a window looked 2.25x a
-  plain step where it cost 1.1x, and the budget drafted 2-4 tokens where 15 paid
-  (docs/verify-budget.md);
+  rounds themselves are what the choice is about. Priced by rows instead, one stream's 16-row window
+  looked 2.26x a plain step where it cost 1.09x, and the budget verified 2-4 drafts where 15 cost
+  almost nothing more (docs/verify-budget.md);
 - acceptance is counted per stream and per depth, discounted so it follows the text, and starts from
   what all streams saw so far; a stream held at k = 0 probes a few drafts every PROBE_EVERY rounds,
   so a stream whose text turns predictable drafts again.
