@@ -1,0 +1,87 @@
+"""Where a plain decode round's time goes in the engine: the forward's Python, queuing it, and the rest.
+
+usage: python3 tools/round_split.py [TARGET] [--backend auto|cpu|gpu] [--streams N] [--tokens T]
+(on the GPU machine: PYTHONPATH=/tmp/site:$PWD python3 tools/round_split.py /root/t9 --backend gpu)
+
+On the H200 a 9B step built and evaluated on its own costs 13.8 ms (tools/build_eval_split.py) but the
+engine's plain round 24.9 ms (receipts/engine-speed-qwen3.5-9b-4bit-gpu-h200.json): this splits the
+round (Engine.step) into the target forward's graph building, the `mx.async_eval` that queues it
+(lanes.py's look_ahead), and everything else (sampling, reading the token back, keep, emitting),
+with the lookahead on and off and Python's garbage collector on and off. Medians over the decode
+rounds of one request of T tokens a stream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+
+import dflash_bench  # noqa: F401  (loads the BLAS before mlx.core)
+import mlx.core as mx
+
+from dflash_bench.engine.engine import Engine, Settings
+from dflash_bench.engine.request import Request
+
+
+def split(engine: Engine, prompt: list[int], streams: int, tokens: int) -> dict[str, float]:
+    """Median ms a round of each part, over the rounds after the prompt's."""
+    build: list[float] = []
+    queue: list[float] = []
+    forward, async_eval = engine.target.forward, mx.async_eval
+
+    def timed_forward(*args, **kwargs):
+        t0 = time.perf_counter()
+        out = forward(*args, **kwargs)
+        build.append(time.perf_counter() - t0)
+        return out
+
+    def timed_async_eval(*args):
+        t0 = time.perf_counter()
+        async_eval(*args)
+        queue.append(time.perf_counter() - t0)
+
+    engine.target.forward, mx.async_eval = timed_forward, timed_async_eval
+    try:
+        for i in range(streams):
+            engine.submit(Request(prompt, max_tokens=tokens, ignore_eos=True, seed=i, draft=False))
+        rounds = []
+        while engine.lanes.busy:
+            build.clear()
+            queue.clear()
+            t0 = time.perf_counter()
+            engine.step()
+            rounds.append((time.perf_counter() - t0, sum(build), sum(queue)))
+    finally:
+        engine.target.forward, mx.async_eval = forward, async_eval
+    decode = rounds[2:]  # the prompt's round and the first queued one
+    total = statistics.median(r[0] for r in decode)
+    built = statistics.median(r[1] for r in decode)
+    queued = statistics.median(r[2] for r in decode)
+    return {"round": 1e3 * total, "build": 1e3 * built, "queue": 1e3 * queued, "rest": 1e3 * (total - built - queued)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("target", nargs="?", default="default")
+    parser.add_argument("--backend", default="auto")
+    parser.add_argument("--streams", type=int, default=1)
+    parser.add_argument("--tokens", type=int, default=64)
+    args = parser.parse_args()
+    engine = Engine(args.target, None, Settings(parallel=args.streams, context=4096, backend=None if args.backend == "auto" else args.backend))
+    print(engine.startup_line(), flush=True)
+    prompt = list(range(100, 356))
+    split(engine, prompt, args.streams, 8)  # warm
+    for lookahead in (True, False):
+        for collect in (True, False):
+            engine.lanes.lookahead = lookahead
+            gc.enable() if collect else gc.disable()
+            got = split(engine, prompt, args.streams, args.tokens)
+            print(f"{args.streams} stream(s), lookahead {'on' if lookahead else 'off'}, gc {'on' if collect else 'off'}: "
+                  + ", ".join(f"{k} {v:.2f} ms" for k, v in got.items()), flush=True)
+    gc.enable()
+
+
+if __name__ == "__main__":
+    main()
