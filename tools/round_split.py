@@ -68,8 +68,10 @@ def main() -> None:
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--streams", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--no-warm", action="store_true", help="skip the engine's warm-up (the first split warms)")
     args = parser.parse_args()
-    engine = Engine(args.target, None, Settings(parallel=args.streams, context=4096, backend=None if args.backend == "auto" else args.backend))
+    engine = Engine(args.target, None, Settings(parallel=args.streams, context=4096, warm=not args.no_warm,
+                                                backend=None if args.backend == "auto" else args.backend))
     print(engine.startup_line(), flush=True)
     prompt = list(range(100, 356))
     split(engine, prompt, args.streams, 8)  # warm
