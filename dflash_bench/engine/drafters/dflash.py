@@ -79,12 +79,13 @@ class PositionLattice:
 
     def __init__(self, scores: mx.array, picks: mx.array, width: int):
         # Ranked in NumPy: only which drafts a tree proposes depends on these numbers, never a kept
-        # token, and MLX's CPU exp over a block's vocabulary rows cost ~7x NumPy's (17 vs 2.7 ms for
-        # 15 x 49,152 on this project's CI-class CPU), a tenth of a drafted round at one stream.
+        # token, and MLX's CPU exp over a block's vocabulary rows cost ~6x NumPy's (17 vs 2.7 ms for
+        # 15 x 49,152 on a 2-core CPU): the lattice took 32.5 ms, a tenth of a one-stream drafted
+        # round, and takes 20.3 ms this way (docs/verify-budget.md).
         s = np.array(scores.astype(mx.float32))
         width = min(width, s.shape[-1])
         top = s.max(axis=-1, keepdims=True)
-        with np.errstate(invalid="ignore"):  # a row filtered to -inf everywhere but its finite scores
+        with np.errstate(invalid="ignore"):  # -inf - -inf in a row with nothing kept: NaN, dropped below
             lse = top + np.log(np.exp(s - top).sum(axis=-1, keepdims=True))
         picks_np = np.array(picks)
         best = np.argpartition(-s, width - 1, axis=-1)[:, :width]
