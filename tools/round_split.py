@@ -1,6 +1,7 @@
 """Where a plain decode round's time goes in the engine: the forward's Python, queuing it, and the rest.
 
 usage: python3 tools/round_split.py [TARGET] [--backend auto|cpu|gpu] [--streams N] [--tokens T]
+       [--parallel P] [--no-warm] [--with-mlx-lm]
 (on the GPU machine: PYTHONPATH=/tmp/site:$PWD python3 tools/round_split.py /root/t9 --backend gpu)
 
 On the H200 a 9B step built and evaluated on its own costs 13.8 ms (tools/build_eval_split.py) but the
@@ -8,7 +9,8 @@ engine's plain round 24.9 ms (receipts/engine-speed-qwen3.5-9b-4bit-gpu-h200.jso
 round (Engine.step) into the target forward's graph building, the `mx.async_eval` that queues it
 (lanes.py's look_ahead), and everything else (sampling, reading the token back, keep, emitting),
 with the lookahead on and off and Python's garbage collector on and off. Medians over the decode
-rounds of one request of T tokens a stream.
+rounds of one request of T tokens a stream. `--parallel`, the warm-up and `--with-mlx-lm` reproduce
+how `engine-speed` runs the engine, one difference at a time.
 """
 
 from __future__ import annotations
@@ -68,11 +70,20 @@ def main() -> None:
     parser.add_argument("--backend", default="auto")
     parser.add_argument("--streams", type=int, default=1)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--parallel", type=int, default=0, help="the engine's lanes (default: --streams)")
     parser.add_argument("--no-warm", action="store_true", help="skip the engine's warm-up (the first split warms)")
+    parser.add_argument("--with-mlx-lm", action="store_true",
+                        help="hold mlx-lm's model of TARGET in the process too, as engine-speed does")
     args = parser.parse_args()
-    engine = Engine(args.target, None, Settings(parallel=args.streams, context=4096, warm=not args.no_warm,
+    engine = Engine(args.target, None, Settings(parallel=args.parallel or args.streams, context=4096,
+                                                warm=not args.no_warm,
                                                 backend=None if args.backend == "auto" else args.backend))
     print(engine.startup_line(), flush=True)
+    held = None
+    if args.with_mlx_lm:
+        from dflash_bench.checks.mlx_lm_speed import load
+
+        held = load(engine.loaded.path)
     prompt = list(range(100, 356))
     split(engine, prompt, args.streams, 8)  # warm
     for lookahead in (True, False):
@@ -83,6 +94,7 @@ def main() -> None:
             print(f"{args.streams} stream(s), lookahead {'on' if lookahead else 'off'}, gc {'on' if collect else 'off'}: "
                   + ", ".join(f"{k} {v:.2f} ms" for k, v in got.items()), flush=True)
     gc.enable()
+    del held
 
 
 if __name__ == "__main__":
