@@ -1,7 +1,7 @@
 """Where a plain decode round's time goes in the engine: the forward's Python, queuing it, and the rest.
 
 usage: python3 tools/round_split.py [TARGET] [--backend auto|cpu|gpu] [--streams N] [--tokens T]
-       [--parallel P] [--no-warm] [--with-mlx-lm]
+       [--parallel P] [--no-warm] [--with-mlx-lm] [--layers DRAFTER]
 (on the GPU machine: PYTHONPATH=/tmp/site:$PWD python3 tools/round_split.py /root/t9 --backend gpu)
 
 On the H200 a 9B step built and evaluated on its own costs 13.8 ms (tools/build_eval_split.py) but the
@@ -10,7 +10,10 @@ round (Engine.step) into the target forward's graph building, the `mx.async_eval
 (lanes.py's look_ahead), and everything else (sampling, reading the token back, keep, emitting),
 with the lookahead on and off and Python's garbage collector on and off. Medians over the decode
 rounds of one request of T tokens a stream. `--parallel`, the warm-up and `--with-mlx-lm` reproduce
-how `engine-speed` runs the engine, one difference at a time.
+how `engine-speed` runs the engine, one difference at a time; `--layers DRAFTER` instead adds what
+engine-speed holds beside the plain engine one at a time in one process (mlx-lm's model, a drafting
+engine on the same target, an mlx-lm decode, a drafted decode) and re-times the plain round after each,
+both as above and as engine-speed times it (a request's decode seconds over its rounds, on the code probe).
 """
 
 from __future__ import annotations
@@ -64,6 +67,40 @@ def split(engine: Engine, prompt: list[int], streams: int, tokens: int) -> dict[
     return {"round": 1e3 * total, "build": 1e3 * built, "queue": 1e3 * queued, "rest": 1e3 * (total - built - queued)}
 
 
+def layers(engine: Engine, drafter_path: str, tokens: int) -> None:
+    """Re-time one plain stream after each thing engine-speed adds to the process."""
+    from dflash_bench.checks import engine_speed, mlx_lm_speed
+    from dflash_bench.checks import prompts as prompt_sets
+    from dflash_bench.engine.drafters.dflash import load_drafter
+
+    probe = engine_speed.chat_ids(engine.loaded, prompt_sets.probes()["code"])
+    held: dict[str, object] = {}
+
+    def timed(label: str) -> None:
+        got = split(engine, list(range(100, 356)), 1, tokens)
+        level = engine_speed.run_level(engine, probe, 1, tokens, False)
+        print(f"{label}: round {got['round']:.2f} ms (build {got['build']:.2f}, queue {got['queue']:.2f}, "
+              f"rest {got['rest']:.2f}); engine-speed's round {1e3 * level['seconds_per_round'][0]:.2f} ms",
+              flush=True)
+
+    def with_mlx_lm() -> None:
+        held["mlx-lm"] = mlx_lm_speed.load(engine.loaded.path)
+
+    def with_drafting_engine() -> None:
+        drafter = load_drafter(drafter_path, engine.target, dtype=engine.backend.dtype)
+        held["drafted"] = Engine(model=engine.target, draft_model=drafter, settings=engine.settings,
+                                 loaded=engine.loaded)
+
+    steps = [("plain engine alone", lambda: None), ("+ mlx-lm's model held", with_mlx_lm),
+             ("+ a drafting engine on the same target", with_drafting_engine),
+             ("+ after an mlx-lm decode", lambda: mlx_lm_speed.decode(held["mlx-lm"], probe, 1, tokens)),
+             ("+ after a drafted decode",
+              lambda: engine_speed.run_level(held["drafted"], probe, 1, tokens, True))]
+    for label, add in steps:
+        add()
+        timed(label)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("target", nargs="?", default="default")
@@ -74,6 +111,8 @@ def main() -> None:
     parser.add_argument("--no-warm", action="store_true", help="skip the engine's warm-up (the first split warms)")
     parser.add_argument("--with-mlx-lm", action="store_true",
                         help="hold mlx-lm's model of TARGET in the process too, as engine-speed does")
+    parser.add_argument("--layers", metavar="DRAFTER",
+                        help="add engine-speed's other residents one at a time (a drafter for its drafting engine)")
     args = parser.parse_args()
     engine = Engine(args.target, None, Settings(parallel=args.parallel or args.streams, context=4096,
                                                 warm=not args.no_warm,
@@ -86,6 +125,9 @@ def main() -> None:
         held = load(engine.loaded.path)
     prompt = list(range(100, 356))
     split(engine, prompt, args.streams, 8)  # warm
+    if args.layers:
+        layers(engine, args.layers, args.tokens)
+        return
     for lookahead in (True, False):
         for collect in (True, False):
             engine.lanes.lookahead = lookahead
