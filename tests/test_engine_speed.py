@@ -89,6 +89,16 @@ def test_gpu_mode_on_this_cpu_recorded_beside_mlx_lm_at_every_level(files, one_p
     assert "first request" in shown and "ready after" in shown
 
 
+def test_reps_are_taken_in_turns_so_a_drift_in_host_speed_reaches_both_sides(files, one_probe):
+    s = engine_speed.SpeedSettings(target=str(files["llama"]), drafter=str(files["dflash"]), levels=(1, 2),
+                                   tokens=4, reps=2, backend="gpu")
+    receipt = Receipt.new("engine-speed", ["test"], s.__dict__)
+    engine_speed.run(s, receipt)
+    order = [(r["streams"], r["mode"], r["rep"]) for r in receipt.records]
+    sides = ["plain", "drafted", engine_speed.MLX_LM]
+    assert order == [(n, mode, rep) for n in (1, 2) for rep in (0, 1) for mode in sides]
+
+
 def test_a_gguf_target_is_noted_not_failed_in_the_mode_auto_picks(files, one_probe):
     s = engine_speed.SpeedSettings(target=str(files["llama-gguf"]), levels=(1,), tokens=4, reps=1)
     receipt = Receipt.new("engine-speed", ["test"], s.__dict__)

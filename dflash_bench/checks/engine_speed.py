@@ -131,7 +131,17 @@ def engines(s: SpeedSettings, receipt: Receipt) -> tuple[LoadedTarget, list[tupl
     return loaded, modes
 
 
+def mlx_lm_record(reference, ids: list[int], streams: int, tokens: int) -> dict:
+    """One mlx-lm decode as a record beside ours (its tokens as hashes)."""
+    got = mlx_lm_speed.decode(reference, ids, streams, tokens)
+    return {"streams": streams, "seconds": got["seconds"], "aggregate_tok_s": got["aggregate_tok_s"],
+            "stream_tok_s": got["stream_tok_s"], "token_sha": [token_sha(t) for t in got["tokens"]]}
+
+
 def run(s: SpeedSettings, receipt: Receipt, progress: Callable[[str], None] = lambda msg: None) -> None:
+    """Each probe and level: every side (our modes, then mlx-lm) once untimed, then the reps taken in
+    turns (ours, mlx-lm, ours, ...). A plain GPU round is bound by the host CPU's speed, which drifts on a
+    shared machine (docs/profiles/round-split-h200.txt); in turns, a drift reaches both sides of a ratio."""
     loaded, modes = engines(s, receipt)
     reference = None
     if s.mlx_lm:
@@ -145,33 +155,27 @@ def run(s: SpeedSettings, receipt: Receipt, progress: Callable[[str], None] = la
     for name, probe in prompt_sets.probes().items():
         ids = chat_ids(loaded, probe)
         cells: dict[str, dict[str, dict]] = receipt.aggregates.setdefault(name, {})
-        for mode, engine, draft in modes:
-            for streams in s.levels:
-                warm = run_level(engine, ids, streams, WARM_TOKENS, draft)
-                receipt.aggregates.setdefault("first_request_seconds", warm["wall_seconds"])
-                reps = []
-                for rep in range(s.reps):
+        for streams in s.levels:
+            sides: list[tuple[str, Callable[[int], dict]]] = [
+                (mode, lambda n, e=engine, d=draft: run_level(e, ids, streams, n, d)) for mode, engine, draft in modes]
+            if reference is not None:
+                sides.append((MLX_LM, lambda n: mlx_lm_record(reference, ids, streams, n)))
+            for mode, side in sides:
+                warm = side(WARM_TOKENS)
+                if mode != MLX_LM:
+                    receipt.aggregates.setdefault("first_request_seconds", warm["wall_seconds"])
+            reps: dict[str, list[dict]] = {mode: [] for mode, _ in sides}
+            for rep in range(s.reps):
+                for mode, side in sides:
                     progress(f"{name} {mode} x{streams} rep {rep + 1}/{s.reps}")
-                    reps.append(run_level(engine, ids, streams, s.tokens, draft))
-                    receipt.records.append({"probe": name, "mode": mode, "rep": rep, **reps[-1]})
-                cells.setdefault(mode, {})[str(streams)] = cell(reps)
-        check_equal(receipt, name, cells, s.levels)
-        if reference is not None:
-            for streams in s.levels:
-                mlx_lm_speed.decode(reference, ids, streams, WARM_TOKENS)
-                reps = []
-                for rep in range(s.reps):
-                    progress(f"{name} mlx-lm x{streams} rep {rep + 1}/{s.reps}")
-                    got = mlx_lm_speed.decode(reference, ids, streams, s.tokens)
-                    reps.append(got)
-                    receipt.records.append({"probe": name, "mode": MLX_LM, "rep": rep, "streams": streams,
-                                            "seconds": got["seconds"], "aggregate_tok_s": got["aggregate_tok_s"],
-                                            "stream_tok_s": got["stream_tok_s"],
-                                            "token_sha": [token_sha(t) for t in got["tokens"]]})
-                cells.setdefault(MLX_LM, {})[str(streams)] = {
-                    "aggregate_tok_s": summary([r["aggregate_tok_s"] for r in reps]),
-                    "stream_tok_s": summary([r["stream_tok_s"] for r in reps]),
+                    reps[mode].append(side(s.tokens))
+                    receipt.records.append({"probe": name, "mode": mode, "rep": rep, **reps[mode][-1]})
+            for mode, got in reps.items():
+                cells.setdefault(mode, {})[str(streams)] = cell(got) if mode != MLX_LM else {
+                    "aggregate_tok_s": summary([r["aggregate_tok_s"] for r in got]),
+                    "stream_tok_s": summary([r["stream_tok_s"] for r in got]),
                 }
+        check_equal(receipt, name, cells, s.levels)
         derive(cells)
     receipt.aggregates["peak_bytes"] = mx.get_peak_memory()
 
