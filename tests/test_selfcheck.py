@@ -179,6 +179,17 @@ def test_the_verdict_is_cached_per_machine_and_shapes(monkeypatch) -> None:
     assert not deeper.cached, "a model of other shapes reused another's verdict"
 
 
+def test_the_code_key_covers_the_fused_chains(monkeypatch, tmp_path) -> None:
+    """engine/fused.py's chains are part of every GPU row's arithmetic: a change to them re-runs the check."""
+    from dflash_bench.engine import fused
+
+    before = selfcheck._code_hash()
+    edited = tmp_path / "fused.py"
+    edited.write_bytes(Path(fused.__file__).read_bytes() + b"\n# edited\n")
+    monkeypatch.setattr(fused, "__file__", str(edited))
+    assert selfcheck._code_hash() != before
+
+
 def test_selfcheck_command_prints_each_path_and_writes_a_receipt(tmp_path) -> None:
     target = write_fixture("qwen3_5", tmp_path / "t")
     out = tmp_path / "selfcheck.json"

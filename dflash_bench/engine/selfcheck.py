@@ -138,11 +138,12 @@ def _cpu_signature() -> str:
 
 def _code_hash() -> str:
     """The sources whose arithmetic the verdict is about: a change to any of them re-runs the check."""
-    from dflash_bench.engine import cache, tiles, tree_attention
+    from dflash_bench.engine import cache, fused, tiles, tree_attention
     from dflash_bench.engine.targets import base, delta_kernel, dense, qwen3_5
 
     h = hashlib.sha256()
-    for module in (tiles, matmul_kernel, tree_attention, cache, base, dense, qwen3_5, delta_kernel, attention_kernel):
+    for module in (tiles, matmul_kernel, tree_attention, cache, base, dense, qwen3_5, delta_kernel, attention_kernel,
+                   fused):
         h.update(Path(module.__file__).read_bytes())
     h.update(Path(__file__).read_bytes())
     return h.hexdigest()[:16]
