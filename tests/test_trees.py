@@ -408,3 +408,23 @@ def test_trees_fall_back_to_chains_where_decode_attention_runs_the_cuda_kernel()
     assert target.supports_trees and target.tree_refusal is None
     target.attn[0].path = "kernel"
     assert not target.supports_trees and "CUDA kernel" in target.tree_refusal
+
+
+def test_the_lattice_ranks_each_depth_by_its_scores_with_the_chains_draft_first() -> None:
+    """PositionLattice's candidates equal a full sort of each row: the pick first, then the best others by
+    log-probability; ties go to the lower id, filtered (-inf) tokens never appear, no token twice."""
+    rng = np.random.default_rng(3)
+    scores = rng.standard_normal((6, 500)).astype(np.float32) * 3
+    scores[1, :] = -np.inf
+    scores[1, [7, 40]] = [1.0, 2.0]  # a row with two tokens left after filtering
+    scores[2, [10, 20, 30]] = 50.0  # a three-way tie at the top
+    picks = [int(np.argmax(scores[0])), 7, 30, 11, 0, 499]
+    lattice = dflash_module.PositionLattice(mx.array(scores), mx.array(picks), 4)
+    for row, (tokens, logps) in enumerate(lattice.depths):
+        s = scores[row].astype(np.float64)
+        lse = s.max() + np.log(np.exp(s - s.max()).sum())
+        order = sorted((i for i in range(s.size) if np.isfinite(s[i]) and i != picks[row]), key=lambda i: (-s[i], i))
+        assert tokens == [picks[row], *order[:3]]
+        assert len(set(tokens)) == len(tokens)
+        assert np.allclose(logps, [s[t] - lse for t in tokens], atol=1e-4)
+    assert lattice.depths[1][0] == [7, 40] and lattice.depths[2][0][:3] == [30, 10, 20]
