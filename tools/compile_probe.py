@@ -1,0 +1,128 @@
+"""Would one compiled function per GatedDeltaNet layer make a plain round cheaper on the host, and keep its bits?
+
+usage: python3 tools/compile_probe.py [TARGET] [--backend auto|cpu|gpu] [--streams N] [--steps T]
+(on the GPU machine: PYTHONPATH=/tmp/site:$PWD python3 tools/compile_probe.py /root/t9 --backend gpu)
+
+A plain round on the H200 is host-bound: building the forward's graph in Python and MLX encoding it
+are 85-93% of it (docs/profiles/round-split-h200.txt). This probe runs T one-row steps of N streams
+of a qwen3_5 target twice from the same prompt: as the engine builds them, then with every
+GatedDeltaNet layer's decode rows as one `mx.compile`d function of the rows and the streams' conv
+tails and states (norm, stacked in_proj, conv, recurrence, gated norm, out_proj, MLP), and prints
+per step the median Python build and evaluation times of each, the first compiled step's time
+(tracing and kernel compiles), and whether the logits and states are bit-equal. Without TARGET it
+writes the `tiny` 9B-pattern fixture (8 layers) to a temporary folder.
+
+On this CPU (gpu mode, tiny fixture) the compiled build took 0.95 ms against 2.04 ms with bit-equal
+logits; on the H200 an engine with such layers did not finish loading in 10 minutes
+(docs/gpu-round-profile.md). Run this first there: it isolates the compile from the engine's
+self-check and warm-up, in one short call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+
+import dflash_bench  # noqa: F401  (loads the BLAS before mlx.core)
+import mlx.core as mx
+
+from dflash_bench.engine.engine import Engine, Settings
+from dflash_bench.engine.targets import qwen3_5
+from dflash_bench.engine.targets.base import Segment
+from dflash_bench.engine.tiles import Layout, linear
+from dflash_bench.fixtures.big import write_big
+
+
+def decode_layer(target: qwen3_5.HybridTarget, i: int, streams: int, x: mx.array, convs: list[mx.array],
+                 states: list[mx.array]) -> tuple[mx.array, list[mx.array], list[mx.array]]:
+    """Layer i over `streams` one-row decode segments, as a function of arrays alone."""
+    mixer, (pre, post) = target.mixers[i], target.norms[i]
+    layout = Layout.of([1] * streams, [False] * streams)
+    span = mixer.kernel - 1
+    qkv, z, b, a = mixer.in_proj(mx.fast.rms_norm(x, pre, target.eps), layout)
+    inputs = mx.concatenate([p for s, c in enumerate(convs) for p in (c, qkv[s : s + 1])])
+    starts = [s * (span + 1) for s in range(streams)]
+    mixed = mixer.conv(inputs, inputs.shape[0] - span)
+    if streams > 1:
+        mixed = mx.concatenate([mixed[st : st + 1] for st in starts])
+    q, k, v = mixer.heads(mixed)
+    g, beta = qwen3_5.compute_g(mixer.A_log, a[:streams], mixer.dt_bias), mx.sigmoid(b[:streams])
+    y, states = mixer.recur(q, k, v, g, beta, states, [(s, s + 1) for s in range(streams)])
+    out = mixer.gated_norm(y, z[:streams].reshape(streams, mixer.hv, mixer.dv)).reshape(streams, -1)
+    x = x + linear(layout.join(out, []), mixer.out, layout)
+    tails = [mx.contiguous(inputs[st + 1 : st + 1 + span]) for st in starts]
+    return x + target.mlp(mx.fast.rms_norm(x, post, target.eps), layout, *target.mlps[i]), tails, states
+
+
+def compiled_layers(target: qwen3_5.HybridTarget, streams: int):
+    """`target.layer` with its GatedDeltaNet layers compiled for one-row decode rounds of `streams`."""
+    plain_layer, fns = target.layer, {}
+
+    def layer(i: int, x: mx.array, segments: list[Segment], layout: Layout) -> mx.array:
+        if not isinstance(target.mixers[i], qwen3_5.GatedDeltaNet) or any(
+                seg.prefill or len(seg.tokens) != 1 for seg in segments):  # prompts and windows as built
+            return plain_layer(i, x, segments, layout)
+        fn = fns.setdefault(i, mx.compile(partial(decode_layer, target, i, streams)))
+        caches = [seg.state.layers[i] for seg in segments]
+        x, tails, states = fn(x, [c.conv for c in caches], [c.state for c in caches])
+        for seg, c, tail, state in zip(segments, caches, tails, states):
+            c.redo, c.conv, c.state = None, tail, state
+            c.window_start, c.length = seg.start, seg.start + 1
+        return x
+
+    return layer
+
+
+def run(target: qwen3_5.HybridTarget, streams: int, steps: int) -> tuple[list[float], list[float], list[mx.array]]:
+    """T plain steps of `streams` streams after the same prompt: build and eval ms, and every output."""
+    states = [target.new_state() for _ in range(streams)]
+    for s, st in enumerate(states):
+        out = target.forward([Segment(list(range(10 + s, 74 + s)), 0, st, [63], prefill=True)])
+        mx.eval(out[0].logits, st.arrays())
+        st.keep(64)
+    build, evals, outs = [], [], []
+    for step in range(steps):
+        t0 = time.perf_counter()
+        got = target.forward([Segment([5 + step], st.length, st, [0]) for st in states])
+        t1 = time.perf_counter()
+        mx.eval([o.logits for o in got], [st.arrays() for st in states])
+        t2 = time.perf_counter()
+        for st in states:
+            st.keep(st.length)
+        build.append(1e3 * (t1 - t0))
+        evals.append(1e3 * (t2 - t1))
+        outs += [o.logits for o in got] + [a for st in states for a in st.arrays()]
+    return build, evals, outs
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("target", nargs="?")
+    parser.add_argument("--backend", default="gpu")
+    parser.add_argument("--streams", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=24)
+    args = parser.parse_args()
+    path = args.target or write_big("qwen3_5-9b-4bit", Path(tempfile.mkdtemp()) / "target", "tiny")
+    engine = Engine(path, None, Settings(parallel=args.streams, context=512, backend=args.backend, warm=False))
+    target = engine.target
+    assert isinstance(target, qwen3_5.HybridTarget), "the probe is for qwen3_5 targets"
+    print(engine.startup_line(), flush=True)
+    results = {}
+    for name in ("as built", "compiled"):
+        if name == "compiled":
+            target.layer = compiled_layers(target, args.streams)
+        build, evals, outs = run(target, args.streams, args.steps)
+        results[name] = outs
+        print(f"{name}: first step {build[0] + evals[0]:.1f} ms; then build {statistics.median(build[1:]):.2f} ms, "
+              f"eval {statistics.median(evals[1:]):.2f} ms a step ({args.streams} stream(s), median of "
+              f"{args.steps - 1})", flush=True)
+    equal = all(mx.array_equal(a, b).item() for a, b in zip(results["as built"], results["compiled"]))
+    print(f"logits and states bit-equal over {args.steps} steps: {equal}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
