@@ -9,8 +9,10 @@ of a qwen3_5 target twice from the same prompt: as the engine builds them, then 
 GatedDeltaNet layer's decode rows as one `mx.compile`d function of the rows and the streams' conv
 tails and states (norm, stacked in_proj, conv, recurrence, gated norm, out_proj, MLP), and prints
 per step the median Python build and evaluation times of each, the first compiled step's time
-(tracing and kernel compiles), and whether the logits and states are bit-equal. Without TARGET it
-writes the `tiny` 9B-pattern fixture (8 layers) to a temporary folder.
+(tracing and kernel compiles), whether the logits and states are bit-equal, and whether each way's
+steps equal the rows of one decode window run as built (window == steps: what drafting needs if only
+plain rounds were compiled; fused elementwise chains may round differently from separate kernels on
+a GPU). Without TARGET it writes the `tiny` 9B-pattern fixture (8 layers) to a temporary folder.
 
 On this CPU (gpu mode, tiny fixture) the compiled build took 0.95 ms against 2.04 ms with bit-equal
 logits; on the H200 an engine with such layers did not finish loading in 10 minutes
@@ -77,13 +79,28 @@ def compiled_layers(target: qwen3_5.HybridTarget, streams: int):
     return layer
 
 
-def run(target: qwen3_5.HybridTarget, streams: int, steps: int) -> tuple[list[float], list[float], list[mx.array]]:
-    """T plain steps of `streams` streams after the same prompt: build and eval ms, and every output."""
+def prefilled(target: qwen3_5.HybridTarget, streams: int) -> list:
+    """Each stream's state after its 64-token prompt."""
     states = [target.new_state() for _ in range(streams)]
     for s, st in enumerate(states):
         out = target.forward([Segment(list(range(10 + s, 74 + s)), 0, st, [63], prefill=True)])
         mx.eval(out[0].logits, st.arrays())
         st.keep(64)
+    return states
+
+
+def window(target: qwen3_5.HybridTarget, rows: int) -> mx.array:
+    """Stream 0's next `rows` tokens (those `run` feeds) as one decode window, as built: its logits."""
+    st = prefilled(target, 1)[0]
+    out = target.forward([Segment([5 + j for j in range(rows)], st.length, st, list(range(rows)))])
+    mx.eval(out[0].logits)
+    return out[0].logits
+
+
+def run(target: qwen3_5.HybridTarget, streams: int, steps: int) -> tuple[list[float], list[float], list[mx.array]]:
+    """T plain steps of `streams` streams after the same prompt: build and eval ms, and every output
+    (per step: each stream's logits, then every state array)."""
+    states = prefilled(target, streams)
     build, evals, outs = [], [], []
     for step in range(steps):
         t0 = time.perf_counter()
@@ -111,6 +128,8 @@ def main() -> None:
     target = engine.target
     assert isinstance(target, qwen3_5.HybridTarget), "the probe is for qwen3_5 targets"
     print(engine.startup_line(), flush=True)
+    rows = min(args.steps, 16)
+    as_window = window(target, rows)  # before the compiled layers: a window runs the built path either way
     results = {}
     for name in ("as built", "compiled"):
         if name == "compiled":
@@ -122,6 +141,11 @@ def main() -> None:
               f"{args.steps - 1})", flush=True)
     equal = all(mx.array_equal(a, b).item() for a, b in zip(results["as built"], results["compiled"]))
     print(f"logits and states bit-equal over {args.steps} steps: {equal}", flush=True)
+    per_step = args.streams * (1 + len(target.new_state().arrays()))
+    for name, outs in results.items():  # stream 0's logits at each step beside the window's rows
+        steps = [outs[j * per_step] for j in range(rows)]
+        same = all(mx.array_equal(step[0], as_window[j]).item() for j, step in enumerate(steps))
+        print(f"{name} steps equal a {rows}-row window's rows (window == steps): {same}", flush=True)
 
 
 if __name__ == "__main__":
