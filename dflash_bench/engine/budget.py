@@ -11,8 +11,8 @@ tokens per second over all streams:
   forward's projections run over all decode rows packed in ROW_TILE-row tiles and its attention in
   QUERY_TILE-query tiles per segment, so a 16-row window costs a plain step's projections; a drafter
   pass runs each stream's block rows (`block_rows`) packed the same way. The model is linear in those
-  counts (a forward: a fixed part, a part a row tile, a part a query tile, a part a branching draft
-  tree and a part a row of one, whose rows each attend over their own key view; a drafter pass: a fixed
+  counts (a forward: a fixed part, a part a row tile, a part a query tile, a part a row of a
+  branching draft tree, whose rows each attend over their own key view; a drafter pass: a fixed
   part, a part a stream, a part a row tile), fitted by least squares first to forwards and drafter
   passes timed at load (`measure_cost`), then to every round the lanes time while serving, older
   observations fading by FORGET a round (`CostFit`): one timing at load, on a machine other
@@ -48,13 +48,11 @@ FORGET = 0.95  # the weight an observation of the round costs keeps a round late
 RIDGE = 1e-9  # keeps the normal equations solvable when every round so far had the same shape
 
 
-def forward_features(rows: list[int], trees: list[int] = ()) -> np.ndarray:
-    """[1, row tiles, query tiles, tree rows, trees] of a forward whose decode segments have `rows` rows
-    each, the segments of `trees` rows each being branching draft trees (each row attends over its
-    own key view there: tree_attention.py). A tree pays per row and per tree: its key views are
-    gathered and multiplied per layer whatever its size, so on this CPU eight 3-node trees cost 0.16
-    of a plain 8-stream round more than eight 3-row chain windows (docs/verify-budget.md)."""
-    return np.array([1.0, -(-sum(rows) // ROW_TILE), sum(-(-r // QUERY_TILE) for r in rows), sum(trees), len(trees)])
+def forward_features(rows: list[int], tree_rows: int = 0) -> np.ndarray:
+    """[1, row tiles, query tiles, tree rows] of a forward whose decode segments have `rows` rows each,
+    `tree_rows` of them in branching draft trees (each row attends over its own key view there:
+    tree_attention.py)."""
+    return np.array([1.0, -(-sum(rows) // ROW_TILE), sum(-(-r // QUERY_TILE) for r in rows), tree_rows])
 
 
 def draft_features(block_rows: list[int]) -> np.ndarray:
@@ -65,7 +63,7 @@ def draft_features(block_rows: list[int]) -> np.ndarray:
 @dataclass(frozen=True)
 class CostModel:
     """Seconds of a round: the forward, base + per_row_tile * row tiles + per_query_tile * query tiles
-    + per_tree_row * rows in branching trees + per_tree * branching trees, plus, when any stream drafts, draft_base +
+    + per_tree_row * rows in branching trees, plus, when any stream drafts, draft_base +
     draft_per_stream * streams + draft_per_row_tile * the pass's row tiles (`forward_features`,
     `draft_features`)."""
 
@@ -73,30 +71,29 @@ class CostModel:
     per_row_tile: float
     per_query_tile: float
     per_tree_row: float
-    per_tree: float
     draft_base: float
     draft_per_stream: float
     draft_per_row_tile: float
 
-    def forward(self, rows: list[int], trees: list[int] = ()) -> float:
-        return float(np.dot([self.base, self.per_row_tile, self.per_query_tile, self.per_tree_row, self.per_tree],
-                            forward_features(rows, trees)))
+    def forward(self, rows: list[int], tree_rows: int = 0) -> float:
+        return float(np.dot([self.base, self.per_row_tile, self.per_query_tile, self.per_tree_row],
+                            forward_features(rows, tree_rows)))
 
     def draft(self, block_rows: list[int]) -> float:
         if not block_rows:
             return 0.0
         return float(np.dot([self.draft_base, self.draft_per_stream, self.draft_per_row_tile], draft_features(block_rows)))
 
-    def seconds(self, rows: list[int], block_rows: list[int], trees: list[int] = ()) -> float:
-        """A round whose decode segments have `rows` rows (those of `trees` rows each in branching
-        trees) and whose drafter pass runs `block_rows`."""
-        return self.forward(rows, trees) + self.draft(block_rows)
+    def seconds(self, rows: list[int], block_rows: list[int], tree_rows: int = 0) -> float:
+        """A round whose decode segments have `rows` rows (`tree_rows` in branching trees) and whose
+        drafter pass runs `block_rows`."""
+        return self.forward(rows, tree_rows) + self.draft(block_rows)
 
     def describe(self, trees: bool = False) -> str:
-        b, t, q, r, n, d, ds, dt = (f"{x * 1e3:.2f}" for x in (
-            self.base, self.per_row_tile, self.per_query_tile, self.per_tree_row, self.per_tree, self.draft_base,
+        b, t, q, r, d, ds, dt = (f"{x * 1e3:.2f}" for x in (
+            self.base, self.per_row_tile, self.per_query_tile, self.per_tree_row, self.draft_base,
             self.draft_per_stream, self.draft_per_row_tile))
-        tree = f" + {n} a tree + {r} a tree row" if trees else ""
+        tree = f" + {r} a tree row" if trees else ""
         return (f"a forward {b} ms + {t} a {ROW_TILE}-row tile + {q} a {QUERY_TILE}-query tile{tree}; "
                 f"a drafter pass {d} + {ds} a stream + {dt} a row tile")
 
@@ -106,8 +103,8 @@ class CostFit:
     """Weighted least squares of forward and drafter-pass seconds on their features, kept as normal
     equations so each observation costs a rank-one update."""
 
-    forward_a: np.ndarray = field(default_factory=lambda: RIDGE * np.eye(5))
-    forward_b: np.ndarray = field(default_factory=lambda: np.zeros(5))
+    forward_a: np.ndarray = field(default_factory=lambda: RIDGE * np.eye(4))
+    forward_b: np.ndarray = field(default_factory=lambda: np.zeros(4))
     draft_a: np.ndarray = field(default_factory=lambda: RIDGE * np.eye(3))
     draft_b: np.ndarray = field(default_factory=lambda: np.zeros(3))
 
@@ -115,15 +112,15 @@ class CostFit:
     def around(cls, model: CostModel, weight: float = 1.0) -> CostFit:
         """A fit holding `model` as `weight` rounds' worth of observations at a spread of shapes."""
         fit = cls()
-        for rows, trees in (([1], []), ([16], []), ([8, 8], []), ([1] * 4, []), ([16] * 4, []), ([4] * 8, []),
-                            ([16], [16]), ([4] * 4, [4] * 4), ([3] * 8, [3] * 8)):
+        for rows, trees in (([1], 0), ([16], 0), ([8, 8], 0), ([1] * 4, 0), ([16] * 4, 0), ([4] * 8, 0), ([16], 16),
+                            ([4] * 4, 16)):
             fit.add_forward(rows, model.forward(rows, trees), weight, trees)
         for blocks in ([2], [16], [2] * 4, [16] * 4, [8] * 8):
             fit.add_draft(blocks, model.draft(blocks), weight)
         return fit
 
-    def add_forward(self, rows: list[int], seconds: float, weight: float = 1.0, trees: list[int] = ()) -> None:
-        x = forward_features(rows, trees)
+    def add_forward(self, rows: list[int], seconds: float, weight: float = 1.0, tree_rows: int = 0) -> None:
+        x = forward_features(rows, tree_rows)
         self.forward_a += weight * np.outer(x, x)
         self.forward_b += weight * seconds * x
 
@@ -143,7 +140,7 @@ class CostFit:
 
 def nonnegative(a: np.ndarray, b: np.ndarray) -> list[float]:
     """argmin over x >= 0 of x.a.x - 2 b.x (least squares from its normal equations a, b): the best of
-    the unconstrained solutions on each subset of free parts (at most five parts: 32 subsets); clipping
+    the unconstrained solutions on each subset of free parts (at most four parts: 16 subsets); clipping
     the full solution instead would leave the other parts fitted around a negative one."""
     n = len(b)
     best, best_value = np.zeros(n), 0.0
@@ -206,14 +203,14 @@ class Budget:
             self.cost = self.measured = self.fit.model()
 
     def observe(self, rows: list[int], forward_seconds: float, counts: list[int], draft_seconds: float,
-                trees: list[int] = ()) -> None:
-        """A round as the lanes timed it: its segments' rows (those of `trees` rows each in branching trees)
+                tree_rows: int = 0) -> None:
+        """A round as the lanes timed it: its segments' rows (`tree_rows` of them in branching trees)
         and forward (with keep), and the drafter pass for the drafting streams' `counts` (none: []).
         Older rounds fade; the model is refitted."""
         if self.fit is None or not rows:
             return
         self.fit.fade()
-        self.fit.add_forward(rows, forward_seconds, trees=trees)
+        self.fit.add_forward(rows, forward_seconds, tree_rows=tree_rows)
         if counts:
             self.fit.add_draft([self.block_rows(c) for c in counts], draft_seconds)
         self.cost = self.fit.model()
@@ -238,8 +235,8 @@ class Budget:
         def rate(ks: list[int]) -> float:
             rows = other_rows + [1 + x for x in ks]
             tokens = sum(1 + g[x] for g, x in zip(gains, ks))
-            trees = [1 + x for x in ks if x > 1] if self.trees else []
-            return tokens / max(self.cost.seconds(rows, [self.block_rows(x) for x in ks if x], trees), 1e-9)
+            tree_rows = sum(1 + x for x in ks if x > 1) if self.trees else 0
+            return tokens / max(self.cost.seconds(rows, [self.block_rows(x) for x in ks if x], tree_rows), 1e-9)
 
         # The price is a step function of the rows (whole tiles) with a fixed part for any drafting,
         # so moving one stream at a time from all-plain stalls where only several moving together pay:
@@ -261,8 +258,7 @@ class Budget:
 
 def measure_cost(target, drafter, parallel: int, trees: bool = False, context: int = 64, reps: int = 3) -> CostFit:
     """Time target forwards (1, 2, 4 .. `parallel` streams of 1, 4, 8 and `drafter.block` rows after
-    a `context`-token prompt; with trees, binary trees of 4 rows and of a block's rows too, which
-    separate a tree's own cost from its rows') and drafter passes (as many streams, each drafting 1, half a block or a
+    a `context`-token prompt) and drafter passes (as many streams, each drafting 1, half a block or a
     block's drafts; as trees of that many nodes where the lanes draft trees), median of `reps`: the
     fit the rounds then refine."""
     from dflash_bench.engine.drafters.dflash import Proposal
@@ -296,9 +292,10 @@ def measure_cost(target, drafter, parallel: int, trees: bool = False, context: i
         for state in states[:s]:
             state.keep(context)
 
-    def tree_forward(s: int, r: int) -> None:
-        tree = Tree.of(prompt[:r], [-1] + [(j - 1) // 2 for j in range(1, r)])  # a binary tree of r rows
-        segs = [Segment(list(tree.tokens), context, states[i], list(range(r)), True, tree=tree) for i in range(s)]
+    def tree_forward(s: int) -> None:
+        tree = Tree.of(prompt[: drafter.block], [-1] + [(r - 1) // 2 for r in range(1, drafter.block)])  # a binary tree
+        segs = [Segment(list(tree.tokens), context, states[i], list(range(drafter.block)), True, tree=tree)
+                for i in range(s)]
         mx.eval([o.logits for o in target.forward(segs, drafter.taps)])
         for state in states[:s]:
             state.keep(context)
@@ -307,8 +304,8 @@ def measure_cost(target, drafter, parallel: int, trees: bool = False, context: i
     for s in streams:
         for r in (1, 4, 8, drafter.block):
             fit.add_forward([r] * s, timed(lambda s=s, r=r: forward(s, r)))
-        for r in (4, drafter.block) if trees else ():
-            fit.add_forward([r] * s, timed(lambda s=s, r=r: tree_forward(s, r)), trees=[r] * s)
+        if trees:
+            fit.add_forward([drafter.block] * s, timed(lambda s=s: tree_forward(s)), tree_rows=s * drafter.block)
 
     def propose(s: int, count: int) -> None:
         items = [Proposal(dstates[i], prompt[-1], count, SamplingParams(), count if trees else 0) for i in range(s)]

@@ -222,7 +222,7 @@ class Lanes:
             # path whose rows cost less, so their rounds would skew the price of a decode row
             self.budget.observe([len(seg.tokens) for seg in segments],
                                 time.perf_counter() - started - draft_seconds, [p.count for _, p in proposals],
-                                draft_seconds, [len(seg.tokens) for seg in segments if seg.tree is not None])
+                                draft_seconds, sum(len(seg.tokens) for seg in segments if seg.tree is not None))
 
     def plain_round(self, segments: list[Segment], outs: list[SegmentOut]) -> None:
         """Every stream takes its keyed choice of its one row, with the next round queued before the
