@@ -7,15 +7,16 @@ A plain round on the H200 is host-bound: building the forward's graph in Python 
 are 85-93% of it (docs/profiles/round-split-h200.txt). This probe runs T one-row steps of N streams
 of a qwen3_5 target twice from the same prompt: as the engine builds them, then with every
 GatedDeltaNet layer's decode rows as one `mx.compile`d function of the rows and the streams' conv
-tails and states (norm, stacked in_proj, conv, recurrence, gated norm, out_proj, MLP), and prints
+tails and states (the engine's own layer: norm, stacked in_proj, conv, recurrence, gated norm,
+out_proj, MLP), and prints
 per step the median Python build and evaluation times of each, the first compiled step's time
 (tracing and kernel compiles), whether the logits and states are bit-equal, and whether each way's
 steps equal the rows of one decode window run as built (window == steps: what drafting needs if only
 plain rounds were compiled; fused elementwise chains may round differently from separate kernels on
 a GPU). Without TARGET it writes the `tiny` 9B-pattern fixture (8 layers) to a temporary folder.
 
-On this CPU (gpu mode, tiny fixture) the compiled build took 0.95 ms against 2.04 ms with bit-equal
-logits; on the H200 an engine with such layers did not finish loading in 10 minutes
+On this CPU (gpu mode, tiny fixture, one stream) the compiled layers cut graph building from 2.04 to
+0.95 ms in one run and from 2.58 to 1.74 ms in another (the CPU shared), with bit-equal logits; on the H200 an engine with such layers did not finish loading in 10 minutes
 (docs/gpu-round-profile.md). Run this first there: it isolates the compile from the engine's
 self-check and warm-up, in one short call.
 """
@@ -28,36 +29,28 @@ import tempfile
 import time
 from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import dflash_bench  # noqa: F401  (loads the BLAS before mlx.core)
 import mlx.core as mx
 
+from dflash_bench.engine.cache import LinearCache, TargetState
 from dflash_bench.engine.engine import Engine, Settings
 from dflash_bench.engine.targets import qwen3_5
 from dflash_bench.engine.targets.base import Segment
-from dflash_bench.engine.tiles import Layout, linear
+from dflash_bench.engine.tiles import Layout
 from dflash_bench.fixtures.big import write_big
 
 
-def decode_layer(target: qwen3_5.HybridTarget, i: int, streams: int, x: mx.array, convs: list[mx.array],
+def decode_layer(plain_layer: Callable, i: int, streams: int, x: mx.array, convs: list[mx.array],
                  states: list[mx.array]) -> tuple[mx.array, list[mx.array], list[mx.array]]:
-    """Layer i over `streams` one-row decode segments, as a function of arrays alone."""
-    mixer, (pre, post) = target.mixers[i], target.norms[i]
-    layout = Layout.of([1] * streams, [False] * streams)
-    span = mixer.kernel - 1
-    qkv, z, b, a = mixer.in_proj(mx.fast.rms_norm(x, pre, target.eps), layout)
-    inputs = mx.concatenate([p for s, c in enumerate(convs) for p in (c, qkv[s : s + 1])])
-    starts = [s * (span + 1) for s in range(streams)]
-    mixed = mixer.conv(inputs, inputs.shape[0] - span)
-    if streams > 1:
-        mixed = mx.concatenate([mixed[st : st + 1] for st in starts])
-    q, k, v = mixer.heads(mixed)
-    g, beta = qwen3_5.compute_g(mixer.A_log, a[:streams], mixer.dt_bias), mx.sigmoid(b[:streams])
-    y, states = mixer.recur(q, k, v, g, beta, states, [(s, s + 1) for s in range(streams)])
-    out = mixer.gated_norm(y, z[:streams].reshape(streams, mixer.hv, mixer.dv)).reshape(streams, -1)
-    x = x + linear(layout.join(out, []), mixer.out, layout)
-    tails = [mx.contiguous(inputs[st + 1 : st + 1 + span]) for st in starts]
-    return x + target.mlp(mx.fast.rms_norm(x, post, target.eps), layout, *target.mlps[i]), tails, states
+    """The engine's layer i (`plain_layer`) over `streams` one-row decode segments, as a function of
+    arrays alone: the segments' caches are stand-ins holding the conv tails and states given, read back
+    after the layer moved them past the row."""
+    caches = [LinearCache(conv=conv, state=state) for conv, state in zip(convs, states)]
+    segments = [Segment([0], 0, TargetState([None] * i + [cache])) for cache in caches]
+    x = plain_layer(i, x, segments, Layout.of([1] * streams, [False] * streams))
+    return x, [c.conv for c in caches], [c.state for c in caches]
 
 
 def compiled_layers(target: qwen3_5.HybridTarget, streams: int):
@@ -68,9 +61,10 @@ def compiled_layers(target: qwen3_5.HybridTarget, streams: int):
         if not isinstance(target.mixers[i], qwen3_5.GatedDeltaNet) or any(
                 seg.prefill or len(seg.tokens) != 1 for seg in segments):  # prompts and windows as built
             return plain_layer(i, x, segments, layout)
-        fn = fns.setdefault(i, mx.compile(partial(decode_layer, target, i, streams)))
+        if i not in fns:
+            fns[i] = mx.compile(partial(decode_layer, plain_layer, i, streams))
         caches = [seg.state.layers[i] for seg in segments]
-        x, tails, states = fn(x, [c.conv for c in caches], [c.state for c in caches])
+        x, tails, states = fns[i](x, [c.conv for c in caches], [c.state for c in caches])
         for seg, c, tail, state in zip(segments, caches, tails, states):
             c.redo, c.conv, c.state = None, tail, state
             c.window_start, c.length = seg.start, seg.start + 1
