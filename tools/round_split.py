@@ -1,7 +1,7 @@
 """Where a plain decode round's time goes in the engine: the forward's Python, queuing it, and the rest.
 
 usage: python3 tools/round_split.py [TARGET] [--backend auto|cpu|gpu] [--streams N] [--tokens T]
-       [--parallel P] [--no-warm] [--with-mlx-lm] [--layers DRAFTER]
+       [--parallel P] [--no-warm] [--with-mlx-lm | --layers DRAFTER]
 (on the GPU machine: PYTHONPATH=/tmp/site:$PWD python3 tools/round_split.py /root/t9 --backend gpu)
 
 On the H200 a 9B step built and evaluated on its own costs 13.8 ms (tools/build_eval_split.py) but the
@@ -109,10 +109,11 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--parallel", type=int, default=0, help="the engine's lanes (default: --streams)")
     parser.add_argument("--no-warm", action="store_true", help="skip the engine's warm-up (the first split warms)")
-    parser.add_argument("--with-mlx-lm", action="store_true",
-                        help="hold mlx-lm's model of TARGET in the process too, as engine-speed does")
-    parser.add_argument("--layers", metavar="DRAFTER",
-                        help="add engine-speed's other residents one at a time (a drafter for its drafting engine)")
+    residents = parser.add_mutually_exclusive_group()  # --layers loads mlx-lm's model itself, as one of its steps
+    residents.add_argument("--with-mlx-lm", action="store_true",
+                           help="hold mlx-lm's model of TARGET in the process too, as engine-speed does")
+    residents.add_argument("--layers", metavar="DRAFTER",
+                           help="add engine-speed's other residents one at a time (a drafter for its drafting engine)")
     args = parser.parse_args()
     engine = Engine(args.target, None, Settings(parallel=args.parallel or args.streams, context=4096,
                                                 warm=not args.no_warm,
