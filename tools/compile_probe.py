@@ -17,8 +17,9 @@ a GPU). Without TARGET it writes the `tiny` 9B-pattern fixture (8 layers) to a t
 
 On this CPU (gpu mode, tiny fixture, one stream) the compiled layers cut graph building from 2.04 to
 0.95 ms in one run and from 2.58 to 1.74 ms in another (the CPU shared), with bit-equal logits; on the H200 an engine with such layers did not finish loading in 10 minutes
-(docs/gpu-round-profile.md). Run this first there: it isolates the compile from the engine's
-self-check and warm-up, in one short call.
+(docs/gpu-round-profile.md). Run alone there, the compiled layers kept every bit but made a step
+slower: build 3.66 and eval 10.09 ms against 3.54 and 7.68 ms as built (docs/profiles/compile-probe-h200.txt),
+so the engine does not compile its layers.
 """
 
 from __future__ import annotations
