@@ -9,8 +9,8 @@ import random
 import numpy as np
 import pytest
 
-from dflash_bench.engine.budget import (PROBE_DRAFTS, PROBE_EVERY, Acceptance, Budget, CostFit, CostModel, forward_features,
-                                        measure_cost, nonnegative)
+from dflash_bench.engine.budget import (PROBE_DRAFTS, PROBE_EVERY, RANKS, Acceptance, Budget, CostFit, CostModel, forward_features,
+                                        measure_cost, nonnegative, tree_gains)
 from dflash_bench.engine.engine import Engine, Settings
 from dflash_bench.engine.request import Request
 from dflash_bench.fixtures.small import write_fixture
@@ -100,12 +100,82 @@ def test_the_fit_keeps_every_part_at_zero_or_more_by_refitting_the_others() -> N
     assert np.sum((rows @ got - seconds) ** 2) < np.sum((rows @ clipped - seconds) ** 2)
 
 
+def ranked(rates: list[float], rounds: int = 60) -> Acceptance:
+    """A stream's counts after `rounds` tree rounds in which, at every depth, the target's choice is the
+    candidate of rank r with chance rates[r] (else none of them), the walk going on while it is one."""
+    rng = random.Random(2)
+    a = Acceptance.empty(BLOCK - 1)
+    for _ in range(rounds):
+        ranks = []
+        while len(ranks) < BLOCK - 1:
+            ranks.append(rng.choices(range(-1, len(rates)), [1 - sum(rates), *rates])[0])
+            if ranks[-1] < 0:
+                break
+        kept = len(ranks) - (ranks[-1] < 0)
+        a.update(BLOCK - 1, kept, 0.9, ranks)
+    return a
+
+
+def test_a_trees_worth_is_its_likeliest_nodes_chances() -> None:
+    """tree_gains against every node of a small lattice enumerated and sorted; with rank 0 alone it is a
+    chain's cumulative acceptance."""
+    rates = np.array([[0.5, 0.3, 0.1, 0.05], [0.6, 0.2, 0.1, 0.0], [0.4, 0.4, 0.1, 0.1]])
+    chances = []
+    for r1 in range(4):
+        chances.append(rates[0, r1])
+        for r2 in range(4):
+            chances.append(rates[0, r1] * rates[1, r2])
+            chances += [rates[0, r1] * rates[1, r2] * rates[2, r3] for r3 in range(4)]
+    top = np.concatenate([[0.0], np.cumsum(sorted(chances, reverse=True))])
+    assert np.allclose(tree_gains(rates, 20), top[:21])
+    chain = np.array([[0.8, 0, 0, 0]] * 5)
+    kept = np.cumsum([0.8**d for d in range(1, 6)])
+    assert np.allclose(tree_gains(chain, 7), [0, *kept, kept[-1], kept[-1]])  # 5 deep: more nodes keep nothing more
+    assert tree_gains(rates[:0], 0).tolist() == [0.0]
+
+
+def test_trees_are_worth_what_their_ranks_keep_not_a_chain_of_their_size() -> None:
+    """Two streams with the same chain acceptance (rank 0 kept 40% of the time) but one whose target
+    picks the drafter's second or third candidate another 40% of the time: its trees keep far more, so
+    with trees on the budget grows them bigger for it; before any rank is counted a tree is priced as a
+    chain of its size."""
+    wide, narrow = ranked([0.4, 0.3, 0.1]), ranked([0.4])
+    assert wide.ranked[0] > 0 and narrow.ranked[0] > 0
+    budget = Budget("auto", BLOCK, CPU_LIKE, trees=True)
+    got = budget.counts([15, 15], [wide, narrow], [0, 0], [])
+    assert got[0] > got[1], got
+    unranked = seen(0.4)
+    assert unranked.ranked.sum() == 0
+    prior = np.pad(np.full((BLOCK - 1, 1), 0.4), [(0, 0), (0, RANKS - 1)])
+    assert np.array_equal(unranked.rank_rates(prior, 2.0), prior)
+
+
+def test_the_lanes_count_the_ranks_of_the_targets_choices_with_trees(pair) -> None:
+    """Tree rounds and the chain rounds of a tree-drafting engine reach the budget with the ranks of the
+    target's choices among the drafter's candidates; without trees there are none to count."""
+    rng = random.Random(6)
+    reqs = [Request([rng.randrange(8, 500) for _ in range(30)], max_tokens=24, ignore_eos=True, seed=i) for i in range(2)]
+    for tree_nodes in (6, 0):
+        engine = Engine(*pair, Settings(parallel=2, context=512, verify_budget="fixed", tree_nodes=tree_nodes))
+        engine.run(reqs)
+        shared = engine.budget.shared
+        assert shared.reached.sum() > 0
+        if tree_nodes:
+            assert 0 < shared.ranked.sum() and shared.rank_hits.sum() <= shared.ranked.sum()
+            assert shared.ranked[0] >= shared.reached[0] - 1e-9  # every walk ranks its first depth
+        else:
+            assert shared.ranked.sum() == 0
+
+
 def test_acceptance_counts_reached_and_kept_depths() -> None:
     a = Acceptance.empty(5)
     a.update(5, 2)  # drafts 1, 2 kept, 3 rejected: depths 0..2 reached, 0..1 kept
     a.update(3, 3)  # all three kept: depths 0..2 reached and kept
     assert a.reached.tolist() == [2, 2, 2, 0, 0] and a.kept.tolist() == [2, 2, 1, 0, 0]
     assert np.allclose(a.rates(np.full(5, 0.5), 1.0), [2.5 / 3, 2.5 / 3, 1.5 / 3, 0.5, 0.5])  # unseen depths: the prior
+    a.update(4, 1, ranks=[2, -1])  # a tree walk: the first depth's choice the third candidate, the second's none
+    assert a.ranked.tolist() == [1, 1, 0, 0, 0] and a.rank_hits[:, 2].tolist() == [1, 0, 0, 0, 0]
+    assert a.rank_hits.sum() == 1 and a.rank_hits.shape == (5, RANKS)
 
 
 def test_unknown_budget_is_refused() -> None:

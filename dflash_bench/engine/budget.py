@@ -22,7 +22,16 @@ tokens per second over all streams:
   almost nothing more (docs/verify-budget.md);
 - acceptance is counted per stream and per depth, discounted so it follows the text, and starts from
   what all streams saw so far; a stream held at k = 0 probes a few drafts every PROBE_EVERY rounds,
-  so a stream whose text turns predictable drafts again.
+  so a stream whose text turns predictable drafts again;
+- with draft trees a count n is a tree of n nodes, and what it keeps is not a chain's: it also keeps
+  a path through a depth's second or third candidate. So each round also counts, per depth the
+  accept walk reached, the rank of the target's choice among the drafter's candidates there
+  (`tree.choice_ranks`), and a tree of n nodes is worth the sum of the n most likely nodes' chances,
+  a node's chance the product of its ranks' rates along its path (`tree_gains`): the nodes a
+  best-first tree holds when ranks at different depths are independent. Before any rank is counted
+  the rates are the chain's (rank 0 at the chain's acceptance, the rest nothing), so a tree starts
+  priced as a chain of its size. Priced as a chain, the budget grew trees that kept 3.43 tokens a
+  round where a fixed 15 nodes kept 5.10 (docs/verify-budget.md).
 
 The count only decides how many drafts the target checks, never which token is kept: the target's
 keyed choice decides every token (lanes.py), so the exactness checks hold for either budget.
@@ -30,6 +39,7 @@ keyed choice decides every token (lanes.py), so the exactness checks hold for ei
 
 from __future__ import annotations
 
+import heapq
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -46,6 +56,7 @@ PROBE_EVERY = 8  # rounds a stream may stay at k = 0 before it drafts PROBE_DRAF
 PROBE_DRAFTS = 4
 FORGET = 0.95  # the weight an observation of the round costs keeps a round later (about 20 rounds' memory)
 RIDGE = 1e-9  # keeps the normal equations solvable when every round so far had the same shape
+RANKS = 4  # candidate ranks a tree's worth tells apart (the v1 lattice's width); a choice past them counts as a miss
 
 
 def forward_features(rows: list[int], tree_rows: int = 0) -> np.ndarray:
@@ -156,25 +167,53 @@ def nonnegative(a: np.ndarray, b: np.ndarray) -> list[float]:
 
 @dataclass
 class Acceptance:
-    """Discounted counts of drafts reached and kept at each depth (0-based)."""
+    """Discounted counts of drafts reached and kept at each depth (0-based), and of the rank the target's
+    choice had among the drafter's candidates at each depth a tree round's walk reached."""
 
     reached: np.ndarray
     kept: np.ndarray
+    ranked: np.ndarray  # (depths,): depths whose choice's rank was counted
+    rank_hits: np.ndarray  # (depths, RANKS): how often the choice was the candidate of each rank
 
     @classmethod
     def empty(cls, depths: int) -> Acceptance:
-        return cls(np.zeros(depths), np.zeros(depths))
+        return cls(np.zeros(depths), np.zeros(depths), np.zeros(depths), np.zeros((depths, RANKS)))
 
-    def update(self, drafted: int, accepted: int, discount: float = 1.0) -> None:
-        """One round that verified `drafted` drafts and kept the first `accepted`."""
-        self.reached *= discount
-        self.kept *= discount
+    def update(self, drafted: int, accepted: int, discount: float = 1.0, ranks: list[int] = ()) -> None:
+        """One round that verified `drafted` drafts (a tree: as deep) and kept the first `accepted`, the
+        target's choices having `ranks` among the candidates at depths 1, 2, .. (`tree.choice_ranks`)."""
+        for a in (self.reached, self.kept, self.ranked, self.rank_hits):
+            a *= discount
         depth = min(drafted, accepted + 1)
         self.reached[:depth] += 1
         self.kept[:accepted] += 1
+        for d, rank in enumerate(ranks[: len(self.ranked)]):
+            self.ranked[d] += 1
+            if 0 <= rank < RANKS:
+                self.rank_hits[d, rank] += 1
 
     def rates(self, prior: np.ndarray, weight: float) -> np.ndarray:
         return (self.kept + weight * prior) / (self.reached + weight)
+
+    def rank_rates(self, prior: np.ndarray, weight: float) -> np.ndarray:
+        """(depths, RANKS): the chance the choice at each depth is each rank's candidate."""
+        return (self.rank_hits + weight * prior) / (self.ranked + weight)[:, None]
+
+
+def tree_gains(rank_rates: np.ndarray, most: int) -> np.ndarray:
+    """Expected drafts a best-first tree of n nodes keeps, n = 0 .. `most`: the sum of the n likeliest
+    nodes' chances, a node at depth d reached through ranks r_1 .. r_d having the chance of the
+    product of rank_rates[i - 1, r_i]. A node is never likelier than its parent, so the n likeliest
+    form a tree; they are found best-first from the root's children."""
+    gains, frontier = [0.0], [(-float(p), 1, float(p)) for p in (rank_rates[0] if len(rank_rates) else ())]
+    heapq.heapify(frontier)
+    while frontier and len(gains) <= most:
+        _, depth, chance = heapq.heappop(frontier)
+        gains.append(gains[-1] + chance)
+        if depth < len(rank_rates):
+            for p in rank_rates[depth]:
+                heapq.heappush(frontier, (-chance * float(p), depth + 1, chance * float(p)))
+    return np.array(gains + [gains[-1]] * (most + 1 - len(gains)))
 
 
 @dataclass
@@ -218,10 +257,10 @@ class Budget:
     def new_stream(self) -> Acceptance:
         return Acceptance.empty(self.block - 1)
 
-    def record(self, acceptance: Acceptance, drafted: int, accepted: int) -> None:
+    def record(self, acceptance: Acceptance, drafted: int, accepted: int, ranks: list[int] = ()) -> None:
         if drafted:
-            acceptance.update(drafted, accepted, DISCOUNT)
-            self.shared.update(drafted, accepted)
+            acceptance.update(drafted, accepted, DISCOUNT, ranks)
+            self.shared.update(drafted, accepted, ranks=ranks)
 
     def counts(self, limits: list[int], acceptances: list[Acceptance], idle: list[int], other_rows: list[int]) -> list[int]:
         """Draft counts for the decoding drafting streams (each at most its limit), given the rows of
@@ -229,8 +268,12 @@ class Budget:
         if self.kind == "fixed" or not limits:
             return list(limits)
         prior = self.shared.rates(np.full(self.block - 1, 0.5), 1.0)
-        gains = [np.concatenate([[0.0], np.cumsum(np.cumprod(a.rates(prior, PRIOR_WEIGHT)[:n]))])
-                 for a, n in zip(acceptances, limits)]
+        if self.trees:  # rank 0 at the chain's rate and nothing else until ranks are counted
+            rank_prior = self.shared.rank_rates(np.pad(prior[:, None], [(0, 0), (0, RANKS - 1)]), 1.0)
+            gains = [tree_gains(a.rank_rates(rank_prior, PRIOR_WEIGHT)[:n], n) for a, n in zip(acceptances, limits)]
+        else:
+            gains = [np.concatenate([[0.0], np.cumsum(np.cumprod(a.rates(prior, PRIOR_WEIGHT)[:n]))])
+                     for a, n in zip(acceptances, limits)]
 
         def rate(ks: list[int]) -> float:
             rows = other_rows + [1 + x for x in ks]

@@ -39,7 +39,7 @@ from dflash_bench.engine.prompt_cache import Entry, PromptCache, last_boundary
 from dflash_bench.engine.request import Event, Handle, Stats
 from dflash_bench.engine.sampling import SamplingParams, choose, seed_from_prompt
 from dflash_bench.engine.targets.base import Segment, SegmentOut, Target
-from dflash_bench.engine.tree import Tree
+from dflash_bench.engine.tree import Lattice, Tree, choice_ranks
 
 
 class ContextExceeded(ValueError):
@@ -66,6 +66,7 @@ class Stream:
     pending: int | None = None
     drafts: tuple[int, ...] = ()
     tree: Tree | None = None  # this round's draft tree, in place of `drafts` (tree.py)
+    lattice: Lattice | None = None  # with trees on: the candidates this round's drafts came from, for the budget's ranks
     boundary: Entry | None = None
     decode_started: float = 0.0
     emitted: int = 0
@@ -212,6 +213,7 @@ class Lanes:
                         s.drafts = tree.tokens[1:]
                     else:
                         s.tree = tree
+                    s.lattice = tree.lattice
             else:
                 for (s, _), d in zip(proposals, self.drafter.propose([p for _, p in proposals])):
                     s.drafts = tuple(d)
@@ -297,8 +299,9 @@ class Lanes:
         s.segment_state.keep(seg.start + k + 1)
         s.stats.count_round(len(s.drafts), k)
         if s.acceptance is not None:
-            self.budget.record(s.acceptance, len(s.drafts), k)
-        s.drafts = ()
+            ranks = choice_ranks(s.lattice, seg.tokens[: k + 1], chosen[: k + 1]) if s.lattice is not None else ()
+            self.budget.record(s.acceptance, len(s.drafts), k, ranks)
+        s.drafts, s.lattice = (), None
         s.pending = chosen[k]
         self.emit(s, chosen[: k + 1], from_round=True)
         return out.taps[: k + 1] if out.taps is not None else None
@@ -313,8 +316,10 @@ class Lanes:
         s.segment_state.keep_path(seg.start, path)
         s.stats.count_round(tree.nodes, len(path) - 1, tree.depth)
         if s.acceptance is not None:
-            self.budget.record(s.acceptance, tree.depth, len(path) - 1)
-        s.tree = None
+            ranks = (choice_ranks(tree.lattice, [tree.tokens[r] for r in path], [chosen[r] for r in path])
+                     if tree.lattice is not None else ())
+            self.budget.record(s.acceptance, tree.depth, len(path) - 1, ranks)
+        s.tree, s.lattice = None, None
         s.pending = chosen[path[-1]]
         self.emit(s, [chosen[r] for r in path], from_round=True)
         return out.taps[mx.array(path, dtype=mx.int32)] if out.taps is not None else None

@@ -25,6 +25,8 @@ from typing import Protocol
 class Lattice(Protocol):
     """A stream's drafter output: ranked candidates for each depth given the parent's token."""
 
+    levels: int  # the depths it ranks candidates for: 1 .. levels
+
     def children(self, depth: int, parent_token: int) -> tuple[list[int], list[float]]:
         """Candidate tokens at `depth` (1-based) after `parent_token`, best first (rank 0 is the chain's
         draft), with their log-probabilities."""
@@ -39,20 +41,21 @@ class Tree:
     parents: tuple[int, ...]
     depths: tuple[int, ...]
     _children: dict[tuple[int, int], int] = field(default_factory=dict, repr=False, compare=False)
+    lattice: Lattice | None = field(default=None, repr=False, compare=False)  # what `build` grew it from
 
     def __post_init__(self) -> None:
         for row in range(1, len(self.tokens)):
             self._children[self.parents[row], self.tokens[row]] = row
 
     @classmethod
-    def of(cls, tokens: list[int], parents: list[int]) -> Tree:
+    def of(cls, tokens: list[int], parents: list[int], lattice: Lattice | None = None) -> Tree:
         """A tree from its rows' tokens and parents (parents[0] = -1, a parent before its children)."""
         depths = [0]
         for row in range(1, len(tokens)):
             if not 0 <= parents[row] < row:
                 raise ValueError(f"row {row}'s parent {parents[row]} does not precede it")
             depths.append(depths[parents[row]] + 1)
-        return cls(tuple(tokens), tuple(parents), tuple(depths))
+        return cls(tuple(tokens), tuple(parents), tuple(depths), lattice=lattice)
 
     @property
     def nodes(self) -> int:
@@ -89,7 +92,7 @@ def build(root: int, lattice: Lattice, nodes: int, max_depth: int) -> Tree:
     """
     tokens, parents = [root], [-1]
     if nodes <= 0 or max_depth <= 0:
-        return Tree.of(tokens, parents)
+        return Tree.of(tokens, parents, lattice)
     ranked: dict[int, tuple[list[int], list[float]]] = {0: lattice.children(1, root)}
     frontier: list[tuple[float, int, int, int, float]] = []  # (-score, order, parent row, rank, parent score)
     order = 0
@@ -113,4 +116,19 @@ def build(root: int, lattice: Lattice, nodes: int, max_depth: int) -> Tree:
         if depths[row] < max_depth:
             ranked[row] = lattice.children(depths[row] + 1, tokens[row])
             push(row, 0, score)
-    return Tree.of(tokens, parents)
+    return Tree.of(tokens, parents, lattice)
+
+
+def choice_ranks(lattice: Lattice, path_tokens: list[int], choices: list[int]) -> list[int]:
+    """Where the target's choices fell among the lattice's candidates along a kept path: for each depth d
+    the walk reached (1 .. len(choices), the last one the choice after the kept path), the rank of
+    `choices[d - 1]` among the candidates after `path_tokens[d - 1]` (the path's token at depth d - 1,
+    the root first), -1 where it is not one. Depths past the lattice's levels are left out. The verify
+    budget learns from these what a tree of n nodes keeps (budget.py); a chain's rounds give them too."""
+    ranks = []
+    for depth, (parent, choice) in enumerate(zip(path_tokens, choices), start=1):
+        if depth > lattice.levels:
+            break
+        candidates = lattice.children(depth, parent)[0]
+        ranks.append(candidates.index(choice) if choice in candidates else -1)
+    return ranks

@@ -101,6 +101,7 @@ class PositionLattice:
             lse = top + np.log(np.exp(s - top).sum(axis=-1, keepdims=True))
         picks_np = np.array(picks)
         best = best_ids(s, width)
+        self.levels = s.shape[0]
         self.depths: list[tuple[list[int], list[float]]] = []
         for row in range(s.shape[0]):
             pick = int(picks_np[row])

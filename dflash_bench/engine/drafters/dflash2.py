@@ -132,6 +132,8 @@ class SelectorLattice:
                  successors: mx.array, predecessor: mx.array, noise: mx.array | None):
         self.proposal, self.first, self.candidates, self.unary = proposal, first, candidates, unary
         self.projected, self.successors, self.predecessor, self.noise = projected, successors, predecessor, noise
+        self.levels = proposal.count
+        self._ranked: dict[tuple[int, int], tuple[list[int], list[float]]] = {}  # the build's, reused by the budget's ranks
 
     def scores(self, depth: int, parent: mx.array) -> mx.array:
         """The candidates' scores at `depth` (1-based) after the token `parent`."""
@@ -142,6 +144,11 @@ class SelectorLattice:
         return scores
 
     def children(self, depth: int, parent_token: int) -> tuple[list[int], list[float]]:
+        if (depth, parent_token) not in self._ranked:
+            self._ranked[depth, parent_token] = self._children(depth, parent_token)
+        return self._ranked[depth, parent_token]
+
+    def _children(self, depth: int, parent_token: int) -> tuple[list[int], list[float]]:
         scores = self.scores(depth, mx.array(parent_token))
         pick = int(mx.argmax(scores).item())
         logp = np.array(scores - mx.logsumexp(scores))
