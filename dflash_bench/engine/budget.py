@@ -30,8 +30,9 @@ tokens per second over all streams:
   a node's chance the product of its ranks' rates along its path (`tree_gains`): the nodes a
   best-first tree holds when ranks at different depths are independent. Before any rank is counted
   the rates are the chain's (rank 0 at the chain's acceptance, the rest nothing), so a tree starts
-  priced as a chain of its size. Priced as a chain, the budget grew trees that kept 3.43 tokens a
-  round where a fixed 15 nodes kept 5.10 (docs/verify-budget.md).
+  priced as a chain of its size. Priced as a chain throughout, the budget grew trees that kept 3.34
+  tokens a round on a code prompt where fixed 15-node trees keep 3.63; priced by ranks it keeps 3.63
+  (docs/verify-budget.md).
 
 The count only decides how many drafts the target checks, never which token is kept: the target's
 keyed choice decides every token (lanes.py), so the exactness checks hold for either budget.
