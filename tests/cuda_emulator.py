@@ -6,12 +6,16 @@ shared buffer for `__shfl_xor_sync`, `__shared__` arrays as the block's statics,
 It runs what the source says (indexing, staging, masking, the order of every sum, synchronization), so
 a wrong index or a missing barrier shows on a CPU; what it cannot show is the device's own `expf` or
 its scheduling (tests/test_attention_kernel.py's CUDA tests and the engine's self-check cover those).
-Outputs start as NaN, so an element the kernel never writes stays NaN.
+Outputs start as NaN, so an element the kernel never writes stays NaN. Every input and output lies at
+the end of its own mapping, right before a page with no access (`guarded`), so a read or write past
+any buffer's end stops the process with SIGSEGV (pytest's faulthandler names the test) instead of
+passing unseen, as it can on a GPU until a later launch trips over what it overwrote.
 """
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import mmap
 import os
 import subprocess
 import tempfile
@@ -68,6 +72,23 @@ using std::min; using std::max;
 CT = {mx.bfloat16: "__nv_bfloat16", mx.float32: "float", mx.int32: "int32_t"}  # what MLX declares
 NP = {mx.bfloat16: np.uint16, mx.float32: np.float32}
 _LIBS: dict[str, ctypes.CDLL] = {}
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+
+
+def guarded(a: np.ndarray) -> np.ndarray:
+    """A copy of `a` ending where a no-access page begins (its size rounded up to 16 bytes, the widest
+    load a kernel makes): an access past its end faults."""
+    nbytes = -(-max(a.nbytes, 1) // 16) * 16
+    pages = -(-nbytes // mmap.PAGESIZE) + 1
+    region = mmap.mmap(-1, pages * mmap.PAGESIZE)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    if _LIBC.mprotect(base + (pages - 1) * mmap.PAGESIZE, mmap.PAGESIZE, 0) != 0:
+        raise OSError(ctypes.get_errno(), "mprotect failed")
+    out = np.frombuffer(region, dtype=a.dtype, count=a.size, offset=(pages - 1) * mmap.PAGESIZE - nbytes)
+    out = out.reshape(a.shape)
+    out[...] = a
+    return out
 
 
 def _to_np(a: mx.array) -> np.ndarray:
@@ -122,14 +143,22 @@ extern "C" void launch(void** args, int gx, int gy, int gz, int tx) {{
             if r.returncode:
                 raise RuntimeError(r.stderr[:4000])
             _LIBS[key] = ctypes.CDLL(so)
-        ins = [_to_np(a) for a in inputs]
-        outs = [np.full(shape, 0x7FC0 if d == mx.bfloat16 else np.nan, dtype=NP[d])  # NaN, as bits for bf16
+        ins = [guarded(_to_np(a)) for a in inputs]
+        outs = [guarded(np.full(shape, 0x7FC0 if d == mx.bfloat16 else np.nan, dtype=NP[d]))  # NaN, as bits for bf16
                 for shape, d in zip(output_shapes, output_dtypes)]
         ptrs = (ctypes.c_void_p * (len(ins) + len(outs)))(*[x.ctypes.data for x in ins + outs])
         blocks = [-(-g // t) for g, t in zip(grid, threadgroup)]
         assert threadgroup[1] == threadgroup[2] == 1
         _LIBS[key].launch(ptrs, blocks[0], blocks[1], blocks[2], threadgroup[0])
         return [_from_np(o, d) for o, d in zip(outs, output_dtypes)]
+
+
+def install_delta(monkeypatch) -> None:
+    """Route delta_kernel.py's launch through the emulator for one test."""
+    from dflash_bench.engine.targets import delta_kernel as dk
+
+    monkeypatch.setattr(dk, "_kernel", lambda: Emu("dflash_delta_window", ["q", "k", "v", "g", "beta", "state_in", "offsets"],
+                                                   ["y", "state_out"], dk._SOURCE, dk._HEADER))
 
 
 def install(monkeypatch) -> None:

@@ -5,7 +5,10 @@ On any machine: a layer takes the kernel only when MLX computes on a GPU of a CU
 kernel's launch covers its heads; every decode segment of a forward goes through the layer's
 recurrence in one call, and its rollback through the same one, which leaves for every acceptance
 length the state of the kept rows fed one at a time; the self-check proves and keys the recurrence
-the layer runs. On a CUDA GPU only (skipped elsewhere): the kernel computes what `gated_delta_ops`
+the layer runs. Where g++ is (any machine): the kernel's CUDA source, run on the CPU by
+tests/cuda_emulator.py with every buffer ending at a no-access page, stays inside its buffers, writes
+every output, agrees with `gated_delta_ops` and keeps a window's rows equal to single rows and to
+the same window launched alone. On a CUDA GPU only (skipped elsewhere): the kernel computes what `gated_delta_ops`
 computes (1e-5 relative); a window's rows, and the state after them, are the bits of the same rows
 one at a time, and so are windows of several streams in one launch; and the Qwen3.5-9B-shaped
 fixture in gpu mode drafts exactly what it decodes plainly, alone and beside another stream.
@@ -14,7 +17,9 @@ fixture in gpu mode drafts exactly what it decodes plainly, alone and beside ano
 from __future__ import annotations
 
 import random
+import shutil
 
+import cuda_emulator
 import pytest
 from gpu import ON_CUDA, on_cuda
 from tiny_targets import tiny_target
@@ -151,6 +156,29 @@ def test_windows_of_several_streams_in_one_launch_equal_each_alone(heads) -> Non
     for one, (y, s) in zip(windows, together):
         [(y_alone, s_alone)] = delta_windows([one])
         assert same(y, y_alone) and same(s, s_alone)
+
+
+# -- on any machine with g++: the kernel's CUDA source, run by tests/cuda_emulator.py ------------------
+@pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles the kernel source with g++")
+@pytest.mark.parametrize("heads", [HEADS["small"], (2, 4, 32, 32), (1, 2, 64, 16)], ids=["lanes16", "lanes32", "epl2"])
+def test_the_kernel_source_run_on_a_cpu_stays_in_bounds_and_is_exact_and_right(monkeypatch, heads) -> None:
+    """Windows of 1, 5 and 4 rows in one launch: every element written (finite), within 1e-5 of
+    gated_delta_ops, each equal to its window launched alone, and the 4-row window's rows and state
+    equal to its rows one at a time, bit for bit; any access past a buffer's end would have faulted."""
+    cuda_emulator.install_delta(monkeypatch)
+    windows = [window(heads, n, seed=60 + i) for i, n in enumerate((1, 5, 4))]
+    together = delta_windows(windows)
+    for one, (y, s), (y_ref, s_ref) in zip(windows, together, per_window_ops(windows)):
+        assert mx.all(mx.isfinite(y)).item() and mx.all(mx.isfinite(s)).item(), "elements left unwritten"
+        assert relative(y, y_ref) <= 1e-5 and relative(s, s_ref) <= 1e-5
+        [(y_alone, s_alone)] = delta_windows([one])
+        assert same(y, y_alone) and same(s, s_alone)
+    q, k, v, g, beta, s = windows[2]
+    ys = []
+    for t in range(4):
+        [(yt, s)] = delta_windows([(q[t : t + 1], k[t : t + 1], v[t : t + 1], g[t : t + 1], beta[t : t + 1], s)])
+        ys.append(yt)
+    assert same(together[2][0], mx.concatenate(ys)) and same(together[2][1], s)
 
 
 # -- on a CUDA GPU: the engine with it -----------------------------------------------------------------
