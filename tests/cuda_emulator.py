@@ -38,7 +38,7 @@ dim3 blockDim, gridDim;
 static std::barrier<>* g_block_bar;
 static std::barrier<>* g_warp_bars[32];
 static float g_shfl[1024];
-struct __nv_bfloat16 { uint16_t x; };
+struct __nv_bfloat16 { uint16_t x; operator float() const; };
 struct __half { uint16_t x; };
 inline float __bfloat162float(__nv_bfloat16 b) { uint32_t u = uint32_t(b.x) << 16; float f; memcpy(&f, &u, 4); return f; }
 inline __nv_bfloat16 __float2bfloat16_rn(float f) {
@@ -46,6 +46,9 @@ inline __nv_bfloat16 __float2bfloat16_rn(float f) {
   if ((u & 0x7fffffffu) > 0x7f800000u) return {uint16_t((u >> 16) | 0x40)};
   u += 0x7fffu + ((u >> 16) & 1u); return {uint16_t(u >> 16)};
 }
+inline __nv_bfloat16::operator float() const { return __bfloat162float(*this); }
+struct __nv_bfloat162 { __nv_bfloat16 x, y; };
+inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) { return {__float2bfloat16_rn(a), __float2bfloat16_rn(b)}; }
 inline float __half2float(__half) { return NAN; }
 inline __half __float2half_rn(float) { return {0}; }
 #define __device__
@@ -54,6 +57,7 @@ inline __half __float2half_rn(float) { return {0}; }
 #define __shared__ static
 #define __align__(n) __attribute__((aligned(n)))
 struct alignas(16) uint4 { uint32_t x, y, z, w; };
+inline uint4 make_uint4(uint32_t a, uint32_t b, uint32_t c, uint32_t d) { return {a, b, c, d}; }
 inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }
 inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
 inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
@@ -69,7 +73,7 @@ inline float __shfl_xor_sync(unsigned, float v, int o) {
 using std::min; using std::max;
 """
 
-CT = {mx.bfloat16: "__nv_bfloat16", mx.float32: "float", mx.int32: "int32_t"}  # what MLX declares
+CT = {mx.bfloat16: "__nv_bfloat16", mx.float32: "float", mx.int32: "int32_t", mx.uint32: "uint32_t"}  # what MLX declares
 NP = {mx.bfloat16: np.uint16, mx.float32: np.float32}
 _LIBS: dict[str, ctypes.CDLL] = {}
 _LIBC = ctypes.CDLL(None, use_errno=True)
@@ -151,6 +155,55 @@ extern "C" void launch(void** args, int gx, int gy, int gz, int tx) {{
         assert threadgroup[1] == threadgroup[2] == 1
         _LIBS[key].launch(ptrs, blocks[0], blocks[1], blocks[2], threadgroup[0])
         return [_from_np(o, d) for o, d in zip(outs, output_dtypes)]
+
+
+# The tensor-core product matmul_kernel.py's `mm_mma` issues (mma.sync m16n8k16, bf16 in, float32
+# accumulate), for the emulator: each lane posts its fragments, then computes its four outputs from the
+# warp's whole A (16 x 16) and B (16 x 8), with PTX's fragment layout (lane = 4 * group + t; A's a0 holds
+# row group, columns 2t and 2t + 1, a1 row group + 8, a2 and a3 the same rows 8 columns on; b0 holds
+# B's rows 2t, 2t + 1 of column group, b1 rows 2t + 8, 2t + 9; d0, d1 row group, columns 2t, 2t + 1,
+# d2, d3 row group + 8). The sum over k runs in ascending order: the device's own order is not
+# documented, so this checks the source's indexing and row independence, not the device's bits.
+EMULATED_MMA = r"""
+static uint32_t g_mma[32][32][6];
+inline float mm_lo(uint32_t r) { return __bfloat162float(__nv_bfloat16{uint16_t(r & 0xffffu)}); }
+inline float mm_hi(uint32_t r) { return __bfloat162float(__nv_bfloat16{uint16_t(r >> 16)}); }
+inline void mm_mma(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0, uint32_t b1) {
+  const int w = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const uint32_t mine[6] = {a0, a1, a2, a3, b0, b1};
+  for (int i = 0; i < 6; ++i) g_mma[w][lane][i] = mine[i];
+  __syncwarp();
+  float A[16][16], B[16][8];
+  for (int l = 0; l < 32; ++l) {
+    const int g = l >> 2, t = l & 3;
+    const uint32_t* r = g_mma[w][l];
+    A[g][2 * t] = mm_lo(r[0]); A[g][2 * t + 1] = mm_hi(r[0]);
+    A[g + 8][2 * t] = mm_lo(r[1]); A[g + 8][2 * t + 1] = mm_hi(r[1]);
+    A[g][2 * t + 8] = mm_lo(r[2]); A[g][2 * t + 9] = mm_hi(r[2]);
+    A[g + 8][2 * t + 8] = mm_lo(r[3]); A[g + 8][2 * t + 9] = mm_hi(r[3]);
+    B[2 * t][g] = mm_lo(r[4]); B[2 * t + 1][g] = mm_hi(r[4]);
+    B[2 * t + 8][g] = mm_lo(r[5]); B[2 * t + 9][g] = mm_hi(r[5]);
+  }
+  __syncwarp();
+  const int g = lane >> 2, t = lane & 3;
+  for (int e = 0; e < 4; ++e) {
+    const int row = g + (e >= 2 ? 8 : 0), col = 2 * t + (e & 1);
+    float acc = d[e];
+    for (int k = 0; k < 16; ++k) acc = std::fma(A[row][k], B[k][col], acc);
+    d[e] = acc;
+  }
+}
+"""
+
+
+def install_matmul(monkeypatch) -> None:
+    """Route matmul_kernel.py's launch through the emulator for one test, its inline-PTX MMA replaced by
+    EMULATED_MMA."""
+    from dflash_bench.engine import matmul_kernel as mk
+
+    header = mk._HEADER[: mk._HEADER.index("__device__ __forceinline__ void mm_mma")] + EMULATED_MMA
+    monkeypatch.setattr(mk, "_kernel", lambda: Emu("dflash_rows_matmul", ["x", "w", "scales", "biases", "rows"], ["y"],
+                                                   mk._SOURCE, header))
 
 
 def install_delta(monkeypatch) -> None:

@@ -3,6 +3,9 @@
 On any machine: which weights the kernel takes, that its launch geometry depends on the weight's
 shape alone, that the self-check offers it only where it can run (a CUDA GPU, bf16), and that
 `linear` then sends the decode rows to one kernel call and each prompt chunk to MLX's own product.
+Where g++ is (any machine): the kernel's CUDA source, run on the CPU by tests/cuda_emulator.py (its
+tensor-core product emulated, every buffer ending at a no-access page), stays inside its buffers, writes
+every row, computes the product and keeps each row of a call equal to the row alone.
 On a CUDA GPU only (skipped elsewhere, `pytest -m gpu` runs them): the kernel computes the float32
 product of the dequantized weights to bf16 accuracy; every row of a call of any row count (1..80)
 is bit-equal to the same row in a call of one row, at 4 and 8 bits and bf16; a changed row changes
@@ -12,6 +15,9 @@ weights, and its engine drafts exactly what it decodes plainly.
 
 from __future__ import annotations
 
+import shutil
+
+import cuda_emulator
 import pytest
 from gpu import ON_CUDA, on_cuda
 from tiny_targets import canonical_weights, config_dict, reference_model, tiny_target
@@ -88,6 +94,44 @@ def test_linear_sends_decode_rows_to_one_kernel_call_and_chunks_to_mlx(monkeypat
 
 
 # -- on a CUDA GPU ----------------------------------------------------------------------------------
+def dequantized(w: Weight, bits: int, group: int) -> mx.array:
+    return w.w.astype(mx.float32) if bits == 16 else mx.dequantize(
+        w.w, w.scales.astype(mx.float32), w.biases.astype(mx.float32), group_size=group, bits=bits)
+
+
+# -- on any machine with g++: the kernel's CUDA source, run by tests/cuda_emulator.py ------------------
+@pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles the kernel source with g++")
+@pytest.mark.parametrize("case", [(128, 64, 4, 64), (64, 48, 8, 32), (64, 40, 16, 0), (1024, 32, 4, 32)],
+                         ids=["q4", "q8", "bf16-single-column-tiles", "q4-split-k"])
+def test_the_kernel_source_run_on_a_cpu_stays_in_bounds_and_keeps_rows_alone(monkeypatch, case) -> None:
+    """Calls of 1, 3, 17 and 70 rows (one to four row tiles a block, two blocks along the rows) against
+    4-bit, 8-bit and bf16 weights, the input width split over 1, 2 or 8 warps: every element
+    written, the product of the dequantized weights to bf16 accuracy, every row equal to the same row
+    in a call of one row, and a row changed in the input changing that output row alone (so the
+    comparison can fail); any access past a buffer's end would have faulted."""
+    cuda_emulator.install_matmul(monkeypatch)
+    k, n, bits, group = case
+    assert matmul_kernel.fits(k, n, bits, group or 64)
+    assert matmul_kernel.geometry(k, n, bits).split_k == {128: 1, 64: 1 if bits == 8 else 2, 1024: 8}[k]
+    w = weight(k, n, bits, group, seed=8)
+    x = mx.random.normal((70, k), key=mx.random.key(9)).astype(mx.bfloat16)
+    ref = x.astype(mx.float32) @ dequantized(w, bits, group).T
+    alone = {i: matmul_kernel.rows_matmul(x[i : i + 1], w.w, w.scales, w.biases, bits, group) for i in (0, 2, 16, 69)}
+    for m in (1, 3, 17, 70):
+        got = matmul_kernel.rows_matmul(x[:m], w.w, w.scales, w.biases, bits, group)
+        assert got.shape == (m, n) and bool(mx.all(mx.isfinite(got)).item()), f"{m} rows: elements left unwritten"
+        err = (mx.linalg.norm(got.astype(mx.float32) - ref[:m]) / mx.linalg.norm(ref[:m])).item()
+        assert err < 1e-2, (m, err)
+        for i, row in alone.items():
+            if i < m:
+                assert mx.array_equal(got[i : i + 1], row).item(), (m, i)
+    changed = mx.array(x[:17])
+    changed[2, 5] = changed[2, 5] + 1.0
+    same = mx.all(matmul_kernel.rows_matmul(changed, w.w, w.scales, w.biases, bits, group) == got[:17], axis=1)
+    assert same.tolist() == [i != 2 for i in range(17)]
+
+
+# -- on a CUDA GPU ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 @on_cuda
 def test_rows_of_any_call_equal_the_row_alone(case: tuple[int, int, int, int]) -> None:
@@ -102,9 +146,7 @@ def test_rows_of_any_call_equal_the_row_alone(case: tuple[int, int, int, int]) -
                 got = w.kernel_product(x[start : start + m])
                 assert mx.array_equal(got, alone[start : start + m]).item(), (m, start)
     # the float32 product of the dequantized weights, to bf16 accuracy
-    wf = w.w.astype(mx.float32) if bits == 16 else mx.dequantize(
-        w.w, w.scales.astype(mx.float32), w.biases.astype(mx.float32), group_size=group, bits=bits)
-    ref = x.astype(mx.float32) @ wf.T
+    ref = x.astype(mx.float32) @ dequantized(w, bits, group).T
     err = (mx.linalg.norm(alone.astype(mx.float32) - ref) / mx.linalg.norm(ref)).item()
     assert err < 1e-2, err
 
