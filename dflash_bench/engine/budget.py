@@ -168,8 +168,9 @@ def nonnegative(a: np.ndarray, b: np.ndarray) -> list[float]:
 
 @dataclass
 class Acceptance:
-    """Discounted counts of drafts reached and kept at each depth (0-based), and of the rank the target's
-    choice had among the drafter's candidates at each depth a tree round's walk reached."""
+    """Discounted counts of drafts reached and kept at each depth (0-based), and, where the lanes draft
+    trees, of the rank the target's choice had among the drafter's candidates at each depth a round's
+    accept walk reached."""
 
     reached: np.ndarray
     kept: np.ndarray
