@@ -151,16 +151,17 @@ def test_trees_are_worth_what_their_ranks_keep_not_a_chain_of_their_size() -> No
 
 
 def test_the_lanes_count_the_ranks_of_the_targets_choices_with_trees(pair) -> None:
-    """Tree rounds and the chain rounds of a tree-drafting engine reach the budget with the ranks of the
-    target's choices among the drafter's candidates; without trees there are none to count."""
+    """With the auto budget, tree rounds and the chain rounds of a tree-drafting engine reach the budget
+    with the ranks of the target's choices among the drafter's candidates; without trees, or with a
+    fixed budget that has no use for them, none are counted."""
     rng = random.Random(6)
     reqs = [Request([rng.randrange(8, 500) for _ in range(30)], max_tokens=24, ignore_eos=True, seed=i) for i in range(2)]
-    for tree_nodes in (6, 0):
-        engine = Engine(*pair, Settings(parallel=2, context=512, verify_budget="fixed", tree_nodes=tree_nodes))
+    for tree_nodes, budget in ((6, "auto"), (0, "auto"), (6, "fixed")):
+        engine = Engine(*pair, Settings(parallel=2, context=512, verify_budget=budget, tree_nodes=tree_nodes))
         engine.run(reqs)
         shared = engine.budget.shared
         assert shared.reached.sum() > 0
-        if tree_nodes:
+        if tree_nodes and budget == "auto":
             assert 0 < shared.ranked.sum() and shared.rank_hits.sum() <= shared.ranked.sum()
             assert shared.ranked[0] >= shared.reached[0] - 1e-9  # every walk ranks its first depth
         else:

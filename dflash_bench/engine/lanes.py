@@ -66,7 +66,7 @@ class Stream:
     pending: int | None = None
     drafts: tuple[int, ...] = ()
     tree: Tree | None = None  # this round's draft tree, in place of `drafts` (tree.py)
-    lattice: Lattice | None = None  # with trees on: the candidates this round's drafts came from, for the budget's ranks
+    lattice: Lattice | None = None  # with trees on: the candidates this round's drafts came from, for the auto budget's ranks
     boundary: Entry | None = None
     decode_started: float = 0.0
     emitted: int = 0
@@ -299,7 +299,8 @@ class Lanes:
         s.segment_state.keep(seg.start + k + 1)
         s.stats.count_round(len(s.drafts), k)
         if s.acceptance is not None:
-            ranks = choice_ranks(s.lattice, seg.tokens[: k + 1], chosen[: k + 1]) if s.lattice is not None else ()
+            ranks = (choice_ranks(s.lattice, seg.tokens[: k + 1], chosen[: k + 1])
+                     if s.lattice is not None and self.budget.kind == "auto" else ())
             self.budget.record(s.acceptance, len(s.drafts), k, ranks)
         s.drafts, s.lattice = (), None
         s.pending = chosen[k]
@@ -317,7 +318,7 @@ class Lanes:
         s.stats.count_round(tree.nodes, len(path) - 1, tree.depth)
         if s.acceptance is not None:
             ranks = (choice_ranks(tree.lattice, [tree.tokens[r] for r in path], [chosen[r] for r in path])
-                     if tree.lattice is not None else ())
+                     if tree.lattice is not None and self.budget.kind == "auto" else ())
             self.budget.record(s.acceptance, tree.depth, len(path) - 1, ranks)
         s.tree, s.lattice = None, None
         s.pending = chosen[path[-1]]
