@@ -17,10 +17,12 @@ import ctypes
 import hashlib
 import mmap
 import os
+import shutil
 import subprocess
 import tempfile
 
 import numpy as np
+import pytest
 
 import mlx.core as mx
 
@@ -75,6 +77,8 @@ using std::min; using std::max;
 
 CT = {mx.bfloat16: "__nv_bfloat16", mx.float32: "float", mx.int32: "int32_t", mx.uint32: "uint32_t"}  # what MLX declares
 NP = {mx.bfloat16: np.uint16, mx.float32: np.float32}
+# the mark of every test that runs a kernel source through the emulator
+needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles the kernel source with g++")
 _LIBS: dict[str, ctypes.CDLL] = {}
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _LIBC.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import random
 import secrets
-import shutil
 
 import cuda_emulator
 from gpu import ON_CUDA, on_cuda
@@ -170,7 +169,7 @@ def test_the_self_check_tries_the_kernel_first_keys_it_and_falls_back(monkeypatc
 
 
 # -- on any machine with g++: the kernel's CUDA source, run by tests/cuda_emulator.py ------------------
-@pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles the kernel source with g++")
+@cuda_emulator.needs_gxx
 def test_the_kernel_source_run_on_a_cpu_is_exact_and_right(monkeypatch) -> None:
     """The source's indexing, staging, masking and barriers, without a GPU: a 4-row window across a
     partition and a chunk equals its rows one at a time (junk in the cache after each), segments together

@@ -1,15 +1,14 @@
 """tests/cuda_emulator.py's guard pages: the kernel-source tests that run on a CPU (test_attention_kernel.py,
-test_delta_kernel.py) stay silent about an access past a buffer only if there is none."""
+test_delta_kernel.py, test_matmul_kernel.py) stay silent about an access past a buffer only if there is none."""
 
 from __future__ import annotations
 
-import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+import cuda_emulator
 
 TESTS = Path(__file__).resolve().parent
 # A kernel of 32 threads, each writing its element of y shifted by OFFSET: 1 writes one past y's end.
@@ -30,7 +29,7 @@ def run(offset: int, grow: int) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles the kernel source with g++")
+@cuda_emulator.needs_gxx
 def test_a_write_past_an_output_faults_and_the_same_write_inside_a_bigger_one_does_not() -> None:
     inside = run(offset=1, grow=4)  # y has 36 elements: the shifted write stays inside
     assert inside.returncode == 0, inside.stderr[-2000:]

@@ -17,7 +17,6 @@ fixture in gpu mode drafts exactly what it decodes plainly, alone and beside ano
 from __future__ import annotations
 
 import random
-import shutil
 
 import cuda_emulator
 import pytest
@@ -159,7 +158,7 @@ def test_windows_of_several_streams_in_one_launch_equal_each_alone(heads) -> Non
 
 
 # -- on any machine with g++: the kernel's CUDA source, run by tests/cuda_emulator.py ------------------
-@pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles the kernel source with g++")
+@cuda_emulator.needs_gxx
 @pytest.mark.parametrize("heads", [HEADS["small"], (2, 4, 32, 32), (1, 2, 64, 16)], ids=["lanes16", "lanes32", "epl2"])
 def test_the_kernel_source_run_on_a_cpu_stays_in_bounds_and_is_exact_and_right(monkeypatch, heads) -> None:
     """Windows of 1, 5 and 4 rows in one launch: every element written (finite), within 1e-5 of

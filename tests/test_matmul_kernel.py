@@ -15,7 +15,6 @@ weights, and its engine drafts exactly what it decodes plainly.
 
 from __future__ import annotations
 
-import shutil
 
 import cuda_emulator
 import pytest
@@ -100,7 +99,7 @@ def dequantized(w: Weight, bits: int, group: int) -> mx.array:
 
 
 # -- on any machine with g++: the kernel's CUDA source, run by tests/cuda_emulator.py ------------------
-@pytest.mark.skipif(shutil.which("g++") is None, reason="the emulator compiles the kernel source with g++")
+@cuda_emulator.needs_gxx
 @pytest.mark.parametrize("case", [(128, 64, 4, 64), (64, 48, 8, 32), (64, 40, 16, 0), (1024, 32, 4, 32)],
                          ids=["q4", "q8", "bf16-single-column-tiles", "q4-split-k"])
 def test_the_kernel_source_run_on_a_cpu_stays_in_bounds_and_keeps_rows_alone(monkeypatch, case) -> None:

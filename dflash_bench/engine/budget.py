@@ -256,6 +256,12 @@ class Budget:
             self.fit.add_draft([self.block_rows(c) for c in counts], draft_seconds)
         self.cost = self.fit.model()
 
+    @property
+    def counts_ranks(self) -> bool:
+        """Whether rounds should bring the ranks of the target's choices (`record`): only the auto
+        budget's tree prices use them."""
+        return self.kind == "auto" and self.trees
+
     def new_stream(self) -> Acceptance:
         return Acceptance.empty(self.block - 1)
 

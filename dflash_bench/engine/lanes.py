@@ -299,9 +299,7 @@ class Lanes:
         s.segment_state.keep(seg.start + k + 1)
         s.stats.count_round(len(s.drafts), k)
         if s.acceptance is not None:
-            ranks = (choice_ranks(s.lattice, seg.tokens[: k + 1], chosen[: k + 1])
-                     if s.lattice is not None and self.budget.kind == "auto" else ())
-            self.budget.record(s.acceptance, len(s.drafts), k, ranks)
+            self.budget.record(s.acceptance, len(s.drafts), k, self.ranks(s, seg.tokens[: k + 1], chosen[: k + 1]))
         s.drafts, s.lattice = (), None
         s.pending = chosen[k]
         self.emit(s, chosen[: k + 1], from_round=True)
@@ -317,13 +315,19 @@ class Lanes:
         s.segment_state.keep_path(seg.start, path)
         s.stats.count_round(tree.nodes, len(path) - 1, tree.depth)
         if s.acceptance is not None:
-            ranks = (choice_ranks(tree.lattice, [tree.tokens[r] for r in path], [chosen[r] for r in path])
-                     if tree.lattice is not None and self.budget.kind == "auto" else ())
+            ranks = self.ranks(s, [tree.tokens[r] for r in path], [chosen[r] for r in path])
             self.budget.record(s.acceptance, tree.depth, len(path) - 1, ranks)
         s.tree, s.lattice = None, None
         s.pending = chosen[path[-1]]
         self.emit(s, [chosen[r] for r in path], from_round=True)
         return out.taps[mx.array(path, dtype=mx.int32)] if out.taps is not None else None
+
+    def ranks(self, s: Stream, path_tokens: list[int], choices: list[int]) -> list[int]:
+        """The ranks of the target's choices along the kept path among the candidates `s`'s drafts came
+        from (`tree.choice_ranks`), where the budget counts them; else none."""
+        if s.lattice is None or not self.budget.counts_ranks:
+            return []
+        return choice_ranks(s.lattice, path_tokens, choices)
 
     # -- output ------------------------------------------------------------------------------
     def emit(self, s: Stream, tokens: list[int], from_round: bool) -> None:

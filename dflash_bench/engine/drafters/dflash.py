@@ -101,7 +101,6 @@ class PositionLattice:
             lse = top + np.log(np.exp(s - top).sum(axis=-1, keepdims=True))
         picks_np = np.array(picks)
         best = best_ids(s, width)
-        self.levels = s.shape[0]
         self.depths: list[tuple[list[int], list[float]]] = []
         for row in range(s.shape[0]):
             pick = int(picks_np[row])
@@ -111,6 +110,10 @@ class PositionLattice:
                 if len(ranked) < width and np.isfinite(logp) and all(int(token) != t for t, _ in ranked):
                     ranked.append((int(token), logp))
             self.depths.append(([t for t, _ in ranked], [lp for _, lp in ranked]))
+
+    @property
+    def levels(self) -> int:
+        return len(self.depths)
 
     def children(self, depth: int, parent_token: int) -> tuple[list[int], list[float]]:
         return self.depths[depth - 1]
