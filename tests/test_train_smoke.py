@@ -259,6 +259,7 @@ def test_average_is_the_mean_of_the_sources_weights(tmp_path) -> None:
     assert any(not mx.array_equal(mean[k], a[k]) for k in a)
     receipt = json.loads((tmp_path / "avg" / "receipt.json").read_text())
     assert [s["path"] for s in receipt["sources"]] == list(map(str, exports))
+    assert receipt["what"].startswith("mean of exported DFlash drafters'")  # the sources' kind, not a fixed one
     train_main(["average", "--out", str(tmp_path / "self"), "--drafter", str(exports[0]), str(exports[0])])
     _, same = read_weights(tmp_path / "self" / "drafter")
     assert all(mx.array_equal(same[k], a[k]) for k in a)

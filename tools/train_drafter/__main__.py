@@ -233,6 +233,7 @@ def cmd_average(args, recipe: Recipe) -> None:
     scored on that data's held-out rows (the first `--eval-rows` of them: a CPU takes seconds a row)."""
     out = Path(args.out)
     drafter_dir = average([Path(d) for d in args.drafter], out / "drafter")
+    kind = parse_draft_config(json.loads((drafter_dir / "config.json").read_text())).kind
     held_out = None
     if args.data:
         loaded = load_target(args.target)
@@ -246,7 +247,7 @@ def cmd_average(args, recipe: Recipe) -> None:
                     "drafters": evaluate(models, TrainTarget(loaded), held, taps, recipe.gamma, recipe.labels)}
     receipt = {
         "schema": 1,
-        "what": "mean of exported DFlash v1 drafters' float32 weights (tools/train_drafter average)",
+        "what": f"mean of exported {kind} drafters' float32 weights (tools/train_drafter average)",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["python -m train_drafter", *sys.argv[1:]]),
         **_source(),
