@@ -20,7 +20,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from dflash_bench.engine.checkpoint import load_target
-from dflash_bench.engine.draft_config import parse_draft_config
+from dflash_bench.engine.draft_config import parse_draft_config, read_draft_config
 from train_drafter import corpus
 from train_drafter.data import Sequences, TapStore, generate_all
 from train_drafter.model import GROUP_SIZE, Drafter, average, drafter_config, export, load, start_from
@@ -233,7 +233,7 @@ def cmd_average(args, recipe: Recipe) -> None:
     scored on that data's held-out rows (the first `--eval-rows` of them: a CPU takes seconds a row)."""
     out = Path(args.out)
     drafter_dir = average([Path(d) for d in args.drafter], out / "drafter")
-    kind = parse_draft_config(json.loads((drafter_dir / "config.json").read_text())).kind
+    kind = read_draft_config(drafter_dir).kind
     held_out = None
     if args.data:
         loaded = load_target(args.target)
