@@ -34,7 +34,7 @@ from train_drafter.__main__ import main as train_main  # noqa: E402
 from train_drafter.model import Drafter, drafter_config, export, load, start_from  # noqa: E402
 from train_drafter.recipe import SMOKE_DFLASH2  # noqa: E402
 from train_drafter.target import TrainTarget  # noqa: E402
-from train_drafter.train import selector_loss, top_k_indices  # noqa: E402
+from train_drafter.train import selector_loss  # noqa: E402
 from test_train_smoke import engine_proposal  # noqa: E402
 
 SHAPE = replace(SMOKE_DFLASH2.shape, window=12)
@@ -125,21 +125,6 @@ def test_a_v1_drafter_becomes_dflash2_without_changing_what_it_drafts(fixture_ta
     wider = drafter_config(replace(SHAPE, intermediate=128), fixture_target.config)
     with pytest.raises(ValueError, match="intermediate_size"):
         start_from(Drafter(parse_draft_config(wider)), wider, tmp_path / "v1")
-
-
-@pytest.mark.parametrize("chunk", [1, 7, 64, 1000])
-def test_chunked_top_k_finds_the_rows_k_largest(chunk: int) -> None:
-    """The selector loss's top-k by chunk maxima names the same set as a full argpartition: on rows
-    of distinct values, including rows whose k largest all sit in one chunk and a vocabulary the
-    chunk does not divide."""
-    rng = np.random.default_rng(3)
-    rows = rng.permutation(4 * 3 * 1000).reshape(4, 3, 1000).astype(np.float32)  # distinct values
-    rows[0, 0, 100:116] += 20_000  # the 16 largest of this row in one stretch
-    logits, k = mx.array(rows), 16
-    got = np.sort(np.array(top_k_indices(logits, k, chunk)), axis=-1)
-    want = np.sort(np.array(mx.argpartition(logits, -k, axis=-1)[..., -k:]), axis=-1)
-    assert np.array_equal(got, want)
-    assert np.array_equal(got[0, 0], np.arange(100, 116))
 
 
 def test_the_selector_loss_puts_the_gold_token_among_the_candidates(fixture_target) -> None:

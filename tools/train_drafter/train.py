@@ -25,6 +25,7 @@ import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
 
+from dflash_bench.engine.topk import top_k_indices
 from train_drafter.data import Sequences, TapStore
 from train_drafter.model import Drafter
 from train_drafter.target import TrainTarget
@@ -79,28 +80,6 @@ def block_loss(model: Drafter, taps, tokens, targets, anchors, length, embed, he
         previous = mx.concatenate([mx.take_along_axis(tokens, anchors, axis=1)[..., None], labels[..., :-1]], axis=-1)
         ce = ce + selector_loss(model, hidden[:, :, 1:], logits, labels, previous)
     return (ce * weights).sum() / mx.maximum(weights.sum(), 1e-6)
-
-
-def top_k_indices(logits: mx.array, k: int, chunk: int = 64) -> mx.array:
-    """The indices of each row's k largest logits, in no order, without sorting the whole row.
-
-    MLX's CUDA argpartition sorts the full row, and the selector loss asks for the top k of every
-    block row over the whole vocabulary (2,048 blocks x 15 rows x 49,152 a step on the SmolLM2
-    recipe). Every element of a chunk is at most the chunk's maximum, so the k chunks with the
-    largest maxima hold a top-k set: a chunk holding one of the k largest values has a maximum that
-    fewer than k other chunks exceed. Ranking V / chunk maxima, then k * chunk gathered values,
-    sorts ~25x fewer elements at chunk 64. Ties may resolve to other indices of equal value."""
-    vocab = logits.shape[-1]
-    if vocab <= k * chunk:  # the gathered chunks would be the whole row
-        return mx.argpartition(logits, -k, axis=-1)[..., -k:]
-    pad = -vocab % chunk
-    if pad:
-        logits = mx.concatenate([logits, mx.full((*logits.shape[:-1], pad), -mx.inf, logits.dtype)], axis=-1)
-    blocks = logits.reshape(*logits.shape[:-1], -1, chunk)
-    best = mx.argpartition(blocks.max(axis=-1), -k, axis=-1)[..., -k:]
-    columns = (best[..., None] * chunk + mx.arange(chunk)).reshape(*best.shape[:-1], k * chunk)
-    pick = mx.argpartition(mx.take_along_axis(logits, columns, axis=-1), -k, axis=-1)[..., -k:]
-    return mx.take_along_axis(columns, pick, axis=-1)
 
 
 def selector_loss(model: Drafter, hidden: mx.array, logits: mx.array, labels: mx.array, previous: mx.array) -> mx.array:

@@ -26,6 +26,7 @@ from dflash_bench.engine.drafters.dflash import DFlashDrafter, Proposal, draft_p
 from dflash_bench.engine.sampling import filtered, gumbel
 from dflash_bench.engine.targets.base import Target
 from dflash_bench.engine.tiles import Weight, linear, pad_rows
+from dflash_bench.engine.topk import top_k_indices
 
 
 class DFlash2Drafter(DFlashDrafter):
@@ -108,7 +109,7 @@ class DFlash2Drafter(DFlashDrafter):
     def lattices(self, x: mx.array, logits: mx.array, items: list[Proposal]) -> list[SelectorLattice]:
         """Each stream's selector over its positions' top-k candidates: the walk of `drafts`, and the
         tree candidates (tree.py) of any parent."""
-        candidates = mx.argpartition(logits, -self.top_k, axis=-1)[:, -self.top_k :]
+        candidates = top_k_indices(logits, self.top_k)
         unary = mx.take_along_axis(logits, candidates, axis=-1)
         projected = linear(pad_rows(x), self.hidden_projection)[: x.shape[0]].astype(mx.float32)
         successors = self.successor[candidates].astype(mx.float32)  # (rows, k, rank)
