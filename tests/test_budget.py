@@ -228,6 +228,19 @@ def test_the_fit_recovers_a_linear_cost_and_follows_the_rounds_away_from_a_wrong
     assert budget.counts([15], [high], [0], [])[0] > Budget("auto", BLOCK, CostFit.around(wrong)).counts([15], [high], [0], [])[0]
 
 
+def test_the_fit_stays_solvable_through_many_rounds_of_one_shape() -> None:
+    """One stream drafting DFlash2 blocks: every forward is one row tile and every drafter pass one
+    block, so the features never vary. A thousand faded rounds of that shape still give a model, and
+    it prices that shape as observed (the ridge faded with the sums once and the solve raised)."""
+    truth = CostModel(base=0.004, per_row_tile=0.002, per_query_tile=0.0005, per_tree_row=0.0003, draft_base=0.002,
+                      draft_per_stream=0.0015, draft_per_row_tile=0.001)
+    budget = Budget("auto", BLOCK, CostFit.around(truth), block_rows=lambda count: BLOCK, trees=True)
+    for _ in range(1000):
+        budget.observe([16], truth.forward([16], 16), [15], truth.draft([BLOCK]), tree_rows=16)
+    assert budget.cost.forward([16], 16) == pytest.approx(truth.forward([16], 16), rel=1e-6)
+    assert budget.cost.draft([BLOCK]) == pytest.approx(truth.draft([BLOCK]), rel=1e-6)
+
+
 @pytest.mark.parametrize("tree_nodes", [0, 4])
 def test_the_lanes_time_decode_rounds_for_the_fit(pair, tree_nodes) -> None:
     """Every decode round reaches `observe` with its segments' rows, the drafting streams' counts and

@@ -56,7 +56,10 @@ PRIOR_WEIGHT = 2.0  # rounds' worth of the lanes' shared acceptance a stream's e
 PROBE_EVERY = 8  # rounds a stream may stay at k = 0 before it drafts PROBE_DRAFTS again
 PROBE_DRAFTS = 4
 FORGET = 0.95  # the weight an observation of the round costs keeps a round later (about 20 rounds' memory)
-RIDGE = 1e-9  # keeps the normal equations solvable when every round so far had the same shape
+# Added at each solve, relative to the normal equations' scale, so they stay solvable when every
+# round had the same shape (one stream: every forward one row tile, every DFlash2 pass one block).
+# Kept in the faded sums instead, it faded with them and the equations turned singular mid-serving.
+RIDGE = 1e-12
 RANKS = 4  # candidate ranks a tree's worth tells apart (the v1 lattice's width); a choice past them counts as a miss
 
 
@@ -115,9 +118,9 @@ class CostFit:
     """Weighted least squares of forward and drafter-pass seconds on their features, kept as normal
     equations so each observation costs a rank-one update."""
 
-    forward_a: np.ndarray = field(default_factory=lambda: RIDGE * np.eye(4))
+    forward_a: np.ndarray = field(default_factory=lambda: np.zeros((4, 4)))
     forward_b: np.ndarray = field(default_factory=lambda: np.zeros(4))
-    draft_a: np.ndarray = field(default_factory=lambda: RIDGE * np.eye(3))
+    draft_a: np.ndarray = field(default_factory=lambda: np.zeros((3, 3)))
     draft_b: np.ndarray = field(default_factory=lambda: np.zeros(3))
 
     @classmethod
@@ -147,7 +150,12 @@ class CostFit:
 
     def model(self) -> CostModel:
         """The least-squares model with every part zero or more."""
-        return CostModel(*nonnegative(self.forward_a, self.forward_b), *nonnegative(self.draft_a, self.draft_b))
+        return CostModel(*nonnegative(ridged(self.forward_a), self.forward_b), *nonnegative(ridged(self.draft_a), self.draft_b))
+
+
+def ridged(a: np.ndarray) -> np.ndarray:
+    """`a` plus RIDGE times its mean diagonal (at least RIDGE) on the diagonal."""
+    return a + RIDGE * max(float(np.trace(a)) / len(a), 1.0) * np.eye(len(a))
 
 
 def nonnegative(a: np.ndarray, b: np.ndarray) -> list[float]:
