@@ -157,3 +157,24 @@ def test_plan_check_runs_the_gpu_mode_and_states_the_drafter_footprint(pair: tup
     assert d["plan_added_bytes"] == agg["plan"]["total_bytes"] - d["plan_without_drafter_bytes"] > 0
     assert d["planned_held_bytes"] == d["measured_held_bytes"]
     assert "mlx" in agg["comparison"]
+
+
+@pytest.mark.parametrize("inputs, cuda, narrow", [(128, True, True), (64, True, True), (192, True, False), (128, False, False)])
+def test_a_narrow_packed_weight_is_dequantized_per_call_on_cuda(monkeypatch, inputs: int, cuda: bool, narrow: bool) -> None:
+    """On a CUDA GPU a packed weight of fewer than 192 inputs never reaches MLX's quantized matmul,
+    whose qmm_sm80 kernel reads past such rows' ends (tiles.QMM_MIN_INPUTS): it is the product with
+    the dequantized weight, exactly. Wider weights, and every weight off CUDA, keep the quantized matmul."""
+    from dflash_bench.engine import tiles
+
+    w = mx.random.normal((256, inputs), key=mx.random.key(inputs)).astype(mx.bfloat16)
+    weight = Weight.packed(*mx.quantize(w, group_size=64, bits=4), 64, 4)
+    x = mx.random.normal((16, inputs), key=mx.random.key(1)).astype(mx.bfloat16)
+    quantized = mx.quantized_matmul(x, weight.w, weight.scales, weight.biases, transpose=True, group_size=64, bits=4)
+    calls = []
+    real = mx.quantized_matmul
+    monkeypatch.setattr(tiles, "on_cuda", lambda: cuda)
+    monkeypatch.setattr(mx, "quantized_matmul", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    got = weight.tile(x)
+    assert calls == ([] if narrow else [x.shape])
+    dequantized = x @ mx.dequantize(weight.w, weight.scales, weight.biases, group_size=64, bits=4).T
+    assert mx.array_equal(got, dequantized if narrow else quantized).item()

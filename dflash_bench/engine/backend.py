@@ -70,6 +70,11 @@ GPU = Backend("gpu", act_bytes=2, dequantizes=False)
 BACKENDS = {b.name: b for b in (CPU, GPU)}
 
 
+def on_cuda() -> bool:
+    """Whether MLX computes on a CUDA GPU here."""
+    return mx.default_device().type == mx.DeviceType.gpu and mx.cuda.is_available()
+
+
 def device_backend() -> Backend:
     """The mode for MLX's default device: `gpu` on a GPU (CUDA or Metal), `cpu` otherwise."""
     return GPU if mx.default_device().type == mx.DeviceType.gpu else CPU

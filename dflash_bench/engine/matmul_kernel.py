@@ -39,6 +39,8 @@ from functools import lru_cache
 
 import mlx.core as mx
 
+from dflash_bench.engine.backend import on_cuda
+
 MMA_ROWS = 16  # rows of one tensor-core tile
 MAX_TILES = 4  # row tiles a block carries (64 rows read the weights once)
 TARGET_WARPS = 2048  # enough warps in flight to keep the H200's memory busy (132 SMs)
@@ -186,7 +188,7 @@ class Geometry:
 
 def available(dtype: mx.Dtype) -> bool:
     """Whether the kernel can run here: bf16 activations (the gpu mode) on a CUDA GPU."""
-    return dtype == mx.bfloat16 and mx.default_device().type == mx.DeviceType.gpu and mx.cuda.is_available()
+    return dtype == mx.bfloat16 and on_cuda()
 
 
 def values_per_chunk(bits: int) -> int:

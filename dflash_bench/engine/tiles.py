@@ -39,6 +39,7 @@ from typing import Literal
 
 import mlx.core as mx
 
+from dflash_bench.engine.backend import on_cuda
 from dflash_bench.engine.matmul_kernel import available, fits, rows_matmul
 
 ROW_TILE = 16
@@ -56,6 +57,15 @@ def pad_rows(x: mx.array, multiple: int = ROW_TILE) -> mx.array:
         return x
     return mx.concatenate([x, mx.zeros((extra, *x.shape[1:]), dtype=x.dtype)])
 
+
+# MLX 0.32.4's quantized matmul on a CUDA GPU (its qmm_sm80 kernel, which it runs from 8 rows up)
+# loads two 64-input tiles of every row before it checks how many the rows have, and a third in
+# its first step: with fewer than 192 inputs it reads up to 128 values past each weight and input
+# row, past the buffer's end for the last rows. Where nothing is mapped there the launch faults
+# ("an illegal memory access"), depending on what the allocator last released: a GPU core dump
+# of tests/test_attention_kernel.py's engine test caught it there (README, the GPU tests). Such a
+# weight (only test fixtures are that narrow) is dequantized for each call on a CUDA GPU instead.
+QMM_MIN_INPUTS = 192
 
 class Weight:
     """A projection's weight: float32 (or bf16) `(out, in)`, or an MLX affine-quantized triple.
@@ -117,6 +127,9 @@ class Weight:
         return Weight.packed(self.w, self.scales.astype(dtype), self.biases.astype(dtype), self.group_size, self.bits)
 
     def tile(self, x: mx.array) -> mx.array:
+        if self.bits and self.in_features < QMM_MIN_INPUTS and on_cuda():
+            w = mx.dequantize(self.w, self.scales, self.biases, group_size=self.group_size, bits=self.bits)
+            return x @ w.T
         if self.bits:
             return mx.quantized_matmul(
                 x, self.w, self.scales, self.biases, transpose=True, group_size=self.group_size, bits=self.bits
