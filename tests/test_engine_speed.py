@@ -124,3 +124,17 @@ def test_the_backend_option_reaches_the_run_and_the_receipts_settings(tmp_path, 
     assert result.exit_code == 0, result.output
     assert seen[0].backend == "gpu" and not seen[0].mlx_lm
     assert Receipt.load(out).settings["backend"] == "gpu"
+
+
+def test_mlx_lms_tokens_are_not_held_to_ours_but_a_drafted_cell_is():
+    """mlx-lm runs its own kernels, so its greedy tokens may differ from ours (random 9B-shaped weights
+    on the H200 gave other hashes): only our drafted cells must equal plain."""
+    receipt = Receipt.new("engine-speed", ["test"], {})
+    receipt.records = [{"probe": "code", "mode": mode, "streams": 1, "token_sha": [sha]}
+                       for mode, sha in (("plain", "aa"), ("drafted", "aa"), (engine_speed.MLX_LM, "bb"))]
+    cells = {mode: {"1": {}} for mode in ("plain", "drafted", engine_speed.MLX_LM)}
+    engine_speed.check_equal(receipt, "code", cells, (1,))
+    assert receipt.failures == [] and cells["drafted"]["1"]["equals_plain"] is True
+    receipt.records[1]["token_sha"] = ["cc"]
+    engine_speed.check_equal(receipt, "code", cells, (1,))
+    assert [f["subject"] for f in receipt.failures] == ["code drafted x1"]

@@ -181,8 +181,8 @@ def run(s: SpeedSettings, receipt: Receipt, progress: Callable[[str], None] = la
 
 
 def check_equal(receipt: Receipt, probe: str, cells: dict[str, dict[str, dict]], levels: tuple[int, ...]) -> None:
-    """Drafted == plain per cell: every stream of every rep of a drafted cell has plain's token hash at
-    that level (greedy, so one hash), and plain has one hash over all levels (streams never change a
+    """Drafted == plain per cell: every stream of every rep of a drafted cell (not mlx-lm's, whose
+    kernels differ from ours) has plain's token hash at that level (greedy, so one hash), and plain has one hash over all levels (streams never change a
     stream's tokens); a cell or level that differs fails the receipt."""
     def shas(mode: str, streams: int) -> set[str]:
         return {h for r in receipt.records
@@ -193,7 +193,7 @@ def check_equal(receipt: Receipt, probe: str, cells: dict[str, dict[str, dict]],
         receipt.fail("drafted equals plain", f"{probe} plain", f"{probe} plain: token hashes differ across levels: "
                                                               f"{sorted(plain_all)}")
     for mode, by_level in cells.items():
-        if mode == "plain":
+        if mode in ("plain", MLX_LM):  # mlx-lm's own arithmetic: its tokens may differ and are not checked
             continue
         for streams in levels:
             plain, ours = shas("plain", streams), shas(mode, streams)
