@@ -34,6 +34,7 @@ from mlx.utils import tree_flatten
 from dflash_bench.engine.draft_config import DraftConfig, parse_draft_config
 from dflash_bench.engine.quantize import dequantize_packed, quantize_packed
 from dflash_bench.engine.target_config import TargetConfig
+from dflash_bench.engine.topk import top_k_indices
 
 GROUP_SIZE = 64  # quantization group: mlx-lm's default
 
@@ -283,7 +284,7 @@ class Drafter(nn.Module):
         if not self.config.is_dflash2:
             return mx.argmax(logits, axis=-1)
         sel: CandidateSelector = self.candidate_selector
-        candidates = mx.argpartition(logits, -sel.top_k, axis=-1)[..., -sel.top_k :]
+        candidates = top_k_indices(logits, sel.top_k)
         unary = mx.take_along_axis(logits, candidates, axis=-1).astype(mx.float32)
         previous, picks = first, []
         for j in range(logits.shape[2]):
