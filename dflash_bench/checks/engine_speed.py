@@ -182,8 +182,9 @@ def run(s: SpeedSettings, receipt: Receipt, progress: Callable[[str], None] = la
 
 def check_equal(receipt: Receipt, probe: str, cells: dict[str, dict[str, dict]], levels: tuple[int, ...]) -> None:
     """Drafted == plain per cell: every stream of every rep of a drafted cell (not mlx-lm's, whose
-    kernels differ from ours) has plain's token hash at that level (greedy, so one hash), and plain has one hash over all levels (streams never change a
-    stream's tokens); a cell or level that differs fails the receipt."""
+    kernels differ from ours) has plain's token hash at that level (greedy, so one hash), and plain
+    has one hash over all levels (streams never change a stream's tokens); a cell or level that
+    differs fails the receipt."""
     def shas(mode: str, streams: int) -> set[str]:
         return {h for r in receipt.records
                 if r["probe"] == probe and r["mode"] == mode and r["streams"] == streams for h in r["token_sha"]}

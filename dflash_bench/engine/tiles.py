@@ -58,14 +58,15 @@ def pad_rows(x: mx.array, multiple: int = ROW_TILE) -> mx.array:
     return mx.concatenate([x, mx.zeros((extra, *x.shape[1:]), dtype=x.dtype)])
 
 
-# MLX 0.32.4's quantized matmul on a CUDA GPU (its qmm_sm80 kernel, which it runs from 8 rows up)
-# loads two 64-input tiles of every row before it checks how many the rows have, and a third in
-# its first step: with fewer than 192 inputs it reads up to 128 values past each weight and input
-# row, past the buffer's end for the last rows. Where nothing is mapped there the launch faults
-# ("an illegal memory access"), depending on what the allocator last released: a GPU core dump
-# of tests/test_attention_kernel.py's engine test caught it there (README, the GPU tests). Such a
+# MLX 0.32.4's CUDA quantized matmul over many rows (its qmm_sm80 kernel) loads two 64-input tiles
+# of every row before its loop, and a third in the loop's first step, whatever number of tiles the
+# rows have: with fewer than 192 inputs it reads up to 128 values past each weight and input row,
+# past the buffer's end for the last rows. Where nothing is mapped there the launch faults ("an
+# illegal memory access"), depending on what the allocator last released: a GPU core dump of
+# tests/test_attention_kernel.py's engine test caught it there (README, the GPU tests). Such a
 # weight (only test fixtures are that narrow) is dequantized for each call on a CUDA GPU instead.
 QMM_MIN_INPUTS = 192
+
 
 class Weight:
     """A projection's weight: float32 (or bf16) `(out, in)`, or an MLX affine-quantized triple.
