@@ -165,3 +165,27 @@ def test_dflash2_smoke_run_trains_exports_and_serves(tmp_path) -> None:
         drafted = engine.generate(Request(prompt, max_tokens=20, ignore_eos=True, temperature=temperature, seed=3))
         plain = engine.generate(Request(prompt, max_tokens=20, ignore_eos=True, temperature=temperature, seed=3, draft=False))
         assert drafted.tokens == plain.tokens and drafted.stats.rounds > 0
+
+    # `--trains selector` on that drafter, at another rank: the body ships as it was stored, bit for bit;
+    # only a fresh selector of the new rank trained, and the engine drafts with it, drafted == plain
+    again = tmp_path / "selector"
+    train_main(["train", "--recipe", "smoke-dflash2", "--target", str(target_dir), "--out", str(again),
+                "--data", str(tmp_path / "data.npz"), "--init", str(out / "drafter"), "--trains", "selector",
+                "--selector-rank", "6", "--lr", "0.05"])
+    before, after = (mx.load(str(d / "model.safetensors")) for d in (out / "drafter", again / "drafter"))
+    body = sorted(k for k in before if not k.startswith("candidate_selector."))
+    assert body == sorted(k for k in after if not k.startswith("candidate_selector."))
+    assert all(mx.array_equal(before[k], after[k]).item() and before[k].dtype == after[k].dtype for k in body)
+    assert after["candidate_selector.predecessor_codebook"].shape == (512, 6)
+    assert mx.abs(after["candidate_selector.hidden_projection.weight"]).max().item() > 0  # it trained from zero
+    receipt = json.loads((again / "receipt.json").read_text())
+    assert receipt["recipe"]["trains"] == "selector" and receipt["architecture"]["selector_rank"] == 6
+    assert receipt["trained_params"] == sum(after[k].size for k in after if k.startswith("candidate_selector."))
+    engine = Engine(target_dir, again / "drafter")
+    for temperature in (0.0, 0.7):
+        drafted = engine.generate(Request(prompt, max_tokens=20, ignore_eos=True, temperature=temperature, seed=3))
+        plain = engine.generate(Request(prompt, max_tokens=20, ignore_eos=True, temperature=temperature, seed=3, draft=False))
+        assert drafted.tokens == plain.tokens and drafted.stats.rounds > 0
+    with pytest.raises(ValueError, match="--trains selector needs"):
+        train_main(["train", "--recipe", "smoke-dflash2", "--target", str(target_dir), "--out", str(tmp_path / "x"),
+                    "--data", str(tmp_path / "data.npz"), "--trains", "selector"])

@@ -41,7 +41,8 @@ def recipe_from(args: argparse.Namespace) -> Recipe:
     return with_overrides(RECIPES[args.recipe], prompts=args.prompts, steps=args.steps, batch=args.batch,
                           gen_batch=args.gen_batch, seed=args.seed, held_out=args.held_out,
                           new_tokens=args.new_tokens, lr=args.lr, gen_dtype=args.gen_dtype,
-                          labels=args.labels, logits_dtype=args.logits_dtype, layers=args.layers, bits=args.bits)
+                          labels=args.labels, logits_dtype=args.logits_dtype, layers=args.layers, bits=args.bits,
+                          selector_rank=args.selector_rank, trains=args.trains)
 
 
 def cmd_data(args: argparse.Namespace, recipe: Recipe, target: TrainTarget, loaded) -> tuple[Sequences, dict]:
@@ -122,16 +123,24 @@ def cmd_train(args, recipe: Recipe, target: TrainTarget, loaded, seqs: Sequences
         init = {"from": args.init, "how": start_from(model, config, Path(args.init))}
         log(f"init: {init['how']}")
     params = sum(v.size for _, v in tree_flatten(model.parameters()))
-    log(f"drafter: {params} params, {draft_cfg.num_layers} layers, taps {list(draft_cfg.taps)}")
+    body_from = None
+    if recipe.trains == "selector":
+        if not (draft_cfg.is_dflash2 and args.init):
+            raise ValueError("--trains selector needs a DFlash2 recipe and --init with the body to keep")
+        model.freeze()
+        model.candidate_selector.unfreeze()
+        body_from = Path(args.init)
+    trainable = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
+    log(f"drafter: {params} params ({trainable} trained), {draft_cfg.num_layers} layers, taps {list(draft_cfg.taps)}")
     budget = args.time_budget
     if args.deadline:  # the whole command ends by then: training gets what is left after evaluation's share
         budget = max(30.0, args.deadline - (time.perf_counter() - STARTED) - EVAL_RESERVE_S)
     sched = Schedule(steps=recipe.steps, batch=recipe.batch, anchors=recipe.anchors, lr=recipe.lr,
                      warmup=recipe.warmup, gamma=recipe.gamma, seed=recipe.seed, time_budget_s=budget,
                      compile=not args.no_compile, logits_dtype=recipe.logits_dtype)
-    trained = train(model, target, store, sched, log=log, checkpoint=lambda step: export(model, config, out / "drafter"))
+    trained = train(model, target, store, sched, log=log, checkpoint=lambda step: export(model, config, out / "drafter", body_from))
     del store
-    drafter_dir = export(model, config, out / "drafter")
+    drafter_dir = export(model, config, out / "drafter", body_from)
     log("evaluating the export (as stored: quantized when the recipe says so) on held-out replies")
     held_eval = evaluate({"export": load(drafter_dir)}, target, held, draft_cfg.taps, recipe.gamma, recipe.labels)["export"]
     log(f"held-out: {json.dumps(held_eval)}")
@@ -166,6 +175,7 @@ def cmd_train(args, recipe: Recipe, target: TrainTarget, loaded, seqs: Sequences
                      "blocks_per_step": recipe.batch * recipe.anchors, "loss_curve": trained.curve},
         "held_out": held_eval,
         "files": _files(drafter_dir),
+        "trained_params": int(trainable),
     }
 
 
@@ -286,6 +296,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--time-budget", type=float, help="seconds of training; steps shrink to fit")
     ap.add_argument("--deadline", type=float, help="seconds the whole command may take (sets the training budget)")
     ap.add_argument("--no-compile", action="store_true", help="train without mx.compile")
+    ap.add_argument("--selector-rank", type=int, help="DFlash2: the selector's rank (another than --init's starts a fresh selector)")
+    ap.add_argument("--trains", choices=("all", "selector"),
+                    help="selector: train only a DFlash2 drafter's selector, its body as --init stores it")
     ap.add_argument("--init", help="train: start from this exported drafter (this recipe's, or one with fewer layers, grown) instead of random weights")
     ap.add_argument("--drafter", nargs="+", help="probe: drafter folders, each probed in turn; average: those to average")
     ap.add_argument("--probes", default="dflash_bench/prompts/probes.json", help="probe: prompt set")

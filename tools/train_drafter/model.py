@@ -311,9 +311,11 @@ def block_mask(anchors: mx.array, context: int, block: int, window: int | None, 
     return mx.concatenate([seen_ctx, seen_block], axis=-1)[:, None]
 
 
-def export(model: Drafter, config: dict, out_dir: Path) -> Path:
+def export(model: Drafter, config: dict, out_dir: Path, body_from: Path | None = None) -> Path:
     """config.json + model.safetensors in the z-lab layout, what `load_drafter` reads: bf16, or with
-    config.json's `quantization` block every matrix packed (`quantize.quantize_packed`)."""
+    config.json's `quantization` block every matrix packed (`quantize.quantize_packed`). With
+    `body_from` (a drafter whose selector alone was trained), every tensor but the selector's is
+    that export's as it stores it, so the body ships bit for bit as it was."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -321,6 +323,12 @@ def export(model: Drafter, config: dict, out_dir: Path) -> Path:
     if quant := config.get("quantization"):  # packed from the float32 weights
         weights = quantize_packed(weights, quant["group_size"], quant["bits"])
     weights = {k: v.astype(mx.bfloat16) if v.dtype == mx.float32 else v for k, v in weights.items()}
+    if body_from is not None:
+        stored = mx.load(str(Path(body_from) / "model.safetensors"))
+        body = {k: v for k, v in stored.items() if not k.startswith(SELECTOR)}
+        if set(body) != {k for k in weights if not k.startswith(SELECTOR)}:
+            raise ValueError(f"{body_from}: its body's tensors are not this drafter's")
+        weights |= body
     mx.save_safetensors(str(out_dir / "model.safetensors"), dict(sorted(weights.items())), metadata={"format": "pt"})
     return out_dir
 
@@ -357,6 +365,7 @@ def load(out_dir: Path) -> Drafter:
     return model
 
 
+SELECTOR = "candidate_selector."  # the selector's tensors' prefix (the published names)
 GROWABLE = {"num_hidden_layers", "layer_types", "max_window_layers", "quantization"}
 
 
@@ -371,6 +380,10 @@ def start_from(model: Drafter, config: dict, source: Path) -> str:
     if not differs - {"quantization"}:
         model.load_weights(list(weights.items()))
         return "same architecture"
+    if differs == {"dflash_config"} and _rank_alone_differs(config, theirs):
+        model.load_weights([(k, v) for k, v in weights.items() if not k.startswith(SELECTOR)], strict=False)
+        return (f"the body of {source} as it is; a fresh rank-{config['dflash_config']['selector_rank']} selector "
+                f"(its pairwise term zero) in place of its rank-{theirs['dflash_config']['selector_rank']} one")
     if model.config.is_dflash2 and "DFlashDraftModel" in theirs.get("architectures", []):
         return _v1_into_dflash2(model, config, theirs, weights, source)
     have, want = theirs["num_hidden_layers"], config["num_hidden_layers"]
@@ -391,6 +404,15 @@ def start_from(model: Drafter, config: dict, source: Path) -> str:
         layer.mlp.down_proj.weight = mx.zeros_like(layer.mlp.down_proj.weight)
     model.load_weights(list(moved.items()), strict=False)
     return f"grown from {have} to {want} layers: source layers -> {placed}, the others start as the identity"
+
+
+def _rank_alone_differs(config: dict, theirs: dict) -> bool:
+    """Whether two DFlash2 configs differ in the selector's rank and in nothing else."""
+    ours_d, theirs_d = dict(config["dflash_config"]), dict(theirs["dflash_config"])
+    if "selector_rank" not in ours_d or "selector_rank" not in theirs_d:
+        return False
+    del ours_d["selector_rank"], theirs_d["selector_rank"]
+    return ours_d == theirs_d
 
 
 DFLASH2_OWN = {"architectures", "auto_map", "is_causal", "dflash_config", "layer_types", "sliding_window",

@@ -40,6 +40,7 @@ class Recipe:
     gen_dtype: str = "float32"  # the replies' dtype (taps are always float32): bf16 generates faster
     labels: str = "target"  # the float32 target's own greedy choices; "replies": the reply tokens (v1-v7)
     logits_dtype: str = "float32"  # training's lm_head product (the softmax is float32 either way)
+    trains: str = "all"  # "selector": a DFlash2 drafter's body frozen as --init stored it, only its selector trained
     seed: int = 0
     held_out_words: tuple[str, ...] = HELD_OUT
     mix: dict[str, float] = field(default_factory=lambda: dict(MIX))
@@ -96,11 +97,15 @@ SMOKE_DFLASH2 = replace(
 RECIPES = {"smollm2": SMOLLM2, "smollm2-dflash2": SMOLLM2_DFLASH2, "smoke": SMOKE, "smoke-dflash2": SMOKE_DFLASH2}
 
 
-def with_overrides(recipe: Recipe, layers: int | None = None, bits: int | None = None, **changes) -> Recipe:
-    """The recipe with the given fields replaced (None keeps a field); `layers` and `bits` change its
-    shape (a deeper drafter grows from a shallower one with `--init`; `bits` 0 stores bf16). A new
-    layer count takes the default layer kinds: all sliding but the last."""
+def with_overrides(recipe: Recipe, layers: int | None = None, bits: int | None = None,
+                   selector_rank: int | None = None, **changes) -> Recipe:
+    """The recipe with the given fields replaced (None keeps a field); `layers`, `bits` and
+    `selector_rank` change its shape (a deeper drafter grows from a shallower one with `--init`; `bits`
+    0 stores bf16; another rank starts a fresh selector on the --init body). A new layer count takes
+    the default layer kinds: all sliding but the last."""
     shape = recipe.shape
+    if selector_rank is not None:
+        shape = replace(shape, selector_rank=selector_rank)
     if layers is not None:
         kinds = ("sliding_attention",) * layers if shape.variant == "dflash2" else ()  # DFlash2: all sliding
         shape = replace(shape, layers=layers, layer_types=kinds)
