@@ -186,6 +186,13 @@ def test_dflash2_smoke_run_trains_exports_and_serves(tmp_path) -> None:
         drafted = engine.generate(Request(prompt, max_tokens=20, ignore_eos=True, temperature=temperature, seed=3))
         plain = engine.generate(Request(prompt, max_tokens=20, ignore_eos=True, temperature=temperature, seed=3, draft=False))
         assert drafted.tokens == plain.tokens and drafted.stats.rounds > 0
-    with pytest.raises(ValueError, match="--trains selector needs"):
-        train_main(["train", "--recipe", "smoke-dflash2", "--target", str(target_dir), "--out", str(tmp_path / "x"),
-                    "--data", str(tmp_path / "data.npz"), "--trains", "selector"])
+
+def test_trains_selector_without_a_body_to_keep_is_refused_before_any_work(tmp_path, capsys) -> None:
+    """`--trains selector` without --init, or on a v1 recipe, stops at the argument check with one line
+    naming what is missing, before the target is loaded or any tap plane computed."""
+    for argv in (["--recipe", "smoke-dflash2"], ["--recipe", "smoke", "--init", str(tmp_path)]):
+        with pytest.raises(SystemExit) as stop:
+            train_main(["train", *argv, "--target", str(tmp_path / "no-target"), "--data", str(tmp_path / "no.npz"),
+                        "--trains", "selector"])
+        assert stop.value.code == 2
+        assert "--trains selector needs a DFlash2 recipe and --init" in capsys.readouterr().err

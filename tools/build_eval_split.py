@@ -1,48 +1,110 @@
-"""One decode step of a checkpoint, ours (gpu mode) against mlx-lm's: Python graph build vs evaluation.
+"""One decode step of a checkpoint, ours (gpu mode) against mlx-lm's: Python graph build, the host's
+encoding of the graph, and the wait for the device; and the operations the step asks for.
 
 usage (on the GPU machine, from the repo root): PYTHONPATH=/tmp/site:$PWD python3 tools/build_eval_split.py DIR
 
 DIR is an mlx-lm-loadable checkpoint (`fixture qwen3_5-9b-4bit DIR`). After a 256-token prompt, each
-engine's one-row step (1 and 4 streams) is built in Python and then evaluated on its own, no
-pipelining, median of 5 after 3 warm steps: the forward's own cost, apart from what the engine's
-rounds (lanes.py) or mlx-lm's `generate_step` add around it. The H200's output is
-docs/profiles/build-eval-split-h200.txt.
+engine's one-row step (1 and 4 streams) is built in Python, handed to `mx.async_eval` (which returns
+once the host has encoded every operation for the device) and then waited for, no pipelining, median
+of 5 after 3 warm steps: the forward's own cost, apart from what the engine's rounds (lanes.py) or
+mlx-lm's `generate_step` add around it. A pipelined loop (lanes.py's lookahead, mlx-lm's
+`generate_step`) overlaps the next step's build with this one's wait, never with its encoding, so
+build + encode is the floor of a step on a host-bound machine. Then the step's operations by
+primitive (`mx.export_to_dot` of the same graph; views left out, as in tools/forward_ops.py).
+
+The H200's output is docs/profiles/build-eval-split-h200.txt (its first run split only build and
+evaluation).
 """
-import sys, time
-import dflash_bench  # noqa: F401
+
+from __future__ import annotations
+
+import collections
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import dflash_bench  # noqa: F401  (loads the BLAS before mlx.core)
 import mlx.core as mx
+
 from dflash_bench.engine.engine import Engine, Settings
 from dflash_bench.engine.targets.base import Segment
-path = sys.argv[1]
-eng = Engine(path, None, Settings(parallel=4, context=4096, backend="gpu"))
-t = eng.target
-ids = list(range(100, 400))
-sts = [t.new_state() for _ in range(4)]
-for st in sts:
-    o = t.forward([Segment(ids[:256], 0, st, [255], prefill=True)]); mx.eval(o[0].logits, st.arrays()); st.keep(256)
-def ours(n):
-    segs = [Segment([7], st.length, st, [0]) for st in sts[:n]]
-    a = time.perf_counter(); o = t.forward(segs); b = time.perf_counter()
-    mx.eval([x.logits for x in o], [st.arrays() for st in sts[:n]]); c = time.perf_counter()
-    for st in sts[:n]: st.keep(st.length)
-    return 1e3 * (b - a), 1e3 * (c - b)
-for n in (1, 4):
-    res = [ours(n) for _ in range(8)][3:]
-    print(f"ours {n} streams: build {sorted(r[0] for r in res)[2]:.2f} ms eval {sorted(r[1] for r in res)[2]:.2f} ms", flush=True)
-del eng, t, sts
-from mlx_lm.utils import load_model
-from mlx_lm.models.cache import make_prompt_cache
-model, _ = load_model(__import__("pathlib").Path(path))
-for n in (1, 4):
-    cache = make_prompt_cache(model)
-    x = mx.array([ids[:256]] * n)
-    mx.eval(model(x, cache=cache)); mx.eval([c.state for c in cache])
-    res = []
-    for _ in range(8):
-        y = mx.array([[7]] * n)
-        a = time.perf_counter(); out = model(y, cache=cache); b = time.perf_counter()
-        mx.eval(out, [c.state for c in cache]); c = time.perf_counter()
-        res.append((1e3 * (b - a), 1e3 * (c - b)))
-    res = res[3:]
-    print(f"mlx-lm {n} streams: build {sorted(r[0] for r in res)[2]:.2f} ms eval {sorted(r[1] for r in res)[2]:.2f} ms", flush=True)
-print("done", flush=True)
+
+VIEWS = {"Broadcast", "Reshape", "Slice", "Squeeze", "ExpandDims", "Transpose", "Split", "AsStrided"}
+IDS = list(range(100, 400))
+
+
+def timed(step) -> tuple[float, float, float]:
+    """(build, encode, wait) ms of one step: `step()` builds the graph and returns (outputs, after),
+    `after()` runs once it is evaluated."""
+    a = time.perf_counter()
+    outputs, after = step()
+    b = time.perf_counter()
+    mx.async_eval(outputs)
+    c = time.perf_counter()
+    mx.eval(outputs)
+    d = time.perf_counter()
+    after()
+    return 1e3 * (b - a), 1e3 * (c - b), 1e3 * (d - c)
+
+
+def census(outputs: list[mx.array]) -> collections.Counter:
+    """Operations in the graph of `outputs` (not yet evaluated), by primitive."""
+    dot = Path(tempfile.mkdtemp()) / "step.dot"
+    mx.export_to_dot(str(dot), *outputs)
+    return collections.Counter(label.split()[0] for label in re.findall(r'label ="([^"]+)"', dot.read_text()))
+
+
+def report(who: str, streams: int, step) -> None:
+    for _ in range(3):
+        timed(step)
+    runs = [timed(step) for _ in range(5)]
+    build, encode, wait = (statistics.median(r[i] for r in runs) for i in range(3))
+    outputs, after = step()
+    counts = census(outputs)
+    mx.eval(outputs)
+    after()
+    ops = {k: n for k, n in counts.items() if k not in VIEWS}
+    top = ", ".join(f"{k} {n}" for k, n in sorted(ops.items(), key=lambda kv: -kv[1])[:12])
+    print(f"{who} {streams} streams: build {build:.2f} ms, encode {encode:.2f} ms, wait {wait:.2f} ms; "
+          f"{sum(ops.values())} operations ({top})", flush=True)
+
+
+def ours(path: str) -> None:
+    engine = Engine(path, None, Settings(parallel=4, context=4096, backend="gpu"))
+    target = engine.target
+    states = [target.new_state() for _ in range(4)]
+    for st in states:
+        out = target.forward([Segment(IDS[:256], 0, st, [255], prefill=True)])
+        mx.eval(out[0].logits, st.arrays())
+        st.keep(256)
+    for n in (1, 4):
+        def step(n=n):
+            outs = target.forward([Segment([7], st.length, st, [0]) for st in states[:n]])
+            return [o.logits for o in outs] + [a for st in states[:n] for a in st.arrays()], \
+                lambda: [st.keep(st.length) for st in states[:n]]
+        report("ours", n, step)
+
+
+def mlx_lm(path: str) -> None:
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load_model
+
+    model, _ = load_model(Path(path))
+    for n in (1, 4):
+        cache = make_prompt_cache(model)
+        mx.eval(model(mx.array([IDS[:256]] * n), cache=cache))
+        mx.eval([c.state for c in cache])
+
+        def step(n=n, cache=cache):
+            out = model(mx.array([[7]] * n), cache=cache)
+            return [out] + [a for c in cache for a in c.state if isinstance(a, mx.array)], lambda: None
+        report("mlx-lm", n, step)
+
+
+if __name__ == "__main__":
+    ours(sys.argv[1])
+    mlx_lm(sys.argv[1])
+    print("done", flush=True)

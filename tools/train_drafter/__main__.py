@@ -124,9 +124,7 @@ def cmd_train(args, recipe: Recipe, target: TrainTarget, loaded, seqs: Sequences
         log(f"init: {init['how']}")
     params = sum(v.size for _, v in tree_flatten(model.parameters()))
     body_from = None
-    if recipe.trains == "selector":
-        if not (draft_cfg.is_dflash2 and args.init):
-            raise ValueError("--trains selector needs a DFlash2 recipe and --init with the body to keep")
+    if recipe.trains == "selector":  # main() checked that this is a DFlash2 recipe with --init
         model.freeze()
         model.candidate_selector.unfreeze()
         body_from = Path(args.init)
@@ -317,6 +315,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.command in ("data", "all") and args.data and len(args.data) > 1:
         ap.error(f"{args.command} writes one --data file, not {len(args.data)}")
     recipe = recipe_from(args)
+    if recipe.trains == "selector" and not (recipe.shape.variant == "dflash2" and args.init):
+        ap.error("--trains selector needs a DFlash2 recipe and --init naming the drafter whose body it keeps")
     loaded = load_target(args.target)
     generates = args.command in ("data", "all")  # `train` reads replies: no generation copy to build
     target = TrainTarget(loaded, gen_dtype=getattr(mx, recipe.gen_dtype) if generates else None)
