@@ -180,6 +180,7 @@ def test_dflash2_smoke_run_trains_exports_and_serves(tmp_path) -> None:
     assert mx.abs(after["candidate_selector.hidden_projection.weight"]).max().item() > 0  # it trained from zero
     receipt = json.loads((again / "receipt.json").read_text())
     assert receipt["recipe"]["trains"] == "selector" and receipt["architecture"]["selector_rank"] == 6
+    assert "every drafter tensor but the selector's" in receipt["architecture"]["frozen"]
     assert receipt["trained_params"] == sum(after[k].size for k in after if k.startswith("candidate_selector."))
     engine = Engine(target_dir, again / "drafter")
     for temperature in (0.0, 0.7):

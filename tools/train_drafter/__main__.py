@@ -162,7 +162,9 @@ def cmd_train(args, recipe: Recipe, target: TrainTarget, loaded, seqs: Sequences
                          "mask_token_id": draft_cfg.mask_token_id, "params": int(params),
                          "stored": f"{recipe.shape.bits}-bit matrices (groups of {GROUP_SIZE}), bf16 norms"
                          if recipe.shape.bits else "bf16",
-                         "frozen": "the target's embedding and (tied) lm_head"}
+                         "frozen": "the target's embedding and (tied) lm_head"
+                         + (f", and every drafter tensor but the selector's (as {args.init} stores them)"
+                            if body_from is not None else "")}
                         | ({"variant": "DFlash2", "conv_kernel": draft_cfg.conv_kernel_size,
                             "conv_group": draft_cfg.conv_group_size, "selector_rank": draft_cfg.selector_rank,
                             "selector_top_k": draft_cfg.selector_top_k,
