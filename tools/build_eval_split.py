@@ -18,11 +18,8 @@ evaluation).
 
 from __future__ import annotations
 
-import collections
-import re
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,8 +28,7 @@ import mlx.core as mx
 
 from dflash_bench.engine.engine import Engine, Settings
 from dflash_bench.engine.targets.base import Segment
-
-VIEWS = {"Broadcast", "Reshape", "Slice", "Squeeze", "ExpandDims", "Transpose", "Split", "AsStrided"}
+from forward_ops import VIEWS, census  # tools/, the script's own folder
 IDS = list(range(100, 400))
 
 
@@ -50,13 +46,8 @@ def timed(step) -> tuple[float, float, float]:
     return 1e3 * (b - a), 1e3 * (c - b), 1e3 * (d - c)
 
 
-def census(outputs: list[mx.array]) -> collections.Counter:
-    """Operations in the graph of `outputs` (not yet evaluated), by primitive."""
-    dot = Path(tempfile.mkdtemp()) / "step.dot"
-    mx.export_to_dot(str(dot), *outputs)
-    return collections.Counter(label.split()[0] for label in re.findall(r'label ="([^"]+)"', dot.read_text()))
-
-
+from dflash_bench.engine.targets.base import Segment
+from forward_ops import VIEWS, census  # tools/, the script's own folder
 def report(who: str, streams: int, step) -> None:
     for _ in range(3):
         timed(step)

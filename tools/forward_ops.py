@@ -34,6 +34,13 @@ from dflash_bench.fixtures.big import write_big
 VIEWS = {"Broadcast", "Reshape", "Slice", "Squeeze", "ExpandDims", "Transpose", "Split", "AsStrided"}
 
 
+def census(outputs: list[mx.array]) -> collections.Counter:
+    """The nodes of the (not yet evaluated) graph of `outputs`, by primitive (`mx.export_to_dot`)."""
+    dot = Path(tempfile.mkdtemp()) / "graph.dot"
+    mx.export_to_dot(str(dot), *outputs)
+    return collections.Counter(label.split()[0] for label in re.findall(r'label ="([^"]+)"', dot.read_text()))
+
+
 def reference_attention(segments, scale):
     outs = []
     for q, k, v, start in segments:
@@ -110,14 +117,11 @@ def main() -> None:
             outs = target.forward([Segment([5], st.length, st, [0]) for st in states])
             times.append(time.perf_counter() - t0)
             mx.eval([o.logits for o in outs], [st.arrays() for st in states])
-        dot = root / "forward.dot"
         outs = target.forward([Segment([5], st.length, st, [0]) for st in states])
-        mx.export_to_dot(str(dot), *[o.logits for o in outs], *[a for st in states for a in st.arrays()])
-        labels = [label.split()[0] for label in re.findall(r'label ="([^"]+)"', dot.read_text())]
-        counts = collections.Counter(labels)
+        counts = census([o.logits for o in outs] + [a for st in states for a in st.arrays()])
         ops = sum(n for name, n in counts.items() if name not in VIEWS)
         print(f"{streams} stream(s), {target.config.num_layers} layers: {ops} operations that are not views "
-              f"({len(labels)} nodes; {counts.get('Matmul', 0)} products), graph build "
+              f"({counts.total()} nodes; {counts.get('Matmul', 0)} products), graph build "
               f"{1e3 * statistics.median(times[5:]):.2f} ms (median of {len(times) - 5})", flush=True)
 
 
