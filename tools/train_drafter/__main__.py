@@ -23,7 +23,7 @@ from dflash_bench.engine.checkpoint import load_target
 from dflash_bench.engine.draft_config import parse_draft_config, read_draft_config
 from train_drafter import corpus
 from train_drafter.data import Sequences, TapStore, generate_all
-from train_drafter.model import GROUP_SIZE, Drafter, average, drafter_config, export, load, start_from
+from train_drafter.model import GROUP_SIZE, Drafter, average, drafter_config, export, load, start_from, stored_body
 from train_drafter.recipe import RECIPES, Recipe, with_overrides
 from train_drafter.target import TrainTarget
 from train_drafter.train import Schedule, evaluate, train
@@ -123,11 +123,11 @@ def cmd_train(args, recipe: Recipe, target: TrainTarget, loaded, seqs: Sequences
         init = {"from": args.init, "how": start_from(model, config, Path(args.init))}
         log(f"init: {init['how']}")
     params = sum(v.size for _, v in tree_flatten(model.parameters()))
-    body_from = None
+    body = None
     if recipe.trains == "selector":  # main() checked that this is a DFlash2 recipe with --init
         model.freeze()
         model.candidate_selector.unfreeze()
-        body_from = Path(args.init)
+        body = stored_body(Path(args.init))  # read once: every checkpoint ships it
     trainable = sum(v.size for _, v in tree_flatten(model.trainable_parameters()))
     log(f"drafter: {params} params ({trainable} trained), {draft_cfg.num_layers} layers, taps {list(draft_cfg.taps)}")
     budget = args.time_budget
@@ -136,9 +136,9 @@ def cmd_train(args, recipe: Recipe, target: TrainTarget, loaded, seqs: Sequences
     sched = Schedule(steps=recipe.steps, batch=recipe.batch, anchors=recipe.anchors, lr=recipe.lr,
                      warmup=recipe.warmup, gamma=recipe.gamma, seed=recipe.seed, time_budget_s=budget,
                      compile=not args.no_compile, logits_dtype=recipe.logits_dtype)
-    trained = train(model, target, store, sched, log=log, checkpoint=lambda step: export(model, config, out / "drafter", body_from))
+    trained = train(model, target, store, sched, log=log, checkpoint=lambda step: export(model, config, out / "drafter", body))
     del store
-    drafter_dir = export(model, config, out / "drafter", body_from)
+    drafter_dir = export(model, config, out / "drafter", body)
     log("evaluating the export (as stored: quantized when the recipe says so) on held-out replies")
     held_eval = evaluate({"export": load(drafter_dir)}, target, held, draft_cfg.taps, recipe.gamma, recipe.labels)["export"]
     log(f"held-out: {json.dumps(held_eval)}")
@@ -164,7 +164,7 @@ def cmd_train(args, recipe: Recipe, target: TrainTarget, loaded, seqs: Sequences
                          if recipe.shape.bits else "bf16",
                          "frozen": "the target's embedding and (tied) lm_head"
                          + (f", and every drafter tensor but the selector's (as {args.init} stores them)"
-                            if body_from is not None else "")}
+                            if body is not None else "")}
                         | ({"variant": "DFlash2", "conv_kernel": draft_cfg.conv_kernel_size,
                             "conv_group": draft_cfg.conv_group_size, "selector_rank": draft_cfg.selector_rank,
                             "selector_top_k": draft_cfg.selector_top_k,

@@ -311,11 +311,16 @@ def block_mask(anchors: mx.array, context: int, block: int, window: int | None, 
     return mx.concatenate([seen_ctx, seen_block], axis=-1)[:, None]
 
 
-def export(model: Drafter, config: dict, out_dir: Path, body_from: Path | None = None) -> Path:
+def stored_body(source: Path) -> dict[str, mx.array]:
+    """Every tensor of an export but its selector's, as stored (what `export(..., body=)` ships)."""
+    return {k: v for k, v in mx.load(str(Path(source) / "model.safetensors")).items() if not k.startswith(SELECTOR)}
+
+
+def export(model: Drafter, config: dict, out_dir: Path, body: dict[str, mx.array] | None = None) -> Path:
     """config.json + model.safetensors in the z-lab layout, what `load_drafter` reads: bf16, or with
-    config.json's `quantization` block every matrix packed (`quantize.quantize_packed`). With
-    `body_from` (a drafter whose selector alone was trained), every tensor but the selector's is
-    that export's as it stores it, so the body ships bit for bit as it was."""
+    config.json's `quantization` block every matrix packed (`quantize.quantize_packed`). With `body`
+    (`stored_body` of the drafter whose selector alone was trained), every tensor but the selector's
+    is that one's as stored, so the body ships bit for bit as it was."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
@@ -323,11 +328,9 @@ def export(model: Drafter, config: dict, out_dir: Path, body_from: Path | None =
     if quant := config.get("quantization"):  # packed from the float32 weights
         weights = quantize_packed(weights, quant["group_size"], quant["bits"])
     weights = {k: v.astype(mx.bfloat16) if v.dtype == mx.float32 else v for k, v in weights.items()}
-    if body_from is not None:
-        stored = mx.load(str(Path(body_from) / "model.safetensors"))
-        body = {k: v for k, v in stored.items() if not k.startswith(SELECTOR)}
+    if body is not None:
         if set(body) != {k for k in weights if not k.startswith(SELECTOR)}:
-            raise ValueError(f"{body_from}: its body's tensors are not this drafter's")
+            raise ValueError("the stored body's tensors are not this drafter's")
         weights |= body
     mx.save_safetensors(str(out_dir / "model.safetensors"), dict(sorted(weights.items())), metadata={"format": "pt"})
     return out_dir
