@@ -46,8 +46,6 @@ def timed(step) -> tuple[float, float, float]:
     return 1e3 * (b - a), 1e3 * (c - b), 1e3 * (d - c)
 
 
-from dflash_bench.engine.targets.base import Segment
-from forward_ops import VIEWS, census  # tools/, the script's own folder
 def report(who: str, streams: int, step) -> None:
     for _ in range(3):
         timed(step)
@@ -64,7 +62,7 @@ def report(who: str, streams: int, step) -> None:
 
 
 def ours(path: str) -> None:
-    engine = Engine(path, None, Settings(parallel=4, context=4096, backend="gpu"))
+    engine = Engine(path, None, Settings(parallel=4, context=4096, backend="gpu", warm=False))
     target = engine.target
     states = [target.new_state() for _ in range(4)]
     for st in states:
