@@ -202,9 +202,11 @@ class Layout:
     """Where each segment's rows sit in a forward's packed rows, and which rows share a matmul call.
 
     Decode segments come first, packed in order and padded to whole ROW_TILEs: they run in
-    `row_tile` tiles, so a row's bits never depend on its company. Each prompt chunk then takes its
-    own block of whole ROW_TILEs, one call per weight: the call's shape depends on the chunk's row
-    count alone, and no other segment's rows share it.
+    `row_tile` tiles, so a row's bits never depend on its company. Where every projection runs the
+    row kernel (matmul_kernel.py: any row count, each row alone by construction) the decode rows are
+    not padded (`tile` 1): padding there would only add a zero block and a concatenation a layer.
+    Each prompt chunk then takes its own block of whole ROW_TILEs, one call per weight: the call's
+    shape depends on the chunk's row count alone, and no other segment's rows share it.
     """
 
     spans: tuple[tuple[int, int], ...]  # each segment's rows, in the segments' order
@@ -213,13 +215,13 @@ class Layout:
     rows: int
 
     @classmethod
-    def of(cls, lengths: list[int], prompt: list[bool]) -> "Layout":
+    def of(cls, lengths: list[int], prompt: list[bool], tile: int = ROW_TILE) -> "Layout":
         spans: list[tuple[int, int]] = [(0, 0)] * len(lengths)
         pos = 0
         for i, n in enumerate(lengths):
             if not prompt[i]:
                 spans[i], pos = (pos, pos + n), pos + n
-        decode_rows = pos = -(-pos // ROW_TILE) * ROW_TILE
+        decode_rows = pos = -(-pos // tile) * tile
         blocks = []
         for i, n in enumerate(lengths):
             if prompt[i]:
@@ -256,19 +258,20 @@ class Layout:
 
 
 def linear(x: mx.array, weight: Weight | mx.array, layout: Layout | None = None) -> mx.array:
-    """`x @ W.T` for `x` of shape (R, in) with R a multiple of ROW_TILE: one call per row tile, or
-    per `layout` (decode tiles, then one call per prompt chunk's block)."""
+    """`x @ W.T` for `x` of shape (R, in): one call per row tile, or per `layout` (decode tiles, then
+    one call per prompt chunk's block). R is a multiple of ROW_TILE, except for the row kernel, which
+    takes any number of decode rows."""
     if not isinstance(weight, Weight):
         weight = Weight(weight)
     rows = x.shape[0]
-    if rows % ROW_TILE:
-        raise ValueError(f"linear takes a multiple of {ROW_TILE} rows, got {rows}")
     if weight.kernel:
         if layout is None:
             return weight.kernel_product(x)
         parts = [weight.kernel_product(x[: layout.decode_rows])] if layout.decode_rows else []
         parts += [weight.tile(x[a:b]) for a, b in layout.blocks]
         return mx.concatenate(parts) if len(parts) > 1 else parts[0]
+    if rows % ROW_TILE:
+        raise ValueError(f"linear takes a multiple of {ROW_TILE} rows, got {rows}")
     tile = weight.rows_per_call
     calls = layout.calls(tile) if layout is not None else [(a, a + tile) for a in range(0, rows, tile)]
     if len(calls) == 1:

@@ -111,6 +111,7 @@ class Target:
         self.eps = config.rms_norm_eps
         # the gpu mode (bf16) stacks the projections that share their input (tiles.Stacked)
         self.stacks = dtype == mx.bfloat16
+        self._projections: list[Weight] | None = None  # `projections()`, read once by `row_tile`
 
     def mlp_weights(self, weights: dict, prefix: str) -> tuple[Stacked, Weight]:
         """An MLP's gate and up projections (stacked where `stacks`) and its down projection."""
@@ -156,7 +157,7 @@ class Target:
         for seg in segments:
             if seg.start != seg.state.length:
                 raise ValueError(f"segment starts at {seg.start} but its state holds {seg.state.length} positions")
-        layout = Layout.of([len(seg.tokens) for seg in segments], [seg.prefill for seg in segments])
+        layout = Layout.of([len(seg.tokens) for seg in segments], [seg.prefill for seg in segments], self.row_tile)
         spans = layout.spans
         x = layout.pack([self.embed_rows(seg.tokens if seg.ids is None else seg.ids) for seg in segments])
         planes: list[mx.array] = []
@@ -179,10 +180,18 @@ class Target:
             cursor += n
         return outs
 
+    @property
+    def row_tile(self) -> int:
+        """What a forward pads its decode rows to: ROW_TILE, or 1 where every projection runs the row
+        kernel, which takes any row count (tiles.Layout). The self-check sets the kernels (selfcheck.apply)."""
+        if self._projections is None:
+            self._projections = self.projections()
+        return 1 if all(w.kernel for w in self._projections) else ROW_TILE
+
     def logits(self, x: mx.array, rows: list[int]) -> mx.array:
         """Float32 logits of the packed rows `rows` (their lm_head products run in row tiles)."""
         h = mx.fast.rms_norm(x[mx.array(rows, dtype=mx.int32)], self.norm, self.eps)
-        return linear(pad_rows(h), self.lm_head)[: len(rows)].astype(mx.float32)
+        return linear(pad_rows(h, self.row_tile), self.lm_head)[: len(rows)].astype(mx.float32)
 
     def mlp(self, x: mx.array, layout: Layout, gate_up: Stacked, down: Weight) -> mx.array:
         return linear(swiglu(*gate_up(x, layout)), down, layout)

@@ -187,4 +187,5 @@ def delta_packed(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.ar
         output_shapes=[(rows, hv, dv), (len(states), hv, dv, dk)],
         output_dtypes=[q.dtype, mx.float32],
     )
-    return y, [new_states[i] for i in range(len(states))]
+    # slices, not `new_states[i]`: an integer index is a Gather, a copy launched per stream and layer
+    return y, [new_states[i : i + 1].squeeze(0) for i in range(len(states))]

@@ -32,7 +32,7 @@ from __future__ import annotations
 from typing import Callable
 
 import mlx.core as mx
-from mlx_lm.models.gated_delta import compute_g, gated_delta_ops, normalize_qk
+from mlx_lm.models.gated_delta import compute_g, gated_delta_ops
 
 from dflash_bench.engine.cache import AttentionCache, LinearCache, TargetState
 from dflash_bench.engine.fused import conv_silu, gated
@@ -97,6 +97,11 @@ class GatedDeltaNet:
         self.eps = config.rms_norm_eps
         heads = (self.hk, self.hv, self.dk, self.dv)
         self.recurrence = decode_recurrence(heads, mx.default_device(), mx.cuda.is_available())
+        # mlx-lm's normalize_qk as one norm and one product over q's and k's heads together (`heads`):
+        # its eps, and its scales per head (q: head_dim**-1, k: head_dim**-0.5), float32 as the conv's rows
+        inv_scale = self.dk**-0.5
+        self.qk_eps = 1e-6 * inv_scale**2
+        self.qk_scale = mx.array([inv_scale**2] * self.hk + [inv_scale] * self.hk, dtype=mx.float32)[:, None]
 
     @property
     def projections(self) -> tuple[Weight, ...]:
@@ -152,7 +157,8 @@ class GatedDeltaNet:
         for (seg, (lo, hi)), c, st, state in zip(decoding, caches, starts, states):
             n = hi - lo
             c.redo = self.redo_fn(c.conv, c.state, inputs[st : st + span + n], a[lo:hi], b[lo:hi]) if n > 1 else None
-            c.conv, c.state = mx.contiguous(inputs[st + n : st + n + span]), state
+            # a view: it pins this round's few decode input rows, where a copy is a launch per stream and layer
+            c.conv, c.state = inputs[st + n : st + n + span], state
             c.window_start, c.length = seg.start, seg.start + n
         return self.gated_norm(y, z[:rows].reshape(rows, self.hv, self.dv)).reshape(rows, -1)
 
@@ -175,11 +181,10 @@ class GatedDeltaNet:
     def heads(self, mixed: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """The conv's rows split into normalized q and k heads and v heads."""
         n = mixed.shape[0]
-        q = mixed[:, : self.key_dim].reshape(n, self.hk, self.dk)
-        k = mixed[:, self.key_dim : 2 * self.key_dim].reshape(n, self.hk, self.dk)
+        qk = mx.fast.rms_norm(mixed[:, : 2 * self.key_dim].reshape(n, 2 * self.hk, self.dk), None, self.qk_eps)
+        qk = qk * self.qk_scale  # each row normed on its own, then scaled: normalize_qk's bits, half its launches
         v = mixed[:, 2 * self.key_dim :].reshape(n, self.hv, self.dv)
-        q, k = normalize_qk(q, k, inv_scale=self.dk**-0.5, eps=1e-6)
-        return q, k, v
+        return qk[:, : self.hk], qk[:, self.hk :], v
 
     def mix(self, inputs: mx.array, n: int) -> tuple[mx.array, mx.array, mx.array]:
         """Conv (row t sees inputs t .. t + kernel - 1, summed in tap order), silu, normalized q/k, v."""
@@ -200,7 +205,7 @@ class GatedDeltaNet:
             q, k, v = self.mix(inputs[: m + span], m)
             g, beta = compute_g(self.A_log, a[:m], self.dt_bias), mx.sigmoid(b[:m])
             [(_, state)] = RECURRENCES[self.recurrence]([(q, k, v, g, beta, prev_state)])
-            return mx.contiguous(inputs[m : m + span]), state
+            return inputs[m : m + span], state
 
         return redo
 

@@ -1,0 +1,144 @@
+"""What a decode step asks of the device: fewer operations, the same bits.
+
+A GPU decode round pays per operation (docs/gpu-round-profile.md), so the forward avoids those that
+compute nothing new: zero rows, copies, a second norm launch.
+
+Where every projection runs the row kernel, a forward leaves its decode rows unpadded (tiles.Layout).
+On a CUDA GPU the row kernel (engine/matmul_kernel.py) takes any row count, so the gpu mode packs a
+decode forward's rows without the zero rows of a ROW_TILE: a 1-row step then has no zero block and no
+concatenation a layer (docs/gpu-round-profile.md: a GPU round pays per operation). On any machine
+here, the kernel is stood in for by a product that is row-independent by construction (each row
+multiplied alone, one fixed shape), so what is tested is the layout around it: the rows unpadded,
+the operations gone, and the model check (window == steps, packed == alone) still passing for each
+family. The negative control gives the stand-in a dependence on the call's row count and sees the
+model check fail; the real kernel's rows are tested on a GPU (tests/test_matmul_kernel.py).
+
+A GatedDeltaNet layer normalizes q and k in one norm and one product, bit-equal to mlx-lm's
+`normalize_qk`; it keeps its conv tail and the recurrence kernel's states as views, not copies.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+
+import cuda_emulator
+import pytest
+from mlx_lm.models.gated_delta import normalize_qk
+from test_delta_kernel import window
+from tiny_targets import canonical_weights, config_dict, reference_model, tiny_target
+
+import mlx.core as mx
+
+from dflash_bench.engine import selfcheck
+from dflash_bench.engine.backend import FLOAT32_TENSORS
+from dflash_bench.engine.target_config import parse_target_config
+from dflash_bench.engine.targets import build_target
+from dflash_bench.engine.targets import delta_kernel
+from dflash_bench.engine.targets.base import Segment, Target
+from dflash_bench.engine.targets.qwen3_5 import GatedDeltaNet
+from dflash_bench.engine.tiles import ROW_TILE, Layout, Weight
+
+
+def dequantized(w: Weight) -> mx.array:
+    if not w.bits:
+        return w.w
+    return mx.dequantize(w.w, w.scales, w.biases, group_size=w.group_size, bits=w.bits)
+
+
+def each_row_alone(self: Weight, x: mx.array) -> mx.array:
+    """The kernel's contract without the kernel: every row through the same 1-row product."""
+    w = dequantized(self)
+    return mx.concatenate([x[i : i + 1] @ w.T for i in range(x.shape[0])])
+
+
+def count_dependent(self: Weight, x: mx.array) -> mx.array:
+    """A product whose rows depend on the call's row count: what the model check must catch."""
+    return each_row_alone(self, x) + (x.shape[0] - 1) * 1e-2
+
+
+def kernel_target(family: str, monkeypatch, product) -> Target:
+    """A bf16 target of `family` whose every projection takes `product` as its row kernel."""
+    monkeypatch.setattr(Weight, "kernel_product", product)
+    cfg = config_dict(family, "small", 4, False)
+    weights = {name: w if name.endswith(FLOAT32_TENSORS) else w.astype(mx.bfloat16)
+               for name, w in canonical_weights(reference_model(cfg, 8)).items()}
+    target = build_target(parse_target_config(cfg), weights, mx.bfloat16)
+    for w in target.projections():
+        w.kernel = True
+    return target
+
+
+def census(tmp_path, outputs: list[mx.array]) -> collections.Counter:
+    """The operations of the (not yet evaluated) graph of `outputs`, by primitive."""
+    path = tmp_path / "graph.dot"
+    mx.export_to_dot(str(path), *outputs)
+    return collections.Counter(label.split()[0] for label in re.findall(r'label ="([^"]+)"', path.read_text()))
+
+
+def step_census(target: Target, tmp_path) -> collections.Counter:
+    """The operations of one 1-row decode step after a 5-token prompt, its logits and state."""
+    state = target.new_state()
+    mx.eval(target.forward([Segment([3, 1, 4, 1, 5], 0, state, [4], prefill=True)])[0].logits, state.arrays())
+    state.keep(5)
+    (out,) = target.forward([Segment([9], 5, state, [0])])
+    return census(tmp_path, [out.logits, *state.arrays()])
+
+
+def test_the_layout_pads_decode_rows_only_to_its_tile() -> None:
+    padded = Layout.of([1, 3, 5], [False, False, True])
+    assert (padded.spans, padded.decode_rows, padded.rows) == (((0, 1), (1, 4), (16, 21)), 16, 32)
+    unpadded = Layout.of([1, 3, 5], [False, False, True], tile=1)
+    assert (unpadded.spans, unpadded.decode_rows, unpadded.rows) == (((0, 1), (1, 4), (4, 9)), 4, 20)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_5"])
+def test_kernel_rows_go_unpadded_and_windows_still_equal_steps(family: str, monkeypatch, tmp_path) -> None:
+    target = kernel_target(family, monkeypatch, each_row_alone)
+    assert target.row_tile == 1
+    unpadded = step_census(target, tmp_path)
+    assert not selfcheck.model_faults(target)
+    target.lm_head.kernel = False  # one projection without the kernel: ROW_TILEs again
+    assert target.row_tile == ROW_TILE
+    padded = step_census(target, tmp_path)
+    # each layer's join of its mixer's rows, and the packed embedding, lose their zero block and concatenation
+    layers = target.config.num_layers
+    assert padded["Full"] - unpadded["Full"] >= layers + 1, (padded, unpadded)
+    assert padded["Concatenate"] - unpadded["Concatenate"] >= layers + 1, (padded, unpadded)
+
+
+def test_a_row_count_dependent_product_fails_the_model_check(monkeypatch) -> None:
+    """The negative control: the stand-in made to depend on its call's row count breaks window == steps."""
+    target = kernel_target("qwen3_5", monkeypatch, count_dependent)
+    assert selfcheck.model_faults(target)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_q_and_k_normed_together_equal_mlx_lms_normalize_qk(rows: int) -> None:
+    target, _ = tiny_target("qwen3_5", "smol", layers=2, seed=3)
+    m = next(m for m in target.mixer_layers() if isinstance(m, GatedDeltaNet))
+    mixed = mx.random.normal((rows, m.conv_dim), key=mx.random.key(rows)) * 3
+    q, k, v = m.heads(mixed)
+    shape = (rows, m.hk, m.dk)
+    q_ref, k_ref = normalize_qk(mixed[:, : m.key_dim].reshape(shape), mixed[:, m.key_dim : 2 * m.key_dim].reshape(shape),
+                                inv_scale=m.dk**-0.5, eps=1e-6)
+    assert q.shape == k.shape == shape and mx.array_equal(q, q_ref).item() and mx.array_equal(k, k_ref).item()
+    assert mx.array_equal(v, mixed[:, 2 * m.key_dim :].reshape(rows, m.hv, m.dv)).item()
+
+
+def test_a_decode_step_copies_no_conv_tail(tmp_path) -> None:
+    """The conv tail a GatedDeltaNet step keeps is a view of the step's few input rows (a prompt chunk's
+    is a copy, so it does not pin the chunk)."""
+    target, _ = tiny_target("qwen3_5", "smol", layers=4, seed=3)
+    assert step_census(target, tmp_path)["Contiguous"] == 0
+
+
+@cuda_emulator.needs_gxx
+def test_the_recurrence_kernels_states_are_views(monkeypatch, tmp_path) -> None:
+    """Each stream's state out of one launch is a slice of the launch's output, not a gather of it."""
+    cuda_emulator.install_delta(monkeypatch)
+    windows = [window((1, 2, 32, 16), n, seed=70 + i) for i, n in enumerate((1, 2))]
+    q, k, v, g, beta = (mx.concatenate([w[i] for w in windows]) for i in range(5))
+    y, states = delta_kernel.delta_packed(q, k, v, g, beta, [w[5] for w in windows], (0, 1, 3))
+    ops = census(tmp_path, [y, *states])
+    assert ops["Gather"] == 0 and ops["Slice"] >= 2, ops
