@@ -14,7 +14,9 @@ family. The negative control gives the stand-in a dependence on the call's row c
 model check fail; the real kernel's rows are tested on a GPU (tests/test_matmul_kernel.py).
 
 A GatedDeltaNet layer normalizes q and k in one norm and one product, bit-equal to mlx-lm's
-`normalize_qk`; it keeps its conv tail and the recurrence kernel's states as views, not copies.
+`normalize_qk`; it keeps its conv tail and the recurrence kernel's states as views, not copies, and
+casts its decode rows to the conv's float32 once, not once a stream. Row positions are built once a
+forward, not once a layer.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from dflash_bench.engine.backend import FLOAT32_TENSORS
 from dflash_bench.engine.target_config import parse_target_config
 from dflash_bench.engine.targets import build_target
 from dflash_bench.engine.targets import delta_kernel
-from dflash_bench.engine.targets.base import Segment, Target
+from dflash_bench.engine.targets.base import Segment, Target, packed_positions
 from dflash_bench.engine.targets.qwen3_5 import GatedDeltaNet
 from dflash_bench.engine.tiles import ROW_TILE, Layout, Weight
 
@@ -142,3 +144,29 @@ def test_the_recurrence_kernels_states_are_views(monkeypatch, tmp_path) -> None:
     y, states = delta_kernel.delta_packed(q, k, v, g, beta, [w[5] for w in windows], (0, 1, 3))
     ops = census(tmp_path, [y, *states])
     assert ops["Gather"] == 0 and ops["Slice"] >= 2, ops
+
+
+def decode_census(target: Target, streams: int, tmp_path) -> collections.Counter:
+    """The operations of one decode forward of `streams` streams, 2 rows each, after 5-token prompts."""
+    states = []
+    for _ in range(streams):
+        state = target.new_state()
+        mx.eval(target.forward([Segment([3, 1, 4, 1, 5], 0, state, [4], prefill=True)])[0].logits, state.arrays())
+        state.keep(5)
+        states.append(state)
+    outs = target.forward([Segment([9, 2], 5, state, [0, 1]) for state in states])
+    return census(tmp_path, [o.logits for o in outs] + [a for state in states for a in state.arrays()])
+
+
+def test_more_streams_add_no_casts(monkeypatch, tmp_path) -> None:
+    """In the gpu mode (bf16 rows, a float32 conv) a GatedDeltaNet layer casts every stream's rows at once."""
+    target = kernel_target("qwen3_5", monkeypatch, each_row_alone)
+    assert decode_census(target, 1, tmp_path)["AsType"] == decode_census(target, 3, tmp_path)["AsType"]
+
+
+def test_positions_are_built_once_a_forward() -> None:
+    state = tiny_target("llama", "smol", layers=1, seed=3)[0].new_state()
+    a, b = Segment([1, 2], 0, state), Segment([3], 0, state)
+    assert a.positions() is a.positions() and a.positions().tolist() == [0, 1]
+    assert packed_positions([a, b]) is packed_positions([a, b]) and packed_positions([a, b]).tolist() == [0, 1, 0]
+    assert packed_positions([b, a]).tolist() == [0, 0, 1]

@@ -44,6 +44,8 @@ class Segment:
     ids: mx.array | None = None  # the tokens as an array not yet read back (a lookahead round, lanes.py)
     _masks: dict[int, mx.array] = field(default_factory=dict, repr=False)
     _tree_view: TreeView | None = field(default=None, repr=False)
+    _positions: mx.array | None = field(default=None, repr=False)
+    _packed: tuple[tuple[int, ...], mx.array] | None = field(default=None, repr=False)  # packed_positions'
 
     def key_mask(self, k_rows: int) -> mx.array:
         """The causal mask of this segment's rows over `k_rows` keys from position 0, built once."""
@@ -53,10 +55,13 @@ class Segment:
         return self._masks[k_rows]
 
     def positions(self) -> mx.array:
-        """Each row's absolute position: start + row, or start + depth in a tree."""
-        if self.tree is not None:
-            return mx.array(self.tree.depths, dtype=mx.int32) + self.start
-        return mx.arange(self.start, self.start + len(self.tokens), dtype=mx.int32)
+        """Each row's absolute position: start + row, or start + depth in a tree; built once for every layer."""
+        if self._positions is None:
+            if self.tree is not None:
+                self._positions = mx.array(self.tree.depths, dtype=mx.int32) + self.start
+            else:
+                self._positions = mx.arange(self.start, self.start + len(self.tokens), dtype=mx.int32)
+        return self._positions
 
     def tree_view(self) -> TreeView:
         """Where a tree's rows find their keys (tree_attention.py), built once for every layer."""
@@ -84,6 +89,18 @@ class TreeView:
 class SegmentOut:
     logits: mx.array | None  # (len(logit_rows), vocab) float32
     taps: mx.array | None  # (rows, taps * hidden): the tap layers' outputs side by side
+
+
+def packed_positions(segments: list[Segment]) -> mx.array:
+    """The segments' row positions one after another, built once a forward for every layer (the
+    first segment keeps it: a Segment lives for one forward)."""
+    first = segments[0]
+    if len(segments) == 1:
+        return first.positions()
+    key = tuple(id(seg) for seg in segments)
+    if first._packed is None or first._packed[0] != key:
+        first._packed = (key, mx.concatenate([seg.positions() for seg in segments]))
+    return first._packed[1]
 
 
 def as_weight(w: Weight | mx.array) -> Weight:

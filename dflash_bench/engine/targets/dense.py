@@ -16,7 +16,7 @@ from dflash_bench.engine.cache import AttentionCache, TargetState
 from dflash_bench.engine.fused import sigmoid_gate
 from dflash_bench.engine.target_config import TargetConfig
 from dflash_bench.engine.targets import attention_kernel
-from dflash_bench.engine.targets.base import Segment, Target, as_weight
+from dflash_bench.engine.targets.base import Segment, Target, as_weight, packed_positions
 from dflash_bench.engine.tiles import AttentionPath, Layout, Stacked, Weight, attention, linear, pad_queries
 from dflash_bench.engine.tree_attention import tree_attention, tree_keys
 
@@ -105,7 +105,7 @@ class SelfAttention:
         views) or, on the kernel path, one launch for all of them."""
         rows = decoding[-1][1][1]
         q, gate, k, v = self.split(q[:rows], k[:rows], v[:rows])
-        positions = mx.concatenate([seg.positions() for seg, _ in decoding]) if len(decoding) > 1 else decoding[0][0].positions()
+        positions = packed_positions([seg for seg, _ in decoding])
         q, k, v = self.rope_rows(q, positions), self.rope_rows(k, positions), v.transpose(1, 0, 2)  # (H, rows, D)
         caches = []
         for seg, (lo, hi) in decoding:

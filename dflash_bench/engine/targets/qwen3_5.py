@@ -146,7 +146,8 @@ class GatedDeltaNet:
         assert all(isinstance(c, LinearCache) for c in caches)
         spans = [sp for _, sp in decoding]
         rows = spans[-1][1]
-        inputs = mx.concatenate([p for c, (lo, hi) in zip(caches, spans) for p in (c.conv, qkv[lo:hi])])
+        rows32 = qkv[:rows].astype(mx.float32)  # one cast for every segment (exact: the conv runs in float32)
+        inputs = mx.concatenate([p for c, (lo, hi) in zip(caches, spans) for p in (c.conv, rows32[lo:hi])])
         starts = [lo + i * span for i, (lo, _) in enumerate(spans)]  # each segment's first input row
         mixed = self.conv(inputs, inputs.shape[0] - span)
         if len(decoding) > 1:  # slices, not a row gather (26 us a layer on an H200: docs/profiles/ncu-forward-h200.txt)
