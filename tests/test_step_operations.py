@@ -22,7 +22,8 @@ forward, not once a layer.
 from __future__ import annotations
 
 import collections
-import re
+import sys
+from pathlib import Path
 
 import cuda_emulator
 import pytest
@@ -41,17 +42,13 @@ from dflash_bench.engine.targets.base import Segment, Target, packed_positions
 from dflash_bench.engine.targets.qwen3_5 import GatedDeltaNet
 from dflash_bench.engine.tiles import ROW_TILE, Layout, Weight
 
-
-def dequantized(w: Weight) -> mx.array:
-    if not w.bits:
-        return w.w
-    return mx.dequantize(w.w, w.scales, w.biases, group_size=w.group_size, bits=w.bits)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+from forward_ops import census  # noqa: E402  (tools/: the operation census the GPU figures were counted with)
 
 
 def each_row_alone(self: Weight, x: mx.array) -> mx.array:
-    """The kernel's contract without the kernel: every row through the same 1-row product."""
-    w = dequantized(self)
-    return mx.concatenate([x[i : i + 1] @ w.T for i in range(x.shape[0])])
+    """The kernel's contract without the kernel: every row through the weight's own product, alone."""
+    return mx.concatenate([self.tile(x[i : i + 1]) for i in range(x.shape[0])])
 
 
 def count_dependent(self: Weight, x: mx.array) -> mx.array:
@@ -71,20 +68,18 @@ def kernel_target(family: str, monkeypatch, product) -> Target:
     return target
 
 
-def census(tmp_path, outputs: list[mx.array]) -> collections.Counter:
-    """The operations of the (not yet evaluated) graph of `outputs`, by primitive."""
-    path = tmp_path / "graph.dot"
-    mx.export_to_dot(str(path), *outputs)
-    return collections.Counter(label.split()[0] for label in re.findall(r'label ="([^"]+)"', path.read_text()))
-
-
-def step_census(target: Target, tmp_path) -> collections.Counter:
-    """The operations of one 1-row decode step after a 5-token prompt, its logits and state."""
-    state = target.new_state()
-    mx.eval(target.forward([Segment([3, 1, 4, 1, 5], 0, state, [4], prefill=True)])[0].logits, state.arrays())
-    state.keep(5)
-    (out,) = target.forward([Segment([9], 5, state, [0])])
-    return census(tmp_path, [out.logits, *state.arrays()])
+def decode_census(target: Target, streams: int = 1, rows: int = 1) -> collections.Counter:
+    """The operations of one decode forward of `streams` streams of `rows` rows each after 5-token
+    prompts: their logits and states."""
+    states = []
+    for _ in range(streams):
+        state = target.new_state()
+        mx.eval(target.forward([Segment([3, 1, 4, 1, 5], 0, state, [4], prefill=True)])[0].logits, state.arrays())
+        state.keep(5)
+        states.append(state)
+    window = [9, 2, 6][:rows]
+    outs = target.forward([Segment(window, 5, state, list(range(rows))) for state in states])
+    return census([o.logits for o in outs] + [a for state in states for a in state.arrays()])
 
 
 def test_the_layout_pads_decode_rows_only_to_its_tile() -> None:
@@ -95,14 +90,14 @@ def test_the_layout_pads_decode_rows_only_to_its_tile() -> None:
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_5"])
-def test_kernel_rows_go_unpadded_and_windows_still_equal_steps(family: str, monkeypatch, tmp_path) -> None:
+def test_kernel_rows_go_unpadded_and_windows_still_equal_steps(family: str, monkeypatch) -> None:
     target = kernel_target(family, monkeypatch, each_row_alone)
     assert target.row_tile == 1
-    unpadded = step_census(target, tmp_path)
+    unpadded = decode_census(target)
     assert not selfcheck.model_faults(target)
     target.lm_head.kernel = False  # one projection without the kernel: ROW_TILEs again
     assert target.row_tile == ROW_TILE
-    padded = step_census(target, tmp_path)
+    padded = decode_census(target)
     # each layer's join of its mixer's rows, and the packed embedding, lose their zero block and concatenation
     layers = target.config.num_layers
     assert padded["Full"] - unpadded["Full"] >= layers + 1, (padded, unpadded)
@@ -128,40 +123,28 @@ def test_q_and_k_normed_together_equal_mlx_lms_normalize_qk(rows: int) -> None:
     assert mx.array_equal(v, mixed[:, 2 * m.key_dim :].reshape(rows, m.hv, m.dv)).item()
 
 
-def test_a_decode_step_copies_no_conv_tail(tmp_path) -> None:
+def test_a_decode_step_copies_no_conv_tail() -> None:
     """The conv tail a GatedDeltaNet step keeps is a view of the step's few input rows (a prompt chunk's
     is a copy, so it does not pin the chunk)."""
     target, _ = tiny_target("qwen3_5", "smol", layers=4, seed=3)
-    assert step_census(target, tmp_path)["Contiguous"] == 0
+    assert decode_census(target)["Contiguous"] == 0
 
 
 @cuda_emulator.needs_gxx
-def test_the_recurrence_kernels_states_are_views(monkeypatch, tmp_path) -> None:
+def test_the_recurrence_kernels_states_are_views(monkeypatch) -> None:
     """Each stream's state out of one launch is a slice of the launch's output, not a gather of it."""
     cuda_emulator.install_delta(monkeypatch)
     windows = [window((1, 2, 32, 16), n, seed=70 + i) for i, n in enumerate((1, 2))]
     q, k, v, g, beta = (mx.concatenate([w[i] for w in windows]) for i in range(5))
     y, states = delta_kernel.delta_packed(q, k, v, g, beta, [w[5] for w in windows], (0, 1, 3))
-    ops = census(tmp_path, [y, *states])
+    ops = census([y, *states])
     assert ops["Gather"] == 0 and ops["Slice"] >= 2, ops
 
 
-def decode_census(target: Target, streams: int, tmp_path) -> collections.Counter:
-    """The operations of one decode forward of `streams` streams, 2 rows each, after 5-token prompts."""
-    states = []
-    for _ in range(streams):
-        state = target.new_state()
-        mx.eval(target.forward([Segment([3, 1, 4, 1, 5], 0, state, [4], prefill=True)])[0].logits, state.arrays())
-        state.keep(5)
-        states.append(state)
-    outs = target.forward([Segment([9, 2], 5, state, [0, 1]) for state in states])
-    return census(tmp_path, [o.logits for o in outs] + [a for state in states for a in state.arrays()])
-
-
-def test_more_streams_add_no_casts(monkeypatch, tmp_path) -> None:
+def test_more_streams_add_no_casts(monkeypatch) -> None:
     """In the gpu mode (bf16 rows, a float32 conv) a GatedDeltaNet layer casts every stream's rows at once."""
     target = kernel_target("qwen3_5", monkeypatch, each_row_alone)
-    assert decode_census(target, 1, tmp_path)["AsType"] == decode_census(target, 3, tmp_path)["AsType"]
+    assert decode_census(target, 1, rows=2)["AsType"] == decode_census(target, 3, rows=2)["AsType"]
 
 
 def test_positions_are_built_once_a_forward() -> None:
