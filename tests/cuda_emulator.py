@@ -66,6 +66,24 @@ inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
 inline float __fsub_rn(float a, float b) { volatile float r = a - b; return r; }
 inline float __fdiv_rn(float a, float b) { volatile float r = a / b; return r; }
 inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
+inline uint4 __ldg(const uint4* p) { return *p; }
+inline uint32_t __byte_perm(uint32_t a, uint32_t b, uint32_t s) {
+  const uint64_t v = (uint64_t(b) << 32) | a; uint32_t r = 0;
+  for (int i = 0; i < 4; ++i) r |= uint32_t((v >> (8 * ((s >> (4 * i)) & 7))) & 0xffu) << (8 * i);
+  return r;
+}
+// bf16 arithmetic rounds its exact result once: a bf16 product and sum are exact in double here
+inline __nv_bfloat16 bf16_once(double r) {
+  int e; const double m = std::frexp(r, &e);
+  return __float2bfloat16_rn(float(std::ldexp(std::nearbyint(std::ldexp(m, 8)), e - 8)));
+}
+inline __nv_bfloat162 __float2bfloat162_rn(float f) { const __nv_bfloat16 b = __float2bfloat16_rn(f); return {b, b}; }
+inline __nv_bfloat162 __hsub2(__nv_bfloat162 a, __nv_bfloat162 b) {
+  return {bf16_once(double(float(a.x)) - float(b.x)), bf16_once(double(float(a.y)) - float(b.y))};
+}
+inline __nv_bfloat162 __hfma2(__nv_bfloat162 a, __nv_bfloat162 b, __nv_bfloat162 c) {
+  return {bf16_once(double(float(a.x)) * float(b.x) + float(c.x)), bf16_once(double(float(a.y)) * float(b.y) + float(c.y))};
+}
 inline void __syncthreads() { g_block_bar->arrive_and_wait(); }
 inline void __syncwarp(unsigned = 0xffffffffu) { g_warp_bars[threadIdx.x / 32]->arrive_and_wait(); }
 inline float __shfl_xor_sync(unsigned, float v, int o) {

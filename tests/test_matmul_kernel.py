@@ -100,18 +100,21 @@ def dequantized(w: Weight, bits: int, group: int) -> mx.array:
 
 # -- on any machine with g++: the kernel's CUDA source, run by tests/cuda_emulator.py ------------------
 @cuda_emulator.needs_gxx
-@pytest.mark.parametrize("case", [(128, 64, 4, 64), (64, 48, 8, 32), (64, 40, 16, 0), (1024, 32, 4, 32)],
-                         ids=["q4", "q8", "bf16-single-column-tiles", "q4-split-k"])
+@pytest.mark.parametrize("case", [(128, 64, 4, 64, 1, 1), (64, 48, 8, 32, 1, 1), (64, 40, 16, 0, 2, 1), (1024, 32, 4, 32, 8, 1),
+                                  (2048, 16, 4, 64, 8, 2), (1024, 16, 8, 64, 8, 2)],
+                         ids=["q4", "q8", "bf16-single-column-tiles", "q4-split-k", "q4-look-ahead", "q8-look-ahead"])
 def test_the_kernel_source_run_on_a_cpu_stays_in_bounds_and_keeps_rows_alone(monkeypatch, case) -> None:
     """Calls of 1, 3, 17 and 70 rows (one to four row tiles a block, two blocks along the rows) against
-    4-bit, 8-bit and bf16 weights, the input width split over 1, 2 or 8 warps: every element
-    written, the product of the dequantized weights to bf16 accuracy, every row equal to the same row
-    in a call of one row, and a row changed in the input changing that output row alone (so the
-    comparison can fail); any access past a buffer's end would have faulted."""
+    4-bit, 8-bit and bf16 weights, the input width split over 1, 2 or 8 warps, with and without
+    weight loads a row-tiled call issues ahead (`look_ahead`): every element written, the product of
+    the dequantized weights to bf16 accuracy, every row equal to the same row in a call of one row,
+    and a row changed in the input changing that output row alone (so the comparison can fail); any
+    access past a buffer's end would have faulted."""
     cuda_emulator.install_matmul(monkeypatch)
-    k, n, bits, group = case
+    k, n, bits, group, split, ahead = case
     assert matmul_kernel.fits(k, n, bits, group or 64)
-    assert matmul_kernel.geometry(k, n, bits).split_k == {128: 1, 64: 1 if bits == 8 else 2, 1024: 8}[k]
+    assert matmul_kernel.geometry(k, n, bits).split_k == split
+    assert matmul_kernel.look_ahead(k, bits, split, tiles=2) == ahead
     w = weight(k, n, bits, group, seed=8)
     x = mx.random.normal((70, k), key=mx.random.key(9)).astype(mx.bfloat16)
     ref = x.astype(mx.float32) @ dequantized(w, bits, group).T

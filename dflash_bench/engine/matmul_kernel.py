@@ -19,12 +19,17 @@ How a row's result stays the same whatever shares its launch (what drafted == pl
   more rows only add tiles (`MT` a block, then more blocks along y).
 
 Weights: an MLX affine-quantized triple (4 or 8 bits, groups of 32..128: mlx-lm's layout, value j of
-a uint32 at bits j * bits) or a plain bf16 matrix. A quantized value is dequantized in registers as
-`q * scale + bias` in float32 (one fused multiply-add), rounded to bf16 for the MMA: the same
-function of the weights for every call, so it is part of the weight, not of the row. The MMA's
-k order inside a chunk is a permutation of the chunk's values that A and B share (lane t's values
-4s..4s+3 of its chunk sit in the MMA's k slots 2t, 2t+1, 2t+8, 2t+9 of step s), so it is a plain
-dot product over the chunk.
+a uint32 at bits j * bits) or a plain bf16 matrix. A quantized value is dequantized in registers to
+bf16 for the MMA: at 8 bits as `q * scale + bias` in float32 (one fused multiply-add) rounded to bf16;
+at 4 bits two at once in bf16x2 arithmetic (`mm_pair4`: the nibbles as the exact bf16 128 + q, minus
+128, then one fma that rounds once), about a third of the instructions, which is what a 1-row call
+was short of (docs/gpu-round-profile.md). Either is the same function of the weights for every call,
+so it is part of the weight, not of the row. The MMA's k order inside a chunk is a permutation of the
+chunk's values that A and B share (lane t's values 4s..4s+3 of its chunk sit in the MMA's k slots 2t,
+2t+1, 2t+8, 2t+9 of step s; at 4 bits the nibble pairs (0,4) (1,5) of a word feed step 2w and (2,6)
+(3,7) step 2w + 1, and x's values are permuted to match), so it is a plain dot product over the chunk.
+Loading PIPE iterations' weights ahead of their math (`look_ahead`) changes when loads are issued,
+not what is summed in which order.
 
 Only the decode rows take this path, and only on a CUDA GPU (tiles.py `linear`); prompt chunks keep
 MLX's own kernels (their bits need only be a function of the chunk: tiles.py). The engine's
@@ -51,6 +56,15 @@ __device__ __forceinline__ uint32_t mm_pack(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
+// Two 4-bit values at once: (v >> 0) & 0x000F000F | 0x43004300 is the bf16 pair (128 + q_a, 128 + q_b)
+// of nibbles 0 and 4 of v; minus 128 is exact, and one bf16x2 fma rounds q * scale + bias once.
+__device__ __forceinline__ uint32_t mm_pair4(uint32_t v, __nv_bfloat162 s2, __nv_bfloat162 b2) {
+  uint32_t raw = (v & 0x000F000Fu) | 0x43004300u;
+  __nv_bfloat162 q = __hsub2(*reinterpret_cast<__nv_bfloat162*>(&raw), __float2bfloat162_rn(128.0f));
+  __nv_bfloat162 r = __hfma2(q, s2, b2);
+  return *reinterpret_cast<uint32_t*>(&r);
+}
+
 __device__ __forceinline__ void mm_mma(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                        uint32_t b0, uint32_t b1) {
   asm volatile(
@@ -63,7 +77,7 @@ __device__ __forceinline__ void mm_mma(float* d, uint32_t a0, uint32_t a1, uint3
 
 # Template constants: K, N (the weight's in and out widths), BITS (4, 8, or 16 for bf16 weights),
 # G (group size; unused at 16), NT (8-column MMA tiles a warp), SPLITK (warps a block, splitting K),
-# MT (16-row tiles a block). The source avoids `_shape`, `_strides` and `_ndim` (MLX would add them).
+# MT (16-row tiles a block), PIPE (iterations whose weight loads are issued before their math). The source avoids `_shape`, `_strides` and `_ndim` (MLX would add them).
 _SOURCE = r"""
   constexpr int PER_WORD = BITS == 16 ? 2 : 32 / BITS;   // values in a uint32
   constexpr int VPT = 4 * PER_WORD;                       // values in a 16-byte chunk
@@ -73,6 +87,7 @@ _SOURCE = r"""
   constexpr int GROUPS = BITS == 16 ? 1 : K / G;
   constexpr int ITERS = (C + 4 * SPLITK - 1) / (4 * SPLITK);
   constexpr uint32_t MASK = BITS == 16 ? 0u : (1u << BITS) - 1u;
+  static_assert(ITERS % PIPE == 0, "PIPE divides ITERS");
 
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -91,57 +106,85 @@ _SOURCE = r"""
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
 
-  for (int it = 0; it < ITERS; ++it) {
-    const int c = (it * SPLITK + warp) * 4 + t;
-    const bool live = c < C;
-    uint32_t b[NT][STEPS][2];
+  for (int it0 = 0; it0 < ITERS; it0 += PIPE) {
+    // the weight words, scales and biases of PIPE iterations, loaded before their math
+    uint4 q[PIPE][NT];
+    float sc[PIPE][NT], bi[PIPE][NT];
 #pragma unroll
-    for (int j = 0; j < NT; ++j) {
-      const int n = n0 + j * 8 + grp;
-      uint4 q = make_uint4(0u, 0u, 0u, 0u);
-      if (live) q = *reinterpret_cast<const uint4*>(wq + (size_t)n * WORDS + (size_t)c * 4);
-      const uint32_t words[4] = {q.x, q.y, q.z, q.w};
-      if constexpr (BITS == 16) {
+    for (int p = 0; p < PIPE; ++p) {
+      const int c = ((it0 + p) * SPLITK + warp) * 4 + t;
+      const bool live = c < C;
 #pragma unroll
-        for (int s = 0; s < STEPS; ++s) {
-          b[j][s][0] = words[2 * s];
-          b[j][s][1] = words[2 * s + 1];
-        }
-      } else {
-        float sc = 0.0f, bi = 0.0f;
-        if (live) {
-          const int gi = n * GROUPS + (c * VPT) / G;
-          sc = (float)scales[gi];
-          bi = (float)biases[gi];
-        }
-#pragma unroll
-        for (int s = 0; s < STEPS; ++s) {
-          float v[4];
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int jv = 4 * s + e;
-            const uint32_t qv = (words[jv / PER_WORD] >> (BITS * (jv % PER_WORD))) & MASK;
-            v[e] = __fmaf_rn((float)qv, sc, bi);
+      for (int j = 0; j < NT; ++j) {
+        const int n = n0 + j * 8 + grp;
+        q[p][j] = live ? __ldg(reinterpret_cast<const uint4*>(wq + (size_t)n * WORDS + (size_t)c * 4)) : make_uint4(0u, 0u, 0u, 0u);
+        sc[p][j] = bi[p][j] = 0.0f;
+        if constexpr (BITS != 16) {
+          if (live) {
+            const int gi = n * GROUPS + (c * VPT) / G;
+            sc[p][j] = (float)scales[gi];
+            bi[p][j] = (float)biases[gi];
           }
-          b[j][s][0] = mm_pack(v[0], v[1]);
-          b[j][s][1] = mm_pack(v[2], v[3]);
         }
       }
     }
 #pragma unroll
-    for (int i = 0; i < MT; ++i) {
-      const int r0 = m0 + i * 16 + grp;
-      const int r1 = r0 + 8;
+    for (int p = 0; p < PIPE; ++p) {
+      const int c = ((it0 + p) * SPLITK + warp) * 4 + t;
+      const bool live = c < C;
+      uint32_t b[NT][STEPS][2];
 #pragma unroll
-      for (int h = 0; h < STEPS / 2; ++h) {
-        uint4 xa = make_uint4(0u, 0u, 0u, 0u);
-        uint4 xb = make_uint4(0u, 0u, 0u, 0u);
-        if (live && r0 < M) xa = *reinterpret_cast<const uint4*>(x + (size_t)r0 * K + (size_t)c * VPT + h * 8);
-        if (live && r1 < M) xb = *reinterpret_cast<const uint4*>(x + (size_t)r1 * K + (size_t)c * VPT + h * 8);
+      for (int j = 0; j < NT; ++j) {
+        const uint32_t words[4] = {q[p][j].x, q[p][j].y, q[p][j].z, q[p][j].w};
+        if constexpr (BITS == 16) {
 #pragma unroll
-        for (int j = 0; j < NT; ++j) {
-          mm_mma(acc[i][j], xa.x, xb.x, xa.y, xb.y, b[j][2 * h][0], b[j][2 * h][1]);
-          mm_mma(acc[i][j], xa.z, xb.z, xa.w, xb.w, b[j][2 * h + 1][0], b[j][2 * h + 1][1]);
+          for (int s = 0; s < STEPS; ++s) {
+            b[j][s][0] = words[2 * s];
+            b[j][s][1] = words[2 * s + 1];
+          }
+        } else if constexpr (BITS == 4) {
+          const __nv_bfloat162 s2 = __float2bfloat162_rn(sc[p][j]);
+          const __nv_bfloat162 b2 = __float2bfloat162_rn(bi[p][j]);
+#pragma unroll
+          for (int wi = 0; wi < 4; ++wi)
+#pragma unroll
+            for (int u = 0; u < 4; ++u) b[j][2 * wi + u / 2][u & 1] = mm_pair4(words[wi] >> (4 * u), s2, b2);
+        } else {
+#pragma unroll
+          for (int s = 0; s < STEPS; ++s) {
+            float v[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int jv = 4 * s + e;
+              const uint32_t qv = (words[jv / PER_WORD] >> (BITS * (jv % PER_WORD))) & MASK;
+              v[e] = __fmaf_rn((float)qv, sc[p][j], bi[p][j]);
+            }
+            b[j][s][0] = mm_pack(v[0], v[1]);
+            b[j][s][1] = mm_pack(v[2], v[3]);
+          }
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < MT; ++i) {
+        const int r0 = m0 + i * 16 + grp;
+        const int r1 = r0 + 8;
+#pragma unroll
+        for (int h = 0; h < STEPS / 2; ++h) {
+          uint4 xa = make_uint4(0u, 0u, 0u, 0u);
+          uint4 xb = make_uint4(0u, 0u, 0u, 0u);
+          if (live && r0 < M) xa = *reinterpret_cast<const uint4*>(x + (size_t)r0 * K + (size_t)c * VPT + h * 8);
+          if (live && r1 < M) xb = *reinterpret_cast<const uint4*>(x + (size_t)r1 * K + (size_t)c * VPT + h * 8);
+          if constexpr (BITS == 4) {  // x's values in the nibble pairs' order: (0,4) (1,5) | (2,6) (3,7)
+            xa = make_uint4(__byte_perm(xa.x, xa.z, 0x5410), __byte_perm(xa.x, xa.z, 0x7632),
+                            __byte_perm(xa.y, xa.w, 0x5410), __byte_perm(xa.y, xa.w, 0x7632));
+            xb = make_uint4(__byte_perm(xb.x, xb.z, 0x5410), __byte_perm(xb.x, xb.z, 0x7632),
+                            __byte_perm(xb.y, xb.w, 0x5410), __byte_perm(xb.y, xb.w, 0x7632));
+          }
+#pragma unroll
+          for (int j = 0; j < NT; ++j) {
+            mm_mma(acc[i][j], xa.x, xb.x, xa.y, xb.y, b[j][2 * h][0], b[j][2 * h][1]);
+            mm_mma(acc[i][j], xa.z, xb.z, xa.w, xb.w, b[j][2 * h + 1][0], b[j][2 * h + 1][1]);
+          }
         }
       }
     }
@@ -220,6 +263,17 @@ def geometry(in_features: int, out_features: int, bits: int) -> Geometry:
     return Geometry(nt, split)
 
 
+def look_ahead(in_features: int, bits: int, split_k: int, tiles: int) -> int:
+    """Iterations a warp loads before their math (`PIPE`): only when its loads are issued, so any value
+    gives the same bits. Measured on the H200 (tools/row_kernel_variants.py, docs/gpu-round-profile.md):
+    4 for 8-bit weights, 2 for launches of several row tiles, else 1; it must divide the iterations."""
+    iterations = -(-(in_features // values_per_chunk(bits)) // (4 * split_k))
+    want = 4 if bits == 8 else 2 if tiles > 1 else 1
+    while iterations % want:
+        want //= 2
+    return want
+
+
 @lru_cache(maxsize=1)
 def _kernel():
     return mx.fast.cuda_kernel(
@@ -250,7 +304,7 @@ def rows_matmul(x: mx.array, w: mx.array, scales: mx.array | None, biases: mx.ar
     (y,) = _kernel()(
         inputs=[x, w, scales, biases, _row_count(m)],
         template=[("K", k), ("N", n), ("BITS", bits), ("G", group_size if bits != 16 else 1),
-                  ("NT", g.nt), ("SPLITK", g.split_k), ("MT", tiles)],
+                  ("NT", g.nt), ("SPLITK", g.split_k), ("MT", tiles), ("PIPE", look_ahead(k, bits, g.split_k, tiles))],
         grid=(n // (8 * g.nt) * 32 * g.split_k, -(-m // (MMA_ROWS * tiles)), 1),
         threadgroup=(32 * g.split_k, 1, 1),
         output_shapes=[(m, n)],

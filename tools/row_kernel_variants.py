@@ -1,0 +1,330 @@
+"""Variants of the decode-row matmul kernel, checked and timed alone on a CUDA GPU (CuPy, no MLX).
+
+usage (GPU machine, repo root): python3 tools/row_kernel_variants.py [--ncu]
+
+The engine's kernel (dflash_bench/engine/matmul_kernel.py, read as text, so MLX is not needed) is
+compiled beside variants of it with nvcc through CuPy, launched on the same weights, and timed from
+CUDA graphs of many launches (device time; no host launch cost), cold (rotating over weight copies
+that overflow the 60 MB L2) at 1, 16 and 64 rows. Each variant says what it keeps:
+- `same bits`: its output must equal the engine kernel's, bit for bit, at every row count tried (a
+  look-ahead only moves loads);
+- `rows alone`: another function of the weights (more warps split the sum; float dequantizing), so
+  only row independence (every row of a 64-row call equals the row alone) and the error against a
+  float32 product are checked.
+`--ncu` launches the engine kernel and the float-dequantizing one once each on the 9B's gate/up
+shape, for Nsight Compute to profile.
+docs/gpu-round-profile.md records what the runs found.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import statistics
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import cupy as cp
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+L2_BYTES = 60 * 2**20
+
+
+def engine_source() -> tuple[str, str]:
+    """The engine kernel's `_HEADER` and `_SOURCE`, read from its module's text."""
+    tree = ast.parse((ROOT / "dflash_bench/engine/matmul_kernel.py").read_text())
+    found = {t.targets[0].id: ast.literal_eval(t.value) for t in tree.body
+             if isinstance(t, ast.Assign) and isinstance(t.targets[0], ast.Name) and t.targets[0].id in ("_HEADER", "_SOURCE")}
+    return found["_HEADER"], found["_SOURCE"]
+
+
+# The kernel as it was before 4-bit weights were dequantized in pairs (dflash_bench/engine/matmul_kernel.py
+# at 361ab02): every value made a float32 and fma'd with its scale and bias, then rounded to bf16. Kept
+# to show what the pairs bought; its quantized value is made a float without a conversion instruction
+# (2^23 + q as bits, minus 2^23: exact), which the H200 timed no faster.
+FLOAT_DEQUANT = r"""
+  constexpr int PER_WORD = BITS == 16 ? 2 : 32 / BITS;
+  constexpr int VPT = 4 * PER_WORD;
+  constexpr int STEPS = VPT / 4;
+  constexpr int C = K / VPT;
+  constexpr int WORDS = K / PER_WORD;
+  constexpr int GROUPS = BITS == 16 ? 1 : K / G;
+  constexpr int ITERS = (C + 4 * SPLITK - 1) / (4 * SPLITK);
+  constexpr uint32_t MASK = BITS == 16 ? 0u : (1u << BITS) - 1u;
+  static_assert(ITERS % PIPE == 0, "PIPE must divide ITERS");
+
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int grp = lane >> 2;
+  const int t = lane & 3;
+  const int n0 = blockIdx.x * (8 * NT);
+  const int m0 = blockIdx.y * (16 * MT);
+  const int M = rows[0];
+  const uint32_t* wq = reinterpret_cast<const uint32_t*>(w);
+
+  float acc[MT][NT][4];
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+
+  for (int it0 = 0; it0 < ITERS; it0 += PIPE) {
+    uint4 q[PIPE][NT];
+    float sc[PIPE][NT], bi[PIPE][NT];
+#pragma unroll
+    for (int p = 0; p < PIPE; ++p) {
+      const int c = ((it0 + p) * SPLITK + warp) * 4 + t;
+      const bool live = c < C;
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        const int n = n0 + j * 8 + grp;
+        q[p][j] = live ? __ldg(reinterpret_cast<const uint4*>(wq + (size_t)n * WORDS + (size_t)c * 4)) : make_uint4(0u, 0u, 0u, 0u);
+        sc[p][j] = 0.0f;
+        bi[p][j] = 0.0f;
+        if constexpr (BITS != 16) {
+          if (live) {
+            const int gi = n * GROUPS + (c * VPT) / G;
+            sc[p][j] = (float)scales[gi];
+            bi[p][j] = (float)biases[gi];
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int p = 0; p < PIPE; ++p) {
+      const int c = ((it0 + p) * SPLITK + warp) * 4 + t;
+      const bool live = c < C;
+      uint32_t b[NT][STEPS][2];
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        const uint32_t words[4] = {q[p][j].x, q[p][j].y, q[p][j].z, q[p][j].w};
+        if constexpr (BITS == 16) {
+#pragma unroll
+          for (int s = 0; s < STEPS; ++s) {
+            b[j][s][0] = words[2 * s];
+            b[j][s][1] = words[2 * s + 1];
+          }
+        } else {
+#pragma unroll
+          for (int s = 0; s < STEPS; ++s) {
+            float v[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int jv = 4 * s + e;
+              const uint32_t qv = (words[jv / PER_WORD] >> (BITS * (jv % PER_WORD))) & MASK;
+              v[e] = __fmaf_rn(__uint_as_float(0x4B000000u | qv) - 8388608.0f, sc[p][j], bi[p][j]);
+            }
+            b[j][s][0] = mm_pack(v[0], v[1]);
+            b[j][s][1] = mm_pack(v[2], v[3]);
+          }
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < MT; ++i) {
+        const int r0 = m0 + i * 16 + grp;
+        const int r1 = r0 + 8;
+#pragma unroll
+        for (int h = 0; h < STEPS / 2; ++h) {
+          uint4 xa = make_uint4(0u, 0u, 0u, 0u);
+          uint4 xb = make_uint4(0u, 0u, 0u, 0u);
+          if (live && r0 < M) xa = *reinterpret_cast<const uint4*>(x + (size_t)r0 * K + (size_t)c * VPT + h * 8);
+          if (live && r1 < M) xb = *reinterpret_cast<const uint4*>(x + (size_t)r1 * K + (size_t)c * VPT + h * 8);
+#pragma unroll
+          for (int j = 0; j < NT; ++j) {
+            mm_mma(acc[i][j], xa.x, xb.x, xa.y, xb.y, b[j][2 * h][0], b[j][2 * h][1]);
+            mm_mma(acc[i][j], xa.z, xb.z, xa.w, xb.w, b[j][2 * h + 1][0], b[j][2 * h + 1][1]);
+          }
+        }
+      }
+    }
+  }
+""" 
+
+def reduction(source: str) -> str:
+    """The engine kernel's closing reduction over the warps (shared by every variant)."""
+    return source[source.index("  // The warps' partial sums"):]
+
+
+def kernel_name(body: str, consts: tuple[int, ...]) -> str:
+    return body + "_" + "_".join(map(str, consts))
+
+
+def module(bodies: dict[str, str], header: str, wanted: list[tuple[str, tuple[int, ...]]]) -> cp.RawModule:
+    """One nvcc module of plain `extern "C"` kernels, one per (body, K N BITS G NT SPLITK MT PIPE)."""
+    params = ("const __nv_bfloat16* x, const uint32_t* w, const __nv_bfloat16* scales, "
+              "const __nv_bfloat16* biases, const int* rows, __nv_bfloat16* y")
+    code = "#include <cuda_bf16.h>\n#include <cstdint>\n" + header
+    for body, consts in wanted:
+        defs = "".join(f"  constexpr int {n} = {v};\n" for n, v in zip(("K", "N", "BITS", "G", "NT", "SPLITK", "MT", "PIPE"), consts))
+        code += f'extern "C" __global__ void {kernel_name(body, consts)}({params}) {{\n{defs}{bodies[body]}\n}}\n'
+    return cp.RawModule(code=code, backend="nvcc", options=("-O3", "-std=c++17", "-arch=sm_90"))
+
+
+def geometry(k: int, n: int, bits: int, target: int) -> tuple[int, int]:
+    """matmul_kernel.geometry with a chosen warp target."""
+    nt = 2 if n % 16 == 0 else 1
+    blocks, chunks, split = n // (8 * nt), k // (128 // bits), 1
+    while split < 8 and blocks * split < target and 4 * split * 2 <= chunks:
+        split *= 2
+    return nt, split
+
+
+SHAPES = [  # name, in, out, bits, group
+    ("9b gate_up", 4096, 24576, 4, 64), ("9b down", 12288, 4096, 4, 64), ("9b gdn in", 4096, 12352, 4, 64),
+    ("9b o", 4096, 4096, 4, 64), ("9b lm_head", 4096, 248320, 4, 64), ("9b o 8-bit", 4096, 4096, 8, 64),
+    ("135m gate_up bf16", 576, 3072, 16, 64), ("135m down bf16", 1536, 576, 16, 64),
+]
+
+
+def weights(k: int, n: int, bits: int, group: int, rng) -> tuple:
+    """Random weights in the kernel's layout: packed uint32 words with bf16 scales and biases, or bf16."""
+    if bits == 16:
+        return cp.asarray(bf16(rng.standard_normal((n, k), dtype=np.float32) * 0.02).view(np.uint32)), None, None
+    words = rng.integers(0, 2**32, size=(n, k * bits // 32), dtype=np.uint32)
+    s = bf16(rng.uniform(-0.01, 0.01, size=(n, k // group)).astype(np.float32))
+    b = bf16(rng.uniform(-0.05, 0.05, size=(n, k // group)).astype(np.float32))
+    return cp.asarray(words), cp.asarray(s), cp.asarray(b)
+
+
+def dequantized(w: tuple, k: int, cols: int, bits: int, group: int) -> np.ndarray:
+    """The float32 weights of the first `cols` output columns."""
+    if bits == 16:
+        return as_f32(cp.asnumpy(w[0][:cols]).view(np.uint16))
+    words, per = cp.asnumpy(w[0][:cols]), 32 // bits
+    q = np.stack([(words >> (bits * j)) & ((1 << bits) - 1) for j in range(per)], axis=-1).reshape(cols, k)
+    s, b = (np.repeat(as_f32(cp.asnumpy(a[:cols])), group, axis=1) for a in w[1:])
+    return q.astype(np.float32) * s + b
+
+
+def bf16(a: np.ndarray) -> np.ndarray:
+    """float32 -> bf16 bits (uint16), round to nearest even."""
+    u = a.astype(np.float32).view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def as_f32(h: np.ndarray) -> np.ndarray:
+    return (h.astype(np.uint32) << 16).view(np.float32)
+
+
+class Kernel:
+    def __init__(self, mod: cp.RawModule, name: str, k: int, n: int, bits: int, group: int, nt: int, split: int, pipe: int):
+        self.k, self.n, self.bits, self.nt, self.split = k, n, bits, nt, split
+        self.expr = lambda mt: kernel_name(name, (k, n, bits, group if bits != 16 else 1, nt, split, mt, pipe))
+        self.mod = mod
+
+    def __call__(self, x: cp.ndarray, w: tuple, m: int, rows: cp.ndarray, y: cp.ndarray) -> None:
+        mt = min(4, -(-m // 16))
+        f = self.mod.get_function(self.expr(mt))
+        dummy = w[0]
+        f((self.n // (8 * self.nt), -(-m // (16 * mt)), 1), (32 * self.split, 1, 1),
+          (x, w[0], w[1] if w[1] is not None else dummy, w[2] if w[2] is not None else dummy, rows, y))
+
+
+def timed(kernel: Kernel, copies: list, m: int, k: int, launches: int = 60, reps: int = 7) -> float:
+    """Median µs a launch, from CUDA-graph replays of `launches` launches over the weight copies."""
+    xs = [cp.asarray(bf16(np.random.default_rng(i).standard_normal((m, k), dtype=np.float32))) for i in range(4)]
+    rows = cp.asarray(np.array([m], dtype=np.int32))
+    y = cp.empty((m, kernel.n), dtype=cp.uint16)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        for i in range(len(copies)):
+            kernel(xs[i % 4], copies[i], m, rows, y)
+        stream.synchronize()
+        stream.begin_capture()
+        for i in range(launches):
+            kernel(xs[i % 4], copies[i % len(copies)], m, rows, y)
+        graph = stream.end_capture()
+        graph.launch(stream)
+        stream.synchronize()
+        out = []
+        for _ in range(reps):
+            a, b = cp.cuda.Event(), cp.cuda.Event()
+            a.record(stream)
+            graph.launch(stream)
+            b.record(stream)
+            b.synchronize()
+            out.append(cp.cuda.get_elapsed_time(a, b) * 1e3 / launches)
+    return statistics.median(out)
+
+
+def run(kernel: Kernel, w: tuple, x: np.ndarray) -> np.ndarray:
+    m = x.shape[0]
+    y = cp.full((m, kernel.n), 0x7FC0, dtype=cp.uint16)  # NaN: an unwritten element shows
+    kernel(cp.asarray(x), w, m, cp.asarray(np.array([m], dtype=np.int32)), y)
+    return cp.asnumpy(y)
+
+
+def plans(bits: int) -> list[tuple[str, str, int, int, str]]:
+    """(label, body, warp target, look-ahead, claim) for one shape: the engine kernel as the engine
+    launches it at 1 row, then with other look-aheads (same bits), more warps, and float dequantizing."""
+    out = [("engine", "engine", 2048, 1, "reference")]
+    out += [(f"engine p{p}", "engine", 2048, p, "same bits") for p in (2, 4)]
+    out += [("engine p2 w4096", "engine", 4096, 2, "rows alone")]
+    if bits == 4:
+        out += [(f"float p{p}", "float", 2048, p, "rows alone") for p in (1, 2)]
+    return out
+
+
+def main() -> int:
+    header, engine = engine_source()
+    tail = reduction(engine)
+    bodies = {"engine": engine, "float": FLOAT_DEQUANT + tail}
+    ncu = "--ncu" in sys.argv
+    shapes = SHAPES[:1] if ncu else SHAPES
+    kernels = {}
+    for name, k, n, bits, group in shapes:
+        names, found = [], []
+        for label, body, target, pipe, claim in plans(bits):
+            nt, split = geometry(k, n, bits, target)
+            if -(-(k // (128 // bits)) // (4 * split)) % pipe:
+                continue
+            if any((body, nt, split, pipe) == (f[1], f[2], f[3], f[4]) for f in found):
+                continue  # the larger warp target gave the same geometry
+            if ncu and label not in ("engine", "float p1"):
+                continue
+            found.append((label, body, nt, split, pipe, claim))
+            names += [(body, (k, n, bits, group if bits != 16 else 1, nt, split, mt, pipe)) for mt in (1, 4)]
+        kernels[name] = (module(bodies, header, names), found)
+    with ThreadPoolExecutor(8) as pool:  # nvcc runs per module: compile them side by side
+        list(pool.map(lambda mod: mod.compile(), [m for m, _ in kernels.values()]))
+    rng = np.random.default_rng(0)
+    table, fails = [], 0
+    for name, k, n, bits, group in shapes:
+        mod, found = kernels[name]
+        w = weights(k, n, bits, group, rng)
+        wbytes = sum(a.nbytes for a in w if a is not None)
+        x = bf16(rng.standard_normal((64, k), dtype=np.float32))
+        cols = min(n, 4096)
+        ref = as_f32(x) @ dequantized(w, k, cols, bits, group).T
+        copies = [w] + [weights(k, n, bits, group, np.random.default_rng(9 + c))
+                        for c in range(0 if ncu else max(0, min(12, -(-2 * L2_BYTES // wbytes)) - 1))]
+        base = {}
+        for label, body, nt, split, pipe, claim in found:
+            kern = Kernel(mod, body, k, n, bits, group, nt, split, pipe)
+            if ncu:
+                run(kern, w, x[:1])
+                continue
+            outs = {m: run(kern, w, x[:m]) for m in (1, 16, 64)}
+            alone = np.concatenate([run(kern, w, x[i : i + 1]) for i in range(64)])
+            ok = all((outs[m] == alone[:m]).all() for m in outs) and not np.isnan(as_f32(alone)).any()
+            if claim == "reference":
+                base = outs
+            elif claim == "same bits":
+                ok &= all((outs[m] == base[m]).all() for m in outs)
+            err = float(np.linalg.norm(as_f32(outs[64][:, :cols]) - ref) / np.linalg.norm(ref))
+            ok &= err < 1e-2
+            fails += not ok
+            us = {m: timed(kern, copies, m, k) for m in (1, 16, 64)}
+            line = (f"{name:18s} {label:15s} nt{nt} sk{split} {claim:10s} {'PASS' if ok else 'FAIL'} err {err:.1e}  "
+                    + "  ".join(f"M{m} {v:7.1f}us" for m, v in us.items()) + f"  @1 {wbytes / us[1] / 1e3:5.0f} GB/s")
+            table.append(line)
+            print(line, flush=True)
+    print("\n".join(table))
+    return 1 if fails else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
