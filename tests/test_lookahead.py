@@ -6,7 +6,9 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
+from mlx.utils import tree_flatten
 
 from dflash_bench.engine.engine import Engine, Settings
 from dflash_bench.engine.request import Request
@@ -81,3 +83,35 @@ def test_eos_cancel_and_a_late_request_while_a_round_is_queued(target):
     assert got[0][1] == "stop" and got[1][1] == "cancelled" and got[2][1] == got[3][1] == "length"
     assert any(n > 0 for n in queued)
     assert on.lanes.ahead is None and not on.lanes.streams
+
+
+def test_a_rounds_choices_are_queued_apart_from_the_next_forward(target, monkeypatch):
+    """Reading an array waits for everything queued with it, so the choices a round reads must be queued
+    before and apart from the next round's forward: else the host's building of a round could not
+    overlap the device's forward (lanes.py's look_ahead)."""
+    e, _ = engine(target, True)
+    calls: list[list[mx.array]] = []
+    real = mx.async_eval
+
+    def recorded(*arrays):
+        calls.append([a for _, a in tree_flatten(list(arrays)) if isinstance(a, mx.array)])
+        return real(*arrays)
+
+    look_ahead = e.lanes.look_ahead
+    seen: list[tuple[list[int], list[int]]] = []  # (ids of the picks, ids queued with each forward)
+
+    def watched(picks):
+        before = len(calls)
+        ahead = look_ahead(picks)
+        if ahead is not None:
+            ids = [id(p) for p in picks]
+            seen.append((ids, [[id(a) for a in c] for c in calls[before:]]))
+        return ahead
+
+    monkeypatch.setattr(mx, "async_eval", recorded)
+    e.lanes.look_ahead = watched
+    e.run(requests()[:2], [0, 0])
+    assert len(seen) > 10
+    for picks, queued in seen:
+        assert queued[0] == picks  # the choices alone, first
+        assert all(p not in later for later in queued[1:] for p in picks)  # not again with the forward

@@ -251,10 +251,15 @@ class Lanes:
         going = [(s, p) for s, p in zip(self.streams, picks) if s.emitted + 1 < s.request.max_tokens]
         if not going:
             return None
+        # The choices go to the device on their own: reading an array waits for the whole evaluation
+        # it was queued in, so queued with the next forward they would be read only after it, and the
+        # host's building of each round would not overlap the device's work (mlx-lm's generate_step
+        # queues each token before the next step's forward the same way).
+        mx.async_eval(picks)
         segments = [Segment([-1], s.segment_state.length, s.segment_state, [0], ids=p.astype(mx.int32))
                     for s, p in going]
         outs = self.target.forward(segments)
-        mx.async_eval(picks, [o.logits for o in outs], [a for s, _ in going for a in s.segment_state.arrays()])
+        mx.async_eval([o.logits for o in outs], [a for s, _ in going for a in s.segment_state.arrays()])
         return {id(s): (seg, out) for (s, _), seg, out in zip(going, segments, outs)}
 
     def segment(self, s: Stream) -> Segment:
