@@ -119,6 +119,9 @@ class OracleDrafter:
         for state, taps in items:
             state.history += [int(t) for t in np.array(taps[:, 0])]
 
+    def propose_queued(self, items: list[Proposal]) -> list[mx.array]:
+        return [mx.array(d, dtype=mx.int32) for d in self.propose(items)]
+
     def propose(self, items: list[Proposal]) -> list[list[int]]:
         out = []
         for p in items:

@@ -205,10 +205,12 @@ def test_dflash2_rollback_at_every_acceptance_length(dflash2_pair, temperature) 
     def steered(x, logits, items):
         out = []
         for picks, p in zip(walk(x, logits, items), items):
+            picks = picks.tolist()
             k = next(cycle) % drafter.block
             start = p.state.length + 1  # the absolute position of the first draft
             want = sequence[start : start + len(picks)]
-            out.append([w if j < k else (w + 1) % 500 for j, w in enumerate(want)] + picks[len(want):])
+            out.append(mx.array([w if j < k else (w + 1) % 500 for j, w in enumerate(want)] + picks[len(want):],
+                                dtype=mx.int32))
         return out
 
     drafter.drafts = steered

@@ -115,3 +115,32 @@ def test_a_rounds_choices_are_queued_apart_from_the_next_forward(target, monkeyp
     for picks, queued in seen:
         assert queued[0] == picks  # the choices alone, first
         assert all(p not in later for later in queued[1:] for p in picks)  # not again with the forward
+
+
+@pytest.fixture(scope="module", params=["dflash", "dflash2"])
+def drafted_pair(request, tmp_path_factory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp(request.param)
+    return write_fixture("qwen3_5", root / "t", seed=1), write_fixture(request.param, root / "d", seed=2, target="qwen3_5")
+
+
+def test_drafts_stay_on_the_device_until_the_verify_reads_them(drafted_pair, monkeypatch):
+    """With the lookahead on, a drafter pass's drafts are not read back: the next verify window is built
+    on them as device ids (lanes.py's docstring), and the replies equal those of rounds that read the
+    drafts first (lookahead off), greedy and sampled, so the queued drafts change no token."""
+    def run(lookahead: bool) -> tuple[list[list[int]], int]:
+        e = Engine(*drafted_pair, Settings(parallel=2, context=512, chunk=32))
+        e.lanes.lookahead = lookahead
+        forward, queued = e.lanes.target.forward, []
+
+        def spied(segments, *args, **kw):
+            queued.extend(seg.ids is not None for seg in segments if not seg.prefill and len(seg.tokens) > 1)
+            return forward(segments, *args, **kw)
+
+        monkeypatch.setattr(e.lanes.target, "forward", spied)
+        got = e.run(requests()[:3], [0, 0, 1])
+        return [r.tokens for r in got], sum(queued)
+
+    on, queued_on = run(True)
+    off, queued_off = run(False)
+    assert on == off
+    assert queued_on > 10 and queued_off == 0

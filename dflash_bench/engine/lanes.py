@@ -22,6 +22,12 @@ the next round would build (the same segments, its tokens as an array instead of
 changes no bits. A stream that ends on eos or is cancelled meanwhile leaves its queued row unused
 (its state goes with it); one that reaches max_tokens is left out of it; a request that arrives
 meanwhile is admitted one round later.
+
+A drafted round cannot be queued ahead (the next verify depends on what this one accepts), but its
+drafter pass is not read back either: the drafts stay on the device as int32 ids, the next round's
+verify forward is built on them while the device runs the pass, and they are read with that verify's
+choices (the auto verify budget, which times each pass, reads them at once instead). The verify sees
+the same tokens either way, so no bit changes.
 """
 
 from __future__ import annotations
@@ -65,6 +71,7 @@ class Stream:
     started: float
     pending: int | None = None
     drafts: tuple[int, ...] = ()
+    draft_ids: mx.array | None = None  # this round's drafts still on the device, in place of `drafts`
     tree: Tree | None = None  # this round's draft tree, in place of `drafts` (tree.py)
     lattice: Lattice | None = None  # with trees on: the candidates this round's drafts came from, for the auto budget's ranks
     boundary: Entry | None = None
@@ -108,6 +115,12 @@ class Lanes:
         self.rounds = 0
         self.lookahead = lookahead  # queue plain rounds ahead (the module's docstring); tests turn it off
         self.ahead: dict[int, tuple[Segment, SegmentOut]] | None = None  # the queued round, by id(stream)
+
+    @property
+    def queue_drafts(self) -> bool:
+        """Whether a drafter pass's drafts stay on the device until the verify that checks them is read
+        (the module's docstring): with the lookahead on, unless the auto budget times the pass."""
+        return self.lookahead and (self.budget is None or self.budget.fit is None)
 
     # -- admission ---------------------------------------------------------------------------
     def check(self, prompt_tokens: int, max_tokens: int) -> None:
@@ -215,10 +228,16 @@ class Lanes:
                         s.tree = tree
                     s.lattice = tree.lattice
             else:
-                for (s, _), d in zip(proposals, self.drafter.propose([p for _, p in proposals])):
-                    s.drafts = tuple(d)
+                for (s, _), d in zip(proposals, self.drafter.propose_queued([p for _, p in proposals])):
+                    if self.queue_drafts:
+                        s.draft_ids = d
+                    else:
+                        s.drafts = tuple(d.tolist())
             draft_seconds = time.perf_counter() - drafting_at
-        mx.eval([a for s in self.streams for a in self.arrays(s)])
+        if self.queue_drafts:
+            mx.async_eval([a for s in self.streams for a in self.arrays(s)], [s.draft_ids for s in self.streams if s.draft_ids is not None])
+        else:
+            mx.eval([a for s in self.streams for a in self.arrays(s)])
         if self.budget is not None and not any(seg.prefill for seg in segments):
             # what a decode round cost, for the auto budget's fit (budget.py); prompt chunks take another
             # path whose rows cost less, so their rounds would skew the price of a decode row
@@ -271,6 +290,11 @@ class Lanes:
         if s.tree is not None:
             rows = list(range(len(s.tree.tokens)))
             return Segment(list(s.tree.tokens), s.segment_state.length, s.segment_state, rows, s.drafting, tree=s.tree)
+        if s.draft_ids is not None:  # the drafts are read with the verify's choices (after_window)
+            n = 1 + s.draft_ids.shape[0]
+            ids = mx.concatenate([mx.array([s.pending], dtype=mx.int32), s.draft_ids])
+            return Segment([s.pending] + [-1] * (n - 1), s.segment_state.length, s.segment_state, list(range(n)),
+                           s.drafting, ids=ids)
         window = [s.pending, *s.drafts]
         return Segment(window, s.segment_state.length, s.segment_state, list(range(len(window))), s.drafting)
 
@@ -298,14 +322,15 @@ class Lanes:
         n = len(seg.tokens)
         positions = mx.arange(seg.start + 1, seg.start + n + 1, dtype=mx.int32)
         chosen = choose(out.logits, positions, s.params).tolist()
+        drafts = s.drafts if s.draft_ids is None else tuple(s.draft_ids.tolist())  # evaluated with the verify
         k = 0
-        while k < len(s.drafts) and s.drafts[k] == chosen[k]:
+        while k < len(drafts) and drafts[k] == chosen[k]:
             k += 1
         s.segment_state.keep(seg.start + k + 1)
-        s.stats.count_round(len(s.drafts), k)
+        s.stats.count_round(len(drafts), k)
         if s.acceptance is not None:
-            self.budget.record(s.acceptance, len(s.drafts), k, self.ranks(s, seg.tokens[: k + 1], chosen[: k + 1]))
-        s.drafts, s.lattice = (), None
+            self.budget.record(s.acceptance, len(drafts), k, self.ranks(s, [seg.tokens[0], *drafts[:k]], chosen[: k + 1]))
+        s.drafts, s.draft_ids, s.lattice = (), None, None
         s.pending = chosen[k]
         self.emit(s, chosen[: k + 1], from_round=True)
         return out.taps[: k + 1] if out.taps is not None else None

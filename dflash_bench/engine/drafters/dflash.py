@@ -206,7 +206,12 @@ class DFlashDrafter:
                 state.layers[li].write(start, ks, vs)
 
     def propose(self, items: list[Proposal]) -> list[list[int]]:
-        """Drafts for every drafting stream from one pass over their blocks."""
+        """Drafts for every drafting stream from one pass over their blocks, read back as lists."""
+        return [d.tolist() for d in self.propose_queued(items)]
+
+    def propose_queued(self, items: list[Proposal]) -> list[mx.array]:
+        """The drafts of `propose` as int32 arrays not yet read back: a round queues its verify forward
+        on them, so the device runs this pass while the host builds that forward (lanes.py)."""
         if not items:
             return []
         return self.drafts(*self.block_pass(items), items)
@@ -267,12 +272,12 @@ class DFlashDrafter:
         g = linear(x, gate)
         return linear(mx.sigmoid(g) * g * linear(x, up), down)
 
-    def drafts(self, x: mx.array, logits: mx.array, items: list[Proposal]) -> list[list[int]]:
-        """Each stream's drafts from its block rows' logits, keyed like the target's own draws."""
+    def drafts(self, x: mx.array, logits: mx.array, items: list[Proposal]) -> list[mx.array]:
+        """Each stream's drafts (int32) from its block rows' logits, keyed like the target's own draws."""
         out = []
         for first, p in zip(firsts(items), items):
             part = logits[first : first + p.count]
-            out.append(choose(part, draft_positions(p), p.params).tolist())
+            out.append(choose(part, draft_positions(p), p.params).astype(mx.int32))
         return out
 
     def logits(self, x: mx.array) -> mx.array:

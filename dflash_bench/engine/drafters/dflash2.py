@@ -94,8 +94,8 @@ class DFlash2Drafter(DFlashDrafter):
         return pad_rows(out.reshape(rows, hidden))
 
     # -- the selector ---------------------------------------------------------------------------------
-    def drafts(self, x: mx.array, logits: mx.array, items: list[Proposal]) -> list[list[int]]:
-        """Each stream's walk over its positions' top-k candidates, from its anchor."""
+    def drafts(self, x: mx.array, logits: mx.array, items: list[Proposal]) -> list[mx.array]:
+        """Each stream's walk (int32) over its positions' top-k candidates, from its anchor."""
         out = []
         for selector in self.lattices(x, logits, items):
             previous, picks = mx.array(selector.proposal.last), []
@@ -103,7 +103,7 @@ class DFlash2Drafter(DFlashDrafter):
                 scores = selector.scores(depth, previous)
                 previous = selector.candidates[selector.first + depth - 1][mx.argmax(scores)]
                 picks.append(previous)
-            out.append(mx.stack(picks).tolist() if picks else [])
+            out.append(mx.stack(picks).astype(mx.int32) if picks else mx.zeros((0,), dtype=mx.int32))
         return out
 
     def lattices(self, x: mx.array, logits: mx.array, items: list[Proposal]) -> list[SelectorLattice]:
