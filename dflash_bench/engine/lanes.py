@@ -235,7 +235,8 @@ class Lanes:
                         s.drafts = tuple(d.tolist())
             draft_seconds = time.perf_counter() - drafting_at
         if self.queue_drafts:
-            mx.async_eval([a for s in self.streams for a in self.arrays(s)], [s.draft_ids for s in self.streams if s.draft_ids is not None])
+            mx.async_eval([a for s in self.streams for a in self.arrays(s)],
+                          [s.draft_ids for s in self.streams if s.draft_ids is not None])
         else:
             mx.eval([a for s in self.streams for a in self.arrays(s)])
         if self.budget is not None and not any(seg.prefill for seg in segments):

@@ -77,7 +77,8 @@ __device__ __forceinline__ void mm_mma(float* d, uint32_t a0, uint32_t a1, uint3
 
 # Template constants: K, N (the weight's in and out widths), BITS (4, 8, or 16 for bf16 weights),
 # G (group size; unused at 16), NT (8-column MMA tiles a warp), SPLITK (warps a block, splitting K),
-# MT (16-row tiles a block), PIPE (iterations whose weight loads are issued before their math). The source avoids `_shape`, `_strides` and `_ndim` (MLX would add them).
+# MT (16-row tiles a block), PIPE (iterations whose weight loads are issued before their math). The
+# source avoids `_shape`, `_strides` and `_ndim` (MLX would add them).
 _SOURCE = r"""
   constexpr int PER_WORD = BITS == 16 ? 2 : 32 / BITS;   // values in a uint32
   constexpr int VPT = 4 * PER_WORD;                       // values in a 16-byte chunk
