@@ -234,11 +234,9 @@ class Lanes:
                     else:
                         s.drafts = tuple(d.tolist())
             draft_seconds = time.perf_counter() - drafting_at
-        if self.queue_drafts:
-            mx.async_eval([a for s in self.streams for a in self.arrays(s)],
-                          [s.draft_ids for s in self.streams if s.draft_ids is not None])
-        else:
-            mx.eval([a for s in self.streams for a in self.arrays(s)])
+        evaluate = mx.async_eval if self.queue_drafts else mx.eval
+        queued = [s.draft_ids for s in self.streams if s.draft_ids is not None]
+        evaluate([a for s in self.streams for a in self.arrays(s)], queued)
         if self.budget is not None and not any(seg.prefill for seg in segments):
             # what a decode round cost, for the auto budget's fit (budget.py); prompt chunks take another
             # path whose rows cost less, so their rounds would skew the price of a decode row
