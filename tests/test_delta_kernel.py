@@ -193,7 +193,8 @@ def test_rollback_to_every_acceptance_length_equals_the_kept_rows_one_at_a_time(
     inputs = mx.random.normal((span + n, m.conv_dim), key=next(keys))
     a, b = mx.random.normal((n, m.hv), key=next(keys)), mx.random.normal((n, m.hv), key=next(keys))
     state0 = mx.random.normal((m.hv, m.dv, m.dk), key=next(keys)) * 0.1
-    redo = m.redo_fn(inputs[:span], state0, inputs, a, b)
+    q, k, v = m.mix(inputs, n)  # the window's rows, as its forward computes them
+    redo = m.redo_fn(inputs[:span], state0, inputs, (q, k, v, compute_g(m.A_log, a, m.dt_bias), mx.sigmoid(b)))
     s = state0
     for t in range(n):
         q, k, v = m.mix(inputs[t : t + span + 1], 1)

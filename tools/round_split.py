@@ -1,19 +1,23 @@
-"""Where a plain decode round's time goes in the engine: the forward's Python, queuing it, and the rest.
+"""Where a decode round's time goes in the engine: the forward's Python, queuing it, and the rest.
 
 usage: python3 tools/round_split.py [TARGET] [--backend auto|cpu|gpu] [--streams N] [--tokens T]
-       [--parallel P] [--no-warm] [--with-mlx-lm | --layers DRAFTER]
+       [--parallel P] [--no-warm] [--with-mlx-lm | --layers DRAFTER | --drafter DRAFTER | --probes]
 (on the GPU machine: PYTHONPATH=/tmp/site:$PWD python3 tools/round_split.py /root/t9 --backend gpu)
 
 On the H200 a 9B step built and evaluated on its own costs 13.8 ms (tools/build_eval_split.py) but the
 engine's plain round 24.9 ms (receipts/engine-speed-qwen3.5-9b-4bit-gpu-h200.json): this splits the
 round (Engine.step) into the target forward's graph building, the `mx.async_eval` that queues it
-(lanes.py's look_ahead), and everything else (sampling, reading the token back, keep, emitting),
-with the lookahead on and off and Python's garbage collector on and off. Medians over the decode
-rounds of one request of T tokens a stream. `--parallel`, the warm-up and `--with-mlx-lm` reproduce
-how `engine-speed` runs the engine, one difference at a time; `--layers DRAFTER` instead adds what
-engine-speed holds beside the plain engine one at a time in one process (mlx-lm's model, a drafting
-engine on the same target, an mlx-lm decode, a drafted decode) and re-times the plain round after each,
-both as above and as engine-speed times it (a request's decode seconds over its rounds, on the code probe).
+(lanes.py's look_ahead), the states' `keep` (a rolled-back GatedDeltaNet window builds its redo
+there), and everything else (sampling, reading the tokens back, emitting), with the lookahead on and
+off and Python's garbage collector on and off. Medians over the decode rounds of one request of T
+tokens a stream. `--parallel`, the warm-up and `--with-mlx-lm` reproduce how `engine-speed` runs the
+engine, one difference at a time; `--layers DRAFTER` instead adds what engine-speed holds beside the
+plain engine one at a time in one process (mlx-lm's model, a drafting engine on the same target, an
+mlx-lm decode, a drafted decode) and re-times the plain round after each, both as above and as
+engine-speed times it (a request's decode seconds over its rounds, on the code probe). `--drafter`
+serves with a drafter and splits a drafted round beside a plain one in the same process (the
+drafter's absorbing and proposing apart from the verify forward); `--probes` times engine-speed's
+code and chat probes' plain rounds by quarter of the decode.
 """
 
 from __future__ import annotations
@@ -27,44 +31,76 @@ import dflash_bench  # noqa: F401  (loads the BLAS before mlx.core)
 import mlx.core as mx
 
 from dflash_bench.engine.engine import Engine, Settings
+from dflash_bench.engine.cache import TargetState
 from dflash_bench.engine.request import Request
 
 
-def split(engine: Engine, prompt: list[int], streams: int, tokens: int) -> dict[str, float]:
-    """Median ms a round of each part, over the rounds after the prompt's."""
+def split(engine: Engine, prompt: list[int], streams: int, tokens: int, draft: bool = False) -> dict[str, float]:
+    """Median ms a round of each part, over the rounds after the prompt's. Drafted (`draft`), the
+    build is split into the verify forward's and the drafter's (absorbing taps, the block pass)."""
     build: list[float] = []
+    drafting: list[float] = []
     queue: list[float] = []
-    forward, async_eval = engine.target.forward, mx.async_eval
+    kept: list[float] = []
+    forward, async_eval, evaluate, keep = engine.target.forward, mx.async_eval, mx.eval, TargetState.keep
+    drafter = engine.lanes.drafter
+    absorb, propose = (drafter.absorb, drafter.propose_queued) if drafter is not None else (None, None)
 
-    def timed_forward(*args, **kwargs):
-        t0 = time.perf_counter()
-        out = forward(*args, **kwargs)
-        build.append(time.perf_counter() - t0)
-        return out
+    def timer(fn, into: list[float]):
+        """`fn` timed into `into`, less what evaluations it queued took (those count as queuing)."""
+        def timed(*args, **kwargs):
+            t0, queued = time.perf_counter(), sum(queue)
+            out = fn(*args, **kwargs)
+            into.append(time.perf_counter() - t0 - (sum(queue) - queued if into is not queue else 0.0))
+            return out
+        return timed
 
-    def timed_async_eval(*args):
-        t0 = time.perf_counter()
-        async_eval(*args)
-        queue.append(time.perf_counter() - t0)
-
-    engine.target.forward, mx.async_eval = timed_forward, timed_async_eval
+    engine.target.forward = timer(forward, build)
+    mx.async_eval, mx.eval = timer(async_eval, queue), timer(evaluate, queue)
+    TargetState.keep = timer(keep, kept)
+    if drafter is not None:
+        drafter.absorb, drafter.propose_queued = timer(absorb, drafting), timer(propose, drafting)
     try:
         for i in range(streams):
-            engine.submit(Request(prompt, max_tokens=tokens, ignore_eos=True, seed=i, draft=False))
+            engine.submit(Request(prompt, max_tokens=tokens, ignore_eos=True, seed=i, draft=draft))
         rounds = []
         while engine.lanes.busy:
-            build.clear()
-            queue.clear()
+            for part in (build, drafting, queue, kept):
+                part.clear()
             t0 = time.perf_counter()
             engine.step()
-            rounds.append((time.perf_counter() - t0, sum(build), sum(queue)))
+            rounds.append((time.perf_counter() - t0, sum(build), sum(drafting), sum(queue), sum(kept)))
     finally:
-        engine.target.forward, mx.async_eval = forward, async_eval
+        engine.target.forward, mx.async_eval, mx.eval, TargetState.keep = forward, async_eval, evaluate, keep
+        if drafter is not None:
+            drafter.absorb, drafter.propose_queued = absorb, propose
     decode = rounds[2:]  # the prompt's round and the first queued one
-    total = statistics.median(r[0] for r in decode)
-    built = statistics.median(r[1] for r in decode)
-    queued = statistics.median(r[2] for r in decode)
-    return {"round": 1e3 * total, "build": 1e3 * built, "queue": 1e3 * queued, "rest": 1e3 * (total - built - queued)}
+    total, built, drafted, queued, kept_ = (statistics.median(r[i] for r in decode) for i in range(5))
+    out = {"round": total, "build": built, "draft": drafted, "queue": queued, "keep": kept_,
+           "rest": total - built - drafted - queued - kept_}
+    if not draft:
+        del out["draft"]
+    return {k: 1e3 * v for k, v in out.items()}
+
+
+def probes(engine: Engine, tokens: int) -> None:
+    """One plain stream on engine-speed's code and chat probes: the round's median ms by the decode's
+    quarter, to see whether a probe's round cost moves with its context."""
+    from dflash_bench.checks import engine_speed
+    from dflash_bench.checks import prompts as prompt_sets
+
+    for name, prompt in prompt_sets.probes().items():
+        ids = engine_speed.chat_ids(engine.loaded, prompt)
+        engine.submit(Request(ids, max_tokens=tokens, ignore_eos=True, seed=0, draft=False))
+        times = []
+        while engine.lanes.busy:
+            t0 = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t0)
+        quarter = max(1, len(times) // 4)
+        parts = [statistics.median(times[i : i + quarter]) * 1e3 for i in range(0, len(times) - quarter + 1, quarter)]
+        print(f"{name}: {len(ids)} prompt tokens, {len(times)} rounds, median ms by quarter "
+              + " ".join(f"{p:.2f}" for p in parts), flush=True)
 
 
 def layers(engine: Engine, drafter_path: str, tokens: int) -> None:
@@ -109,15 +145,17 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--parallel", type=int, default=0, help="the engine's lanes (default: --streams)")
     parser.add_argument("--no-warm", action="store_true", help="skip the engine's warm-up (the first split warms)")
-    residents = parser.add_mutually_exclusive_group()  # --layers loads mlx-lm's model itself, as one of its steps
-    residents.add_argument("--with-mlx-lm", action="store_true",
-                           help="hold mlx-lm's model of TARGET in the process too, as engine-speed does")
-    residents.add_argument("--layers", metavar="DRAFTER",
-                           help="add engine-speed's other residents one at a time (a drafter for its drafting engine)")
+    modes = parser.add_mutually_exclusive_group()  # --layers loads mlx-lm's model itself, as one of its steps
+    modes.add_argument("--with-mlx-lm", action="store_true",
+                       help="hold mlx-lm's model of TARGET in the process too, as engine-speed does")
+    modes.add_argument("--layers", metavar="DRAFTER",
+                       help="add engine-speed's other residents one at a time (a drafter for its drafting engine)")
+    modes.add_argument("--drafter", help="serve with this drafter: split drafted rounds beside plain ones")
+    modes.add_argument("--probes", action="store_true", help="time engine-speed's probes' plain rounds by quarter")
     args = parser.parse_args()
-    engine = Engine(args.target, None, Settings(parallel=args.parallel or args.streams, context=4096,
-                                                warm=not args.no_warm,
-                                                backend=None if args.backend == "auto" else args.backend))
+    engine = Engine(args.target, args.drafter, Settings(parallel=args.parallel or args.streams, context=4096,
+                                                        warm=not args.no_warm,
+                                                        backend=None if args.backend == "auto" else args.backend))
     print(engine.startup_line(), flush=True)
     held = None
     if args.with_mlx_lm:
@@ -125,18 +163,28 @@ def main() -> None:
 
         held = load(engine.loaded.path)
     prompt = list(range(100, 356))
-    split(engine, prompt, args.streams, 8)  # warm
+    split(engine, prompt, args.streams, 8, draft=args.drafter is not None)  # warm
     if args.layers:
         layers(engine, args.layers, args.tokens)
         return
-    for lookahead in (True, False):
-        for collect in (True, False):
-            engine.lanes.lookahead = lookahead
-            gc.enable() if collect else gc.disable()
-            got = split(engine, prompt, args.streams, args.tokens)
-            print(f"{args.streams} stream(s), lookahead {'on' if lookahead else 'off'}, gc {'on' if collect else 'off'}: "
-                  + ", ".join(f"{k} {v:.2f} ms" for k, v in got.items()), flush=True)
-    gc.enable()
+    if args.probes:
+        probes(engine, args.tokens)
+    elif args.drafter:
+        got = {mode: split(engine, prompt, args.streams, args.tokens, draft=mode == "drafted")
+               for mode in ("plain", "drafted")}
+        ratio = got["drafted"]["round"] / got["plain"]["round"]
+        for mode, parts in got.items():
+            print(f"{args.streams} stream(s), {mode}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in parts.items())
+                  + (f" ({ratio:.2f}x the plain round)" if mode == "drafted" else ""), flush=True)
+    else:
+        for lookahead in (True, False):
+            for collect in (True, False):
+                engine.lanes.lookahead = lookahead
+                gc.enable() if collect else gc.disable()
+                got = split(engine, prompt, args.streams, args.tokens)
+                print(f"{args.streams} stream(s), lookahead {'on' if lookahead else 'off'}, gc {'on' if collect else 'off'}: "
+                      + ", ".join(f"{k} {v:.2f} ms" for k, v in got.items()), flush=True)
+        gc.enable()
     del held
 
 

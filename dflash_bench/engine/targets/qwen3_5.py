@@ -21,10 +21,14 @@ row's result depends only on its own stream's rows:
   heads of 128) a 256-row chunk took 534 ms on this CPU against 76 ms chunked (and 41 ms a call on
   an H200, where the chunked form is a few dozen kernels instead of 256 dependent steps).
 
-Rolling back part of a window re-runs the conv and the recurrence over the kept rows from the state
-the window started from (`LinearCache.redo`): the state after each row is never stored, since one
-is Hv x Dv x Dk floats per layer. Until `keep` a window's conv inputs stay referenced (rows x
-conv_dim floats per linear layer); a prompt chunk is always kept whole, so it leaves no record.
+Rolling back part of a window re-runs the recurrence over the kept rows from the state the window
+started from (`LinearCache.redo`): the state after each row is never stored, since one is Hv x Dv x
+Dk floats per layer. The redo takes the window's own q, k, v, g and beta rows, so it is one recurrence
+call a layer: recomputing them (the conv, the norms, the gates) cost ~8 more operations a layer for
+the host to build and encode in every partly accepted round, and a GPU round is bound by that host work
+(docs/gpu-round-profile.md). Until `keep` a window's conv inputs and those rows stay referenced (about
+rows x (conv_dim + 2 x key_dim + value_dim) floats per linear layer); a prompt chunk is always kept
+whole, so it leaves no record.
 """
 
 from __future__ import annotations
@@ -157,7 +161,8 @@ class GatedDeltaNet:
         y, states = self.recur(q, k, v, g, beta, [c.state for c in caches], spans)
         for (seg, (lo, hi)), c, st, state in zip(decoding, caches, starts, states):
             n = hi - lo
-            c.redo = self.redo_fn(c.conv, c.state, inputs[st : st + span + n], a[lo:hi], b[lo:hi]) if n > 1 else None
+            c.redo = self.redo_fn(c.conv, c.state, inputs[st : st + span + n],
+                                  (q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi])) if n > 1 else None
             # a view: it pins this round's few decode input rows, where a copy is a launch per stream and layer
             c.conv, c.state = inputs[st + n : st + n + span], state
             c.window_start, c.length = seg.start, seg.start + n
@@ -191,21 +196,21 @@ class GatedDeltaNet:
         """Conv (row t sees inputs t .. t + kernel - 1, summed in tap order), silu, normalized q/k, v."""
         return self.heads(self.conv(inputs, n))
 
-    def redo_fn(self, prev_conv: mx.array, prev_state: mx.array, inputs: mx.array, a: mx.array, b: mx.array):
+    def redo_fn(self, prev_conv: mx.array, prev_state: mx.array, inputs: mx.array,
+                rows: tuple[mx.array, mx.array, mx.array, mx.array, mx.array]):
         """The (conv, state) after the first m rows of this window, from the state before it.
 
-        It keeps the conv inputs and the gates, not q/k/v: rows 0..m-1 of the conv are recomputed
-        with the same elementwise ops, so they are the same bits at half the memory held, and the
-        recurrence is the layer's own (`recurrence`), so its state is the window's after m rows.
+        `rows` are the window's q, k, v, g and beta as its forward computed them, so the recurrence
+        over their first m is the layer's own (`recurrence`) on the same inputs: the window's state
+        after m rows. `inputs` are the window's conv inputs (the conv tail it started from, then its
+        rows); the conv after m rows keeps the `kernel - 1` ending at row m, a view of them.
         """
         span = self.kernel - 1
 
         def redo(m: int) -> tuple[mx.array, mx.array]:
             if m == 0:
                 return prev_conv, prev_state
-            q, k, v = self.mix(inputs[: m + span], m)
-            g, beta = compute_g(self.A_log, a[:m], self.dt_bias), mx.sigmoid(b[:m])
-            [(_, state)] = RECURRENCES[self.recurrence]([(q, k, v, g, beta, prev_state)])
+            [(_, state)] = RECURRENCES[self.recurrence]([(*(r[:m] for r in rows), prev_state)])
             return inputs[m : m + span], state
 
         return redo
