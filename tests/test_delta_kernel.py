@@ -27,6 +27,7 @@ import mlx.core as mx
 from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
 from dflash_bench.engine import selfcheck
+from dflash_bench.engine.cache import LinearCache
 from dflash_bench.engine.engine import Engine, Settings
 from dflash_bench.engine.request import Request
 from dflash_bench.engine.targets import Segment
@@ -202,6 +203,32 @@ def test_rollback_to_every_acceptance_length_equals_the_kept_rows_one_at_a_time(
                                                mx.sigmoid(b[t : t + 1]), s)])
         conv, state = redo(t + 1)
         assert same(state, s) and same(conv, inputs[t + 1 : t + 1 + span]), f"redo({t + 1})"
+
+
+def test_a_rollback_reruns_only_the_recurrence_on_the_windows_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keeping part of a window asks each linear layer for one recurrence call over the window's first
+    m rows as its forward computed them (qwen3_5.py's `redo_fn`): no conv, norm or gate is rebuilt, so
+    a partly accepted round adds one operation a layer for the host to build (a GPU round is bound by
+    that work), and the state is the one of feeding those m rows alone."""
+    target, _ = tiny_target("qwen3_5", "smol", layers=4, seed=29)
+    layers = linear_layers(target)
+    state, alone = target.new_state(), target.new_state()
+    for st in (state, alone):
+        mx.eval(target.forward([Segment(list(range(3, 11)), 0, st, [7], prefill=True)])[0].logits, st.arrays())
+    mx.eval(target.forward([Segment([11, 12, 13, 14, 15, 16], 8, state, list(range(6)))])[0].logits, state.arrays())
+    rebuilt, calls = [], []
+    for name in ("conv", "heads", "mix"):
+        monkeypatch.setattr(GatedDeltaNet, name, lambda *a, name=name, **k: rebuilt.append(name))
+    recurrence = layers[0].recurrence
+    monkeypatch.setitem(RECURRENCES, recurrence, lambda windows, run=RECURRENCES[recurrence]: (
+        calls.append([w[0].shape[0] for w in windows]), run(windows))[1])
+    state.keep(10)
+    assert rebuilt == [] and calls == [[2]] * len(layers)
+    monkeypatch.undo()
+    mx.eval(target.forward([Segment([11, 12], 8, alone, [0, 1])])[0].logits, alone.arrays())
+    linear = [(kept, fed) for kept, fed in zip(state.layers, alone.layers) if isinstance(kept, LinearCache)]
+    assert len(linear) == len(layers) and all(
+        mx.array_equal(kept.state, fed.state) and mx.array_equal(kept.conv, fed.conv) for kept, fed in linear)
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ if [ -f "$gguf" ]; then
 fi
 log start
 # the GPU tests of what changed most often (the recurrence kernel and its rollback, drafted == plain in gpu mode)
-timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_delta_kernel.py \
+timeout 420 python3 -m pytest -q -p no:cacheprovider tests/test_delta_kernel.py \
   "tests/test_gpu_mode.py::test_drafted_equals_plain" > "$out/pytest-gpu.log" 2>&1
 log pytest-gpu $?
 run fixture-9b 120 fixture qwen3_5-9b-4bit /root/f9/t
