@@ -338,7 +338,8 @@ def load_drafter(path: str | Path, target: Target, bits: int = 0, dtype: mx.Dtyp
     if config.quantization is not None:  # stored packed (mlx-lm's layout): the engine computes in float
         weights = dequantize_packed(weights, *config.quantization)
     weights = {k: v.astype(dtype) for k, v in weights.items()}
-    mx.eval(list(weights.values()))
+    for v in weights.values():  # one tensor at a time: at once, every tensor's dequantization temporaries
+        mx.eval(v)  # were alive together (the 6-bit drafter's load peaked 212 MB above its float weights)
     bad = [k for k, v in weights.items() if not all_finite([v])]
     if bad:  # checked after the cast: a value finite in float32 can overflow to inf in bf16
         raise CheckpointError(f"{path}: tensor {bad[0]!r} holds NaN or infinite values")
