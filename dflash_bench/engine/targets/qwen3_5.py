@@ -24,7 +24,7 @@ row's result depends only on its own stream's rows:
 Rolling back part of a window re-runs the recurrence over the kept rows from the state the window
 started from (`LinearCache.redo`): the state after each row is never stored, since one is Hv x Dv x
 Dk floats per layer. The redo takes the window's own q, k, v, g and beta rows, so it is one recurrence
-call a layer: recomputing them (the conv, the norms, the gates) cost ~8 more operations a layer for
+call a layer: recomputing them (the conv, the q/k norm and scale, the gates) cost ~5 more operations a layer for
 the host to build and encode in every partly accepted round, and a GPU round is bound by that host work
 (docs/gpu-round-profile.md). Until `keep` a window's conv inputs and those rows stay referenced (about
 rows x (conv_dim + 2 x key_dim + value_dim) floats per linear layer); a prompt chunk is always kept
