@@ -4,10 +4,10 @@ usage: python3 tools/forward_ops.py [--streams 1,4]
 
 On a GPU a decode forward pays per launch (docs/gpu-round-profile.md), so the number of operations
 that are not views, and the Python time to build them, are what a change to the forward should cut.
-It counts them, and those of rolling a 16-row window back to its first row (`keep`), on any machine: the 9B-shaped `tiny` preset (fixture qwen3_5-9b-4bit's layer pattern,
-8 layers) in the gpu mode, each of our three CUDA kernels stood in for by one node (the self-check
-runs first on reference arithmetic for them), and the fused chains compiled as they are on a GPU
-(engine/fused.py). Run it at two revisions (PYTHONPATH=a checkout) to compare.
+It counts them, and those of rolling a 16-row window back to its first row (`keep`), on any machine:
+the 9B-shaped `tiny` preset (fixture qwen3_5-9b-4bit's layer pattern, 8 layers) in the gpu mode,
+each of our three CUDA kernels stood in for by one node (the self-check runs first on reference
+arithmetic for them), and the fused chains compiled as they are on a GPU (engine/fused.py). Run it at two revisions (PYTHONPATH=a checkout) to compare.
 """
 
 from __future__ import annotations

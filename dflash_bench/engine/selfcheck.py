@@ -346,9 +346,10 @@ def model_faults(target: Target, seed: int = 0) -> list[str]:
         return out
 
     base, window_tokens = prefilled(tokens(PROMPT, 1)), tokens(WINDOW, 2)
-    # each check in its own function, so its states are dropped before the next one's are made: a
-    # state grows its cache by a slack of key tiles (cache.py), and all of them held at once took more
-    # than a serving round does (plan --check measures the load too)
+    # each check's states are dropped before the next check's are made (the window's go with
+    # window_faults, the packed check's are deleted): a state grows its cache by a slack of key tiles
+    # (cache.py), and all of them held at once took more than a serving round does (plan --check
+    # measures the load too)
     faults, window = window_faults(base, window_tokens, logits)
     other, other_token = prefilled(tokens(9, 3)), tokens(1, 4)
     alone_step = logits(other.snapshot(9), other_token)
