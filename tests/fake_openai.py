@@ -200,8 +200,10 @@ def make_app(fake: Fake) -> Starlette:
                 if not fake.mlx_lm_like:
                     last["dflash"] = dflash
                 yield f"data: {json.dumps(last)}\n\n"
-                yield "data: [DONE]\n\n"
+                # the reply is whole once its usage went: a client that reads [DONE] and closes can
+                # have the generator cancelled at that last yield, which would count it as dropped
                 finished = True
+                yield "data: [DONE]\n\n"
             finally:
                 with fake.lock:
                     if finished:
