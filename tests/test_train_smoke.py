@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -366,3 +367,22 @@ def test_choices_are_the_float32_targets_greedy_tokens(fixture_target) -> None:
     _, picks = plain.taps_and_choices(mx.array([other]), (1, 3, 5))
     h, _ = plain.hidden(mx.array([other]), "causal")
     assert np.array(picks[0, 1:]).tolist() == np.array(mx.argmax(plain.logits(h[:, :-1]), axis=-1)[0]).tolist()
+
+
+def test_mix_sets_the_prompt_kinds_and_refuses_a_bad_one(tmp_path) -> None:
+    from train_drafter import corpus
+    from train_drafter.recipe import parse_mix
+
+    mix = parse_mix("chat-question=3,code-chat=1,prose-raw=0")
+    assert mix == {"chat-question": 3.0, "code-chat": 1.0}  # a share of 0 draws nothing
+    import sysconfig
+
+    prompts = corpus.build_prompts(Path(sysconfig.get_paths()["stdlib"]), 40, 0, mix)
+    assert {p.kind for p in prompts} == {"chat-question", "code-chat"}
+    for bad, says in (("chat=1", "not KIND=SHARE"), ("code-chat=x", "not a number"), ("code-chat=-1", ">= 0"),
+                      ("code-chat=1,code-chat=2", "given twice"), ("code-chat=0", "every share is 0")):
+        with pytest.raises(ValueError, match=says):
+            parse_mix(bad)
+    out = subprocess.run([sys.executable, "-m", "train_drafter", "data", "--mix", "chat=1", "--out", str(tmp_path)],
+                         cwd=Path(__file__).resolve().parents[1] / "tools", capture_output=True, text=True)
+    assert out.returncode == 2 and "argument --mix" in out.stderr.strip().splitlines()[-1]

@@ -24,7 +24,7 @@ from dflash_bench.engine.draft_config import parse_draft_config, read_draft_conf
 from train_drafter import corpus
 from train_drafter.data import Sequences, TapStore, generate_all
 from train_drafter.model import GROUP_SIZE, Drafter, average, drafter_config, export, load, start_from, stored_body
-from train_drafter.recipe import RECIPES, Recipe, with_overrides
+from train_drafter.recipe import RECIPES, Recipe, parse_mix, with_overrides
 from train_drafter.target import TrainTarget
 from train_drafter.train import Schedule, evaluate, train
 
@@ -37,12 +37,20 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
+def mix_arg(text: str) -> dict[str, float]:
+    """argparse's reading of `--mix` (recipe.parse_mix): a malformed one is a one-line usage error."""
+    try:
+        return parse_mix(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def recipe_from(args: argparse.Namespace) -> Recipe:
     return with_overrides(RECIPES[args.recipe], prompts=args.prompts, steps=args.steps, batch=args.batch,
                           gen_batch=args.gen_batch, seed=args.seed, held_out=args.held_out,
                           new_tokens=args.new_tokens, lr=args.lr, gen_dtype=args.gen_dtype,
                           labels=args.labels, logits_dtype=args.logits_dtype, layers=args.layers, bits=args.bits,
-                          selector_rank=args.selector_rank, trains=args.trains)
+                          selector_rank=args.selector_rank, trains=args.trains, mix=args.mix)
 
 
 def cmd_data(args: argparse.Namespace, recipe: Recipe, target: TrainTarget, loaded) -> tuple[Sequences, dict]:
@@ -279,6 +287,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--data", nargs="+", help="sequences .npz: written by data/all (one), read by train (one or more)")
     ap.add_argument("--stdlib", help="Python standard library folder for prompts (default: this Python's)")
     ap.add_argument("--prompts", type=int)
+    ap.add_argument("--mix", type=mix_arg, help="data: prompt kinds and shares, KIND=SHARE,... (default: the recipe's)")
     ap.add_argument("--steps", type=int)
     ap.add_argument("--batch", type=int)
     ap.add_argument("--gen-batch", type=int)

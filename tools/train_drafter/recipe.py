@@ -97,6 +97,28 @@ SMOKE_DFLASH2 = replace(
 RECIPES = {"smollm2": SMOLLM2, "smollm2-dflash2": SMOLLM2_DFLASH2, "smoke": SMOKE, "smoke-dflash2": SMOKE_DFLASH2}
 
 
+def parse_mix(text: str) -> dict[str, float]:
+    """`--mix`: prompt kinds and their shares as `kind=share,...` (shares are relative: they need not sum
+    to 1), each kind one that corpus.build_prompts makes; a kind left out gets no prompts."""
+    mix: dict[str, float] = {}
+    for part in text.split(","):
+        kind, sep, share = part.strip().partition("=")
+        if not sep or kind not in MIX:
+            raise ValueError(f"{part.strip()!r} is not KIND=SHARE with KIND one of {', '.join(sorted(MIX))}")
+        try:
+            value = float(share)
+        except ValueError:
+            raise ValueError(f"share {share!r} of {kind} is not a number") from None
+        if not value >= 0.0 or value == float("inf"):
+            raise ValueError(f"share {share!r} of {kind} must be a finite number >= 0")
+        if kind in mix:
+            raise ValueError(f"{kind} is given twice")
+        mix[kind] = value
+    if sum(mix.values()) <= 0.0:
+        raise ValueError("every share is 0, so no prompt could be drawn")
+    return {k: v for k, v in mix.items() if v > 0.0}
+
+
 def with_overrides(recipe: Recipe, layers: int | None = None, bits: int | None = None,
                    selector_rank: int | None = None, **changes) -> Recipe:
     """The recipe with the given fields replaced (None keeps a field); `layers`, `bits` and
