@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -375,8 +376,6 @@ def test_mix_sets_the_prompt_kinds_and_refuses_a_bad_one(tmp_path) -> None:
 
     mix = parse_mix("chat-question=3,code-chat=1,prose-raw=0")
     assert mix == {"chat-question": 3.0, "code-chat": 1.0}  # a share of 0 draws nothing
-    import sysconfig
-
     prompts = corpus.build_prompts(Path(sysconfig.get_paths()["stdlib"]), 40, 0, mix)
     assert {p.kind for p in prompts} == {"chat-question", "code-chat"}
     for bad, says in (("chat=1", "not KIND=SHARE"), ("code-chat=x", "not a number"), ("code-chat=-1", ">= 0"),

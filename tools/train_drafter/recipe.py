@@ -5,6 +5,7 @@ Everything that decides the result is here, so the receipt can record it whole.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, replace
 
 from train_drafter.corpus import HELD_OUT
@@ -109,7 +110,7 @@ def parse_mix(text: str) -> dict[str, float]:
             value = float(share)
         except ValueError:
             raise ValueError(f"share {share!r} of {kind} is not a number") from None
-        if not value >= 0.0 or value == float("inf"):
+        if not (math.isfinite(value) and value >= 0.0):
             raise ValueError(f"share {share!r} of {kind} must be a finite number >= 0")
         if kind in mix:
             raise ValueError(f"{kind} is given twice")
