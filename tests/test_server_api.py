@@ -11,7 +11,9 @@ import re
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -25,7 +27,7 @@ from dflash_bench.engine.server import create_app, warm_up
 from dflash_bench.fixtures.small import write_fixture
 
 PROMPT = "The quick brown fox jumps over the lazy dog."
-LONG = 480  # max_tokens that keeps a stream busy for seconds on the fixture (context 512)
+LONG = 480  # max_tokens that, throttled, keeps a stream busy for seconds on the fixture (context 512)
 
 
 def free_port() -> int:
@@ -111,6 +113,24 @@ def engine_for(checkpoints: tuple[Path, Path], **settings) -> Engine:
 
 def start(checkpoints: tuple[Path, Path], **settings) -> LiveServer:
     return LiveServer(engine_for(checkpoints, **settings))
+
+
+@contextmanager
+def throttled(engine: Engine, seconds: float = 0.02) -> Iterator[None]:
+    """Each target forward first sleeps `seconds`, so a LONG stream takes seconds on any CPU and a disconnect test
+    drops it mid-stream: the fixture alone can finish LONG tokens into the socket buffers in well under a second."""
+    target = engine.target
+    real = target.forward
+
+    def forward(*args, **kwargs):
+        time.sleep(seconds)
+        return real(*args, **kwargs)
+
+    target.forward = forward
+    try:
+        yield
+    finally:
+        del target.forward
 
 
 @pytest.fixture(scope="module")
@@ -356,13 +376,14 @@ def test_dropped_stream_frees_its_lane_and_changes_nothing_after(checkpoints) ->
         reference = fresh.complete(**probe)
     with start(checkpoints, prompt_cache_gib=0) as s:
         before = s.wait_idle()
-        with s.http.stream("POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": LONG, "stream": True,
-                                                           "ignore_eos": True}) as r:
-            for line in r.iter_lines():
-                if '"text"' in line:
-                    break  # drop the connection after the first tokens
-            assert s.http.get("/health").json()["active_streams"] == 1
-        after = s.wait_idle(timeout=10, replies=1)  # far sooner than the LONG tokens would take
+        with throttled(s.engine):
+            with s.http.stream("POST", "/v1/completions", json={"prompt": PROMPT, "max_tokens": LONG, "stream": True,
+                                                               "ignore_eos": True}) as r:
+                for line in r.iter_lines():
+                    if '"text"' in line:
+                        assert s.http.get("/health").json()["active_streams"] == 1
+                        break  # closing the iterator drops the connection after the first tokens
+            after = s.wait_idle(timeout=10, replies=1)  # far sooner than the LONG throttled tokens would take
         assert s.http.get("/health").json()["active_streams"] == 0
         assert after['dflash_requests_total{outcome="cancelled"}'] == 1
         assert after['dflash_requests_total{outcome="length"}'] == 0
@@ -375,7 +396,7 @@ def test_dropped_stream_frees_its_lane_and_changes_nothing_after(checkpoints) ->
 
 
 def test_dropped_non_streaming_client_is_cancelled(checkpoints) -> None:
-    with start(checkpoints, prompt_cache_gib=0) as s:
+    with start(checkpoints, prompt_cache_gib=0) as s, throttled(s.engine):
         with pytest.raises(httpx.ReadTimeout):
             s.http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": LONG, "ignore_eos": True},
                         timeout=httpx.Timeout(60.0, read=0.5))
