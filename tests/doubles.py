@@ -52,25 +52,28 @@ class HashTarget:
             kv, rec = seg.state.layers
             assert seg.start == kv.length == rec.length, "segment is not at the state's end"
             tokens = list(seg.tokens) if seg.ids is None else seg.ids.tolist()  # a queued round's are an array
+            start = seg.start if seg.at is None else seg.at.item()  # a device start: `seg.start` bounds it
+            assert start <= seg.start
             n = len(tokens)
             ids = mx.array(tokens, dtype=mx.float32).reshape(1, n, 1)
             kv.write(seg.start, ids, ids)
-            history = [int(t) for t in np.array(kv.k[0, : seg.start + n, 0])]
+            history = [int(t) for t in np.array(kv.k[0, : start + n, 0])]
             before = int(rec.state.item())
             sums, c = [], before
             for i, t in enumerate(tokens):
-                c = step_checksum(c, t, seg.start + i)
+                c = step_checksum(c, t, start + i)
                 sums.append(c)
 
-            def redo(m: int, before=before, seg=seg, tokens=tokens) -> tuple[mx.array, mx.array]:
+            def redo(m: int | mx.array, before=before, start=start, tokens=tokens) -> tuple[mx.array, mx.array]:
                 c = before
-                for i, t in enumerate(tokens[:m]):
-                    c = step_checksum(c, t, seg.start + i)
+                for i, t in enumerate(tokens[: int(m.item()) if isinstance(m, mx.array) else m]):
+                    c = step_checksum(c, t, start + i)
                 return mx.zeros((1, 1)), mx.array([c], dtype=mx.int32)
 
             rec.state = mx.array([sums[-1]], dtype=mx.int32)
             rec.length, rec.window_start, rec.redo = seg.start + n, seg.start, (redo if n > 1 else None)
-            rows = [history_logits(history[: seg.start + r + 1], sums[r]) for r in seg.logit_rows]
+            rec.window_at = seg.at
+            rows = [history_logits(history[: start + r + 1], sums[r]) for r in seg.logit_rows]
             logits = mx.array(np.stack(rows)) if rows else None
             tap_rows = mx.array(tokens, dtype=mx.float32).reshape(n, 1) if seg.want_taps else None
             outs.append(SegmentOut(logits, tap_rows))
@@ -85,9 +88,17 @@ class OracleState:
     def length(self) -> int:
         return len(self.history)
 
+    start = length  # the host always knows it: keep_at reads the device value at once
+
     @property
     def nbytes(self) -> int:  # no arrays held
         return 0
+
+    def keep_at(self, kept: mx.array, bound: int, low: int) -> None:
+        self.history = self.history[: int(kept.item())]
+
+    def settle(self, length: int) -> None:
+        assert length == len(self.history)
 
     def snapshot(self, length: int) -> "OracleState":
         return OracleState(self.history[:length])
@@ -131,7 +142,7 @@ class OracleDrafter:
             checksum = 0
             for i, t in enumerate(history):
                 checksum = step_checksum(checksum, t, i)
-            drafts, token, pos = [], p.last, len(history)
+            drafts, token, pos = [], int(p.last.item()) if isinstance(p.last, mx.array) else p.last, len(history)
             for i in range(p.count):
                 history.append(token)
                 checksum = step_checksum(checksum, token, pos)

@@ -47,12 +47,15 @@ def attention_layers(target) -> list[SelfAttention]:
     return [m for m in target.mixer_layers() if isinstance(m, SelfAttention)]
 
 
-def tiled(segments: list[attention_kernel.Rows], scale: float) -> mx.array:
-    """What the kernel computes, as dense.py's tiled path does it per segment (exact on CPU)."""
+def tiled(segments: list[attention_kernel.Rows], scale: float, meta: mx.array | None = None) -> mx.array:
+    """What the kernel computes, as dense.py's tiled path does it per segment (exact on CPU); where `meta`
+    (the launch's layout) places a segment at a device start, at that start (its `start` an upper bound)."""
     outs = []
-    for q, k, v, start in segments:
+    rows = sum(q.shape[0] for q, _, _, _ in segments)
+    for i, (q, k, v, start) in enumerate(segments):
         n, kr = q.shape[0], tiles_for(start + q.shape[0])
-        seen = key_mask(query_positions(start, n), 0, kr, start + n)
+        at = start if meta is None else meta[2 + rows + 4 * i + 1]
+        seen = key_mask(query_positions(at, n), 0, kr, at + n)
         o = attention(pad_queries(q.transpose(1, 0, 2)), k[:, :kr], v[:, :kr], seen, scale=scale)[:, :n]
         outs.append(o.transpose(1, 0, 2))
     return mx.concatenate(outs)
@@ -117,9 +120,9 @@ def test_every_decode_segment_goes_through_one_launch_a_layer_onto_its_own_rows(
     forward's logits are those of the tiled path bit for bit (qwen3_5's output gate included)."""
     calls: list[list[tuple[int, int, int]]] = []
 
-    def spy(segments, scale):
+    def spy(segments, scale, meta=None):
         calls.append([(q.shape[0], start, k.shape[1]) for q, k, v, start in segments])
-        return tiled(segments, scale)
+        return tiled(segments, scale, meta)
 
     monkeypatch.setattr(attention_kernel, "decode_attention", spy)
     for family in ("qwen3", "qwen3_5"):
@@ -142,6 +145,35 @@ def test_every_decode_segment_goes_through_one_launch_a_layer_onto_its_own_rows(
         whole = window_state.layers[i].k.shape[1], step_state.layers[i].k.shape[1]  # the caches, not views
         assert whole[0] > tiles_for(25) and calls == [[(5, 20, whole[0]), (1, 9, whole[1])]] * len(layers)
         assert all(mx.array_equal(a, b).item() for a, b in zip(logits["tiled"], logits["kernel"])), family
+
+
+def test_a_segment_at_a_device_start_is_launched_at_it(monkeypatch) -> None:
+    """A window placed at a device start (cache.py's keep_at: its host start an upper bound) goes into the
+    launch's layout at that start, every row's position with it, while the bound sizes the launch: the
+    layout equals the one of the same rows at a host start but for pmax, and with the call standing in as
+    the tiled path the forward's logits are the host start's bit for bit."""
+    monkeypatch.setattr(attention_kernel, "decode_attention", tiled)
+    target, _ = tiny_target("qwen3", "small", layers=2, seed=33)
+    for m in attention_layers(target):
+        m.path = "kernel"
+    prompt, window = list(range(30, 90)), [7, 8, 9, 10, 11]
+    logits, metas = [], []
+    for device in (False, True):
+        state = target.new_state()
+        target.forward([Segment(prompt, 0, state, prefill=True)])
+        state.keep(len(prompt))
+        target.forward([Segment(list(range(200, 216)), len(prompt), state)])  # a window, then 3 of it kept
+        if device:
+            state.keep_at(mx.array(len(prompt) + 3, dtype=mx.int32), len(prompt) + 16, len(prompt) + 1)
+        else:
+            state.keep(len(prompt) + 3)
+        seg = Segment(window, state.length, state, list(range(len(window))), at=state.at)
+        c = state.layers[0]
+        metas.append(attention_kernel.launch_meta([(mx.zeros((5, 4, 16)), c.k, c.v, seg.start)], [seg.at]).tolist())
+        logits.append(target.forward([seg])[0].logits)
+    host, device = metas
+    assert host[2:] == [63, 64, 65, 66, 67, 0, 63, 5, host[-1]] and device[2:] == host[2:] and device[0] >= host[0]
+    assert mx.array_equal(logits[0], logits[1]).item()
 
 
 def test_the_self_check_tries_the_kernel_first_keys_it_and_falls_back(monkeypatch) -> None:
@@ -191,6 +223,23 @@ def test_the_kernel_source_run_on_a_cpu_is_exact_and_right(monkeypatch) -> None:
         seen = positions <= start + t
         step = decode_attention([(q[t : t + 1], mx.where(seen, k, junk_k), mx.where(seen, v, junk_v), start + t)], scale)
         assert same(step, together[t : t + 1]), f"seed {seed}: row {t}"
+
+
+@cuda_emulator.needs_gxx
+def test_the_kernel_source_at_device_starts_equals_host_starts(monkeypatch) -> None:
+    """Segments whose starts are device values (cache.py's keep_at) with upper bounds up to a partition
+    and a chunk past them, launched through `launch_meta`'s device layout: the rows of the same segments
+    at their host starts, bit for bit (blocks past a row's keys return at once; the combine reads the
+    row's own partitions)."""
+    cuda_emulator.install(monkeypatch)
+    seed = secrets.randbits(31)
+    heads, scale = (4, 2, 64), 64**-0.5
+    segments = inputs(heads, [4, 1, 4], [PARTITION - 2, 9, 300], mx.bfloat16, seed)
+    want = decode_attention(segments, scale)
+    bounds = [(q, k, v, start + extra) for (q, k, v, start), extra in zip(segments, (15, 31, 0))]
+    ats = [mx.array(start, dtype=mx.int32) for _, _, _, start in segments]
+    got = decode_attention(bounds, scale, attention_kernel.launch_meta(bounds, ats))
+    assert same(got, want), f"seed {seed}"
 
 
 # -- on a CUDA GPU: the kernel itself ------------------------------------------------------------------

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 
+import mlx.core as mx
 import pytest
 from typer.testing import CliRunner
 
@@ -66,23 +67,25 @@ def unbroken(server, few_prompts, tmp_path_factory):
 
 
 def keep_one_row_too_many(monkeypatch) -> None:
-    """after_window, broken: when a window's drafts are not all accepted (kept length short of the
-    window's end), keep one more row than the accepted ones plus the pending token."""
-    original = lanes.Lanes.after_window
+    """verify, broken: when a window's drafts are not all accepted (kept length short of the window's
+    end), keep one more row than the accepted ones plus the pending token (a device value, as the
+    engine's own keep: cache.py's keep_at)."""
+    original = lanes.Lanes.verify
 
     def broken(self, s, seg, out):
-        state, keep = s.segment_state, s.segment_state.keep
+        state, keep_at = s.segment_state, s.segment_state.keep_at
+        end = (seg.start if seg.at is None else seg.at) + len(seg.tokens)
 
-        def off_by_one(length: int) -> None:
-            keep(length + 1 if length < seg.start + len(seg.tokens) else length)
+        def off_by_one(kept: mx.array, bound: int, low: int) -> None:
+            keep_at(mx.where(kept < end, kept + 1, kept), bound, low)
 
-        state.keep = off_by_one
+        state.keep_at = off_by_one
         try:
             return original(self, s, seg, out)
         finally:
-            del state.keep
+            del state.keep_at
 
-    monkeypatch.setattr(lanes.Lanes, "after_window", broken)
+    monkeypatch.setattr(lanes.Lanes, "verify", broken)
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:

@@ -181,11 +181,27 @@ def test_the_kernel_source_run_on_a_cpu_stays_in_bounds_and_is_exact_and_right(m
     assert same(together[2][0], mx.concatenate(ys)) and same(together[2][1], s)
 
 
+@cuda_emulator.needs_gxx
+def test_the_kernel_source_leaves_the_state_as_it_is_on_rows_of_g_1_and_beta_0(monkeypatch) -> None:
+    """What `keep_at` relies on (qwen3_5.py's `redo_fn`): a window whose rows from m on have g = 1 and
+    beta = 0 leaves the state after its first m rows, for every m, through the kernel's source."""
+    cuda_emulator.install_delta(monkeypatch)
+    q, k, v, g, beta, state0 = window(HEADS["small"], 6, seed=70)
+    for m in range(7):
+        live = (mx.arange(6) < m)[:, None]
+        [(_, masked)] = delta_windows([(q, k, v, mx.where(live, g, 1.0), mx.where(live, beta, 0.0), state0)])
+        want = state0
+        if m:
+            [(_, want)] = delta_windows([(q[:m], k[:m], v[:m], g[:m], beta[:m], state0)])
+        assert same(masked, want), f"kept {m}"
+
+
 # -- on a CUDA GPU: the engine with it -----------------------------------------------------------------
 def test_rollback_to_every_acceptance_length_equals_the_kept_rows_one_at_a_time() -> None:
     """The layer's `redo` after a 16-row window (what `keep` calls) gives, for every m, the conv and
     state of its first m rows fed one at a time through the same layer: the kernel on a CUDA GPU,
-    gated_delta_ops elsewhere (so this one runs everywhere)."""
+    gated_delta_ops elsewhere (so this one runs everywhere); m a host int, or a device value (the
+    rerun of every row with g = 1 and beta = 0 past m that `keep_at` runs)."""
     target, _ = tiny_target("qwen3_5", "smol", layers=2, seed=23)
     m = linear_layers(target)[0]
     assert m.recurrence == ("delta_kernel" if ON_CUDA else "gated_delta_ops")
@@ -203,6 +219,10 @@ def test_rollback_to_every_acceptance_length_equals_the_kept_rows_one_at_a_time(
                                                mx.sigmoid(b[t : t + 1]), s)])
         conv, state = redo(t + 1)
         assert same(state, s) and same(conv, inputs[t + 1 : t + 1 + span]), f"redo({t + 1})"
+        conv, state = redo(mx.array(t + 1, dtype=mx.int32))  # m a device value (cache.py's keep_at)
+        assert same(state, s) and same(conv, inputs[t + 1 : t + 1 + span]), f"redo(array({t + 1}))"
+    conv, state = redo(mx.array(0, dtype=mx.int32))
+    assert same(state, state0) and same(conv, inputs[:span])
 
 
 def test_a_rollback_reruns_only_the_recurrence_on_the_windows_rows(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from dflash_bench.engine.drafters.dflash import DFlashDrafter, Proposal, load_drafter
+from dflash_bench.engine.drafters.dflash import DFlashDrafter, Proposal, draft_positions, load_drafter
 from dflash_bench.engine.drafters.dflash2 import DFlash2Drafter
 from dflash_bench.engine.engine import Engine, Settings
 from dflash_bench.engine.request import Request
@@ -207,7 +207,7 @@ def test_dflash2_rollback_at_every_acceptance_length(dflash2_pair, temperature) 
         for picks, p in zip(walk(x, logits, items), items):
             picks = picks.tolist()
             k = next(cycle) % drafter.block
-            start = p.state.length + 1  # the absolute position of the first draft
+            start = draft_positions(p)[0].item()  # the absolute position of the first draft
             want = sequence[start : start + len(picks)]
             out.append(mx.array([w if j < k else (w + 1) % 500 for j, w in enumerate(want)] + picks[len(want):],
                                 dtype=mx.int32))

@@ -10,6 +10,7 @@ import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 
+from dflash_bench.engine.drafters.dflash import draft_positions
 from dflash_bench.engine.engine import Engine, Settings
 from dflash_bench.engine.request import Request
 from dflash_bench.fixtures.small import write_fixture
@@ -144,3 +145,48 @@ def test_drafts_stay_on_the_device_until_the_verify_reads_them(drafted_pair, mon
     off, queued_off = run(False)
     assert on == off
     assert queued_on > 10 and queued_off == 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_drafted_rounds_queued_ahead_equal_rounds_read_one_at_a_time(drafted_pair, temperature, monkeypatch):
+    """With the lookahead on, a drafted round queues the next round's verify before it reads its own
+    choices: the accepted count, each state's kept length and the drafter's anchor stay device values
+    (lanes.py, cache.py's keep_at). The drafts are steered to the plain reply's next k tokens and one wrong
+    one, k cycling through every acceptance length; beside a plain stream and a stream that ends on
+    max_tokens mid-reply, the replies and their stats (rounds, kept drafts by length) equal those of
+    rounds read one at a time, and the drafted replies equal plain decoding."""
+    prompt = list(range(20, 60))
+    reqs = [Request(prompt, max_tokens=m, temperature=temperature, seed=9, ignore_eos=True, draft=d)
+            for m, d in ((150, True), (23, True), (30, False))]
+
+    def run(lookahead: bool) -> tuple[list, int]:
+        e = Engine(*drafted_pair, Settings(parallel=3, context=512, chunk=32))
+        e.lanes.lookahead = lookahead
+        plain = e.generate(Request(prompt, max_tokens=150, temperature=temperature, seed=9, ignore_eos=True,
+                                   draft=False)).tokens
+        sequence, rounds, walk = prompt + plain, {}, e.drafter.drafts
+
+        def steered(x, logits, items):
+            out = []
+            for picks, p in zip(walk(x, logits, items), items):
+                rounds[id(p.state)] = k = rounds.get(id(p.state), -1) + 1  # each stream's own cycle
+                k, start, picks = k % e.drafter.block, draft_positions(p)[0].item(), picks.tolist()
+                want = sequence[start : start + len(picks)]
+                out.append(mx.array([w if j < k else (w + 1) % 500 for j, w in enumerate(want)] + picks[len(want):],
+                                    dtype=mx.int32))
+            return out
+
+        monkeypatch.setattr(e.drafter, "drafts", steered)
+        windows = e.lanes.look_ahead_windows
+        queued = []
+        monkeypatch.setattr(e.lanes, "look_ahead_windows", lambda: queued.append(windows()) or queued[-1])
+        got = e.run(reqs, [0, 0, 0])
+        assert [r.tokens for r in got[:2]] == [plain, plain[:23]] and got[2].tokens == plain[:30]
+        return [(r.tokens, r.finish, r.stats.rounds, r.stats.accepted_counts, r.stats.drafted) for r in got], \
+            sum(q is not None for q in queued)
+
+    on, queued_on = run(True)
+    off, queued_off = run(False)
+    assert on == off
+    assert queued_on >= on[0][2] - 2 and queued_off == 0  # all but the first and last rounds were queued ahead
+    assert all(on[0][3]), f"acceptance lengths seen: {on[0][3]}"

@@ -167,6 +167,35 @@ def test_rollback_to_every_acceptance_length(family: str, size: str, window: int
         assert_rows_equal(run(target, rolled, [bonus[k]]), want, f"{family} {size} next row after keeping {k + 1}")
 
 
+@pytest.mark.parametrize("window", (16, 5))
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_length_kept_on_the_device_equals_one_kept_on_the_host(family: str, size: str, window: int) -> None:
+    """keep_at(k + 1 as a device value), then the next window placed at that device start (its host start
+    an upper bound: cache.py) == keep(k + 1), then the same window from a host start: its logits, and the
+    state after keeping it whole on the device and settling (what a drafted round queued ahead does, lanes.py)."""
+    target = target_for(family, size)
+    base = prefilled(target, random_tokens(PROMPT, 3))
+    tokens, following = random_tokens(window, 4), random_tokens(window, 6)
+    for k in range(window):
+        kept = PROMPT + k + 1
+        host = base.snapshot(PROMPT)
+        run(target, host, tokens)
+        host.keep(kept)
+        want = run(target, host, following)
+        host.keep(kept + window)
+        device = base.snapshot(PROMPT)
+        run(target, device, tokens)
+        device.keep_at(mx.array(kept, dtype=mx.int32), PROMPT + window, PROMPT + 1)
+        at, bound = device.at, device.length
+        seg = Segment(following, bound, device, logit_rows=list(range(window)), at=at)
+        got = target.forward([seg])[0].logits
+        assert_rows_equal(got, want, f"{family} {size} window {window}: the next window after keeping {k + 1}")
+        device.keep_at(at + window, bound + window, PROMPT + 1 + window)
+        device.settle(kept + window)
+        assert_same_state(device, host, f"{family} {size} window {window}: the state after keeping {k + 1}, then all")
+
+
 def test_the_blas_in_use_is_the_one_asked_for() -> None:
     """OpenBLAS in-process by default (where installed); the reference BLAS when asked for."""
     if UNDER_REFERENCE:
@@ -190,8 +219,8 @@ def test_rows_are_exact_under_the_reference_blas(family: str) -> None:
     summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr[-2000:]
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     passed = re.search(r"(\d+) passed", summary)
-    # packed, 2 windows and 2 rollbacks at hidden 64, the 576 window of 5, the BLAS check
-    assert passed and int(passed.group(1)) == 7 and "skipped" not in summary, summary
+    # packed, 2 windows, 2 rollbacks and 2 device-kept lengths at hidden 64, the 576 window of 5, the BLAS check
+    assert passed and int(passed.group(1)) == 9 and "skipped" not in summary, summary
 
 
 def position_dependent(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -25,6 +25,7 @@ import mlx.core as mx
 from dflash_bench.checks import prompts
 from dflash_bench.cli import app
 from dflash_bench.engine import blas, selfcheck, tiles
+from dflash_bench.engine.cache import AttentionCache
 from dflash_bench.engine.drafters.dflash import DFlashDrafter
 from dflash_bench.engine.engine import Engine, Settings
 from dflash_bench.engine.request import Request
@@ -150,6 +151,18 @@ def test_a_nondeterministic_kernel_fails_the_check_and_the_engine_serves_without
     assert "no drafter," in line and "; drafting is off: self-check FAILED" in line and "1-row tiles: the call repeated" in line
     result = engine.generate(Request([5, 6, 7], max_tokens=6, ignore_eos=True, draft=True))
     assert result.stats.drafter is None and result.stats.drafted == 0 and len(result.tokens) == 6
+
+
+@pytest.mark.parametrize("family", ("llama", "qwen3_5"))
+def test_a_kept_length_placed_wrong_on_the_device_fails_the_model_check(family: str, monkeypatch) -> None:
+    """The model check places a window at a length kept as a device value (cache.py's keep_at), as a
+    drafted round queued ahead does: with the kept length off by one, it names that window."""
+    target, _ = tiny_target(family, "small", layers=2, seed=13)
+    assert selfcheck.model_faults(target) == []
+    keep_at = AttentionCache.keep_at
+    monkeypatch.setattr(AttentionCache, "keep_at", lambda self, kept, bound, low: keep_at(self, kept + 1, bound, low))
+    faults = selfcheck.model_faults(target)
+    assert len(faults) == 1 and faults[0].startswith("a window at a kept length on the device"), faults
 
 
 def test_a_count_dependent_kernel_passes_because_every_call_has_the_same_rows(monkeypatch) -> None:

@@ -260,6 +260,12 @@ class OracleState:
     def snapshot(self, length: int) -> OracleState:
         return OracleState(length)
 
+    def keep_at(self, kept: mx.array, bound: int, low: int) -> None:  # a chain-shaped tree's window (lanes.py)
+        self.length = int(kept.item())
+
+    def settle(self, length: int) -> None:
+        assert length == self.length
+
     def arrays(self) -> list[mx.array]:
         return []
 

@@ -43,6 +43,7 @@ def split(engine: Engine, prompt: list[int], streams: int, tokens: int, draft: b
     queue: list[float] = []
     kept: list[float] = []
     forward, async_eval, evaluate, keep = engine.target.forward, mx.async_eval, mx.eval, TargetState.keep
+    keep_at = TargetState.keep_at  # a drafted round keeps a device length (lanes.py's verify)
     drafter = engine.lanes.drafter
     absorb, propose = (drafter.absorb, drafter.propose_queued) if drafter is not None else (None, None)
 
@@ -57,7 +58,7 @@ def split(engine: Engine, prompt: list[int], streams: int, tokens: int, draft: b
 
     engine.target.forward = timer(forward, build)
     mx.async_eval, mx.eval = timer(async_eval, queue), timer(evaluate, queue)
-    TargetState.keep = timer(keep, kept)
+    TargetState.keep, TargetState.keep_at = timer(keep, kept), timer(keep_at, kept)
     if drafter is not None:
         drafter.absorb, drafter.propose_queued = timer(absorb, drafting), timer(propose, drafting)
     try:
@@ -72,6 +73,7 @@ def split(engine: Engine, prompt: list[int], streams: int, tokens: int, draft: b
             rounds.append((time.perf_counter() - t0, sum(build), sum(drafting), sum(queue), sum(kept)))
     finally:
         engine.target.forward, mx.async_eval, mx.eval, TargetState.keep = forward, async_eval, evaluate, keep
+        TargetState.keep_at = keep_at
         if drafter is not None:
             drafter.absorb, drafter.propose_queued = absorb, propose
     decode = rounds[2:]  # the prompt's round and the first queued one

@@ -2,7 +2,13 @@
 
 Rows are written at absolute positions and kept (or not) after the round: `keep(length)` is the
 only way a window's rejected rows leave, so a stream's state after keeping k+1 rows of a window is
-the state of feeding those rows one by one (tests/test_rows.py proves it for every k). A prompt
+the state of feeding those rows one by one (tests/test_rows.py proves it for every k).
+
+A drafted round keeps before the host knows k (lanes.py builds the next round while the device runs
+this one): `keep_at(kept, bound, low)` takes the kept length as a device value, with host bounds
+low <= kept <= bound. Until `settle` tells the host the number, `length` is the upper bound (what
+sizes writes and key views) and `at` the device value (where the next rows go, their positions, the
+keys they see); keys past `at` are stale rows that every reader masks. A prompt
 chunk is kept whole: the state it leaves is a deterministic function of the chunk and the state
 before it (not of single steps), which is why snapshots are taken only at chunk boundaries
 (tests/test_prefill.py proves a resumed prompt computes the fresh one's bits).
@@ -31,17 +37,28 @@ class AttentionCache:
     def __init__(self, kv_heads: int, head_dim: int, dtype: mx.Dtype = mx.float32):
         self.k = mx.zeros((kv_heads, 0, head_dim), dtype=dtype)
         self.v = mx.zeros((kv_heads, 0, head_dim), dtype=dtype)
-        self.length = 0
+        self.length = 0  # positions held; while `at` is set, an upper bound of them
+        self.at: mx.array | None = None  # the length as a device value, until `settle` (module docstring)
+        self.low = 0  # a lower bound of the length the host knows (== length when settled)
 
     def write(self, start: int, k: mx.array, v: mx.array) -> None:
-        end = start + k.shape[1]
+        """Rows at positions start, start + 1, ..; while the length is a device value, `start` is its
+        upper bound and the rows go at `at` (the same positions, known only to the device)."""
+        n = k.shape[1]
+        end = start + n
         if end > self.k.shape[1]:
             grow = tiles_for(end) + GROW - self.k.shape[1]
             pad = mx.zeros((self.k.shape[0], grow, self.k.shape[2]), dtype=self.k.dtype)
             self.k = mx.concatenate([self.k, pad], axis=1)
             self.v = mx.concatenate([self.v, pad], axis=1)
-        self.k[:, start:end] = k
-        self.v[:, start:end] = v
+        if self.at is None:
+            self.k[:, start:end] = k
+            self.v[:, start:end] = v
+            self.low = end
+        else:
+            self.k = mx.slice_update(self.k, k, self.at[None], axes=(1,))
+            self.v = mx.slice_update(self.v, v, self.at[None], axes=(1,))
+            self.at, self.low = self.at + n, self.low + n
         self.length = end
 
     def view(self, length: int) -> tuple[mx.array, mx.array]:
@@ -50,7 +67,15 @@ class AttentionCache:
         return self.k[:, :n], self.v[:, :n]
 
     def keep(self, length: int) -> None:
-        self.length = length
+        self.length = self.low = length
+        self.at = None
+
+    def keep_at(self, kept: mx.array, bound: int, low: int) -> None:
+        self.at, self.length, self.low = kept, bound, low
+
+    def settle(self, length: int) -> None:
+        """The host has read the device length: it is `length`."""
+        self.keep(length)
 
     def keep_path(self, start: int, rows: list[int]) -> None:
         """Keep a draft tree's accepted path (tree.py): its rows, written at start + row, move to
@@ -65,7 +90,7 @@ class AttentionCache:
         """A copy holding the first `length` positions (for the prompt cache)."""
         out = AttentionCache(self.k.shape[0], self.k.shape[2], self.k.dtype)
         n = tiles_for(length)
-        out.k, out.v, out.length = mx.array(self.k[:, :n]), mx.array(self.v[:, :n]), length
+        out.k, out.v, out.length, out.low = mx.array(self.k[:, :n]), mx.array(self.v[:, :n]), length, length
         return out
 
     @property
@@ -77,15 +102,17 @@ class AttentionCache:
 class LinearCache:
     """One GatedDeltaNet layer's state: the conv's last inputs and the recurrent state.
 
-    A window's forward leaves `redo`: a function that recomputes the state after its first n rows,
-    which `keep` calls when only part of the window is accepted.
+    A window's forward leaves `redo`: a function that recomputes the state after its first m rows,
+    which `keep` calls when only part of the window is accepted, and `keep_at` with m a device value.
+    The state holds no positions, so a window's rows never need the device length, only the kept count.
     """
 
     conv: mx.array
     state: mx.array
     length: int = 0
-    redo: Callable[[int], tuple[mx.array, mx.array]] | None = field(default=None, repr=False)
+    redo: Callable[[int | mx.array], tuple[mx.array, mx.array]] | None = field(default=None, repr=False)
     window_start: int = 0
+    window_at: mx.array | None = field(default=None, repr=False)  # the window's start as a device value
 
     def keep(self, length: int) -> None:
         if length != self.length:
@@ -94,6 +121,17 @@ class LinearCache:
             self.conv, self.state = self.redo(length - self.window_start)
             self.length = length
         self.redo = None
+
+    def keep_at(self, kept: mx.array, bound: int, low: int) -> None:
+        """Keep the window's first `kept - start` rows, a device value: one recurrence over all of its rows
+        whatever the count (qwen3_5.py's `redo_fn`). `bound` is this window's end, so keeping it all costs nothing."""
+        if self.redo is not None:
+            start = self.window_start if self.window_at is None else self.window_at
+            self.conv, self.state = self.redo(kept - start)
+        self.redo, self.window_at, self.length = None, None, bound
+
+    def settle(self, length: int) -> None:
+        self.length = length
 
     def snapshot(self, length: int) -> "LinearCache":
         if length != self.length or self.redo is not None:
@@ -115,9 +153,27 @@ class TargetState:
     def length(self) -> int:
         return self.layers[0].length if self.layers else 0
 
+    @property
+    def at(self) -> mx.array | None:
+        """The length as a device value while the host has not read it (module docstring), else None."""
+        for layer in self.layers:
+            if isinstance(layer, AttentionCache):
+                return layer.at
+        return None
+
     def keep(self, length: int) -> None:
         for layer in self.layers:
             layer.keep(length)
+
+    def keep_at(self, kept: mx.array, bound: int, low: int) -> None:
+        """Keep `kept` positions, a device value the host knows only as low <= kept <= bound."""
+        for layer in self.layers:
+            layer.keep_at(kept, bound, low)
+
+    def settle(self, length: int) -> None:
+        """The host has read the kept length: it is `length` (no array changes)."""
+        for layer in self.layers:
+            layer.settle(length)
 
     def keep_path(self, start: int, rows: list[int]) -> None:
         """Keep a draft tree's accepted rows (root first) at start, start + 1, ..: attention layers

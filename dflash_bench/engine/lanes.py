@@ -23,11 +23,20 @@ changes no bits. A stream that ends on eos or is cancelled meanwhile leaves its 
 (its state goes with it); one that reaches max_tokens is left out of it; a request that arrives
 meanwhile is admitted one round later.
 
-A drafted round cannot be queued ahead (the next verify depends on what this one accepts), but its
-drafter pass is not read back either: the drafts stay on the device as int32 ids, the next round's
-verify forward is built on them while the device runs the pass, and they are read with that verify's
-choices (the auto verify budget, which times each pass, reads them at once instead). The verify sees
-the same tokens either way, so no bit changes.
+A drafted round of chains is queued ahead too (`look_ahead_windows`). Its verify's outcome stays on the
+device (`verify`): the choices, the accepted count k (the leading run of drafts equal to the choices
+before them), the next anchor (the choice after them), and each state's kept length (cache.py's
+`keep_at`: attention caches place the next rows at it, a GatedDeltaNet layer reruns its window's
+recurrence with the rows past it made inert). The drafter absorbs every row of the window and keeps as
+many, and proposes from the anchor; the next round's verify forward is built on those drafts and that
+anchor and queued, and only then are this round's choices read (`read`), while the device runs it. So
+the host builds round r + 1 while the device runs round r, as for plain rounds: docs/gpu-round-profile.md
+measured a drafted round at 2.21x a plain one on an H200 when they ran in series. Every row sits at the
+positions and sees the keys it would with host values, so no bit changes (tests/test_lookahead.py).
+The drafts a pass may propose are counted before the round's tokens are read, as if it kept one
+(`limit`). A round with a prompt row, or while a request waits for a free lane, is not queued ahead;
+trees and the auto verify budget (which counts drafts by what was accepted, and times each pass) read
+the choices before the drafter's pass.
 """
 
 from __future__ import annotations
@@ -80,6 +89,9 @@ class Stream:
     finished: bool = False
     acceptance: Acceptance | None = None  # its kept drafts by depth, for the verify budget
     idle: int = 0  # rounds in a row the budget gave it no drafts
+    known: int = 0  # positions its state holds as the host knows them: the start of the window it verifies
+    anchor: mx.array | None = None  # its last verify's choice after the kept drafts, until `read` reads it
+    verdict: Verdict | None = None  # its last verify, on the device until `read`
 
     @property
     def request(self):
@@ -88,6 +100,28 @@ class Stream:
     @property
     def prompt(self) -> list[int]:
         return self.handle.request.prompt
+
+
+def accepted(drafts: mx.array, chosen: mx.array) -> mx.array:
+    """How many drafts a window keeps, as a device value: the first draft unequal to the choice before
+    it (the choice at the row of the draft's parent), or all of them. An elementwise compare and a
+    minimum, kernels every round runs anyway (the warm-up runs this too)."""
+    n = drafts.shape[0]
+    if n == 0:
+        return mx.array(0, dtype=mx.int32)
+    rows = mx.arange(n, dtype=mx.int32)
+    return mx.min(mx.where(drafts != chosen[:n], rows, mx.array(n, dtype=mx.int32)))
+
+
+@dataclass
+class Verdict:
+    """A chain window's verify as device values (`Lanes.verify`): the accepted count k then the target's
+    choice at each row, and what reading them needs."""
+
+    values: mx.array  # int32 (1 + rows,): k, then the choices
+    keep: tuple[mx.array, int, int]  # the kept length, its host bounds (cache.py's keep_at)
+    window: list[int]  # the window's tokens where the host has them (the auto budget's tree ranks), else []
+    lattice: Lattice | None
 
 
 class Lanes:
@@ -171,7 +205,8 @@ class Lanes:
 
     # -- one round ---------------------------------------------------------------------------
     def round(self) -> None:
-        """Admit, run one target forward over every stream, keep, then one drafter pass."""
+        """Admit, run one target forward over every stream, keep, then one drafter pass; read the
+        chain windows' choices last, after queuing the next round where it can (the module's docstring)."""
         for s in [s for s in self.streams if s.handle.cancelled.is_set()]:
             self.finish(s, "cancelled")
         ahead, self.ahead = self.ahead, None
@@ -188,35 +223,49 @@ class Lanes:
         else:
             segments = [self.segment(s) for s in self.streams]
             outs = self.target.forward(segments, self.drafter.taps if self.drafter else ())
-        if all(s.pending is not None and not s.drafting for s in self.streams):
+        if all(s.pending is not None and not s.drafting and seg.at is None for s, seg in zip(self.streams, segments)):
             self.plain_round(segments, outs)
             return
-        absorb, proposals, draft_seconds = [], [], 0.0
+        absorb, proposals, draft_seconds, windows = [], [], 0.0, []
         for s, seg, out in zip(list(self.streams), segments, outs):
             if s.pending is None:
                 kept_taps = self.after_chunk(s, seg, out)
+            elif s.tree is not None:
+                kept_taps = self.after_tree(s, seg, out)
             else:
-                kept_taps = self.after_window(s, seg, out)
+                kept_taps = self.verify(s, seg, out)
+                windows.append(s)
             if s.drafting and kept_taps is not None:
                 absorb.append((s.drafter_state, kept_taps))
+        if windows:  # queued on their own: reading them then waits for nothing queued after them
+            mx.async_eval([s.verdict.values for s in windows])
         if self.drafter is not None:
             self.drafter.absorb(absorb)
+            for s in windows:
+                if s.drafting:
+                    s.drafter_state.keep_at(*s.verdict.keep)
+            if windows and (self.tree_nodes or self.budget.fit is not None):
+                # a tree grows from the stream's last token, and the auto budget counts drafts by what
+                # was accepted: both read the choices before the pass
+                self.read(windows)
+                windows = []
             ready, others = [], []  # the drafting streams that decode; the next round's other rows
             for s in self.streams:
                 if s.drafting and s.pending is not None:
                     ready.append(s)
                 else:
                     others.append(1 if s.pending is not None else min(self.chunk, len(s.prompt) - s.pos))
-            limits = [max(0, min(self.drafter.block - 1, s.request.max_tokens - s.emitted - 1)) for s in ready]
+            limits = [self.limit(s) for s in ready]
             counts = self.budget.counts(limits, [s.acceptance for s in ready], [s.idle for s in ready], others)
             for s, count, limit in zip(ready, counts, limits):
                 s.idle = s.idle + 1 if count == 0 and limit > 0 else 0
+                last = s.pending if s.anchor is None else s.anchor
                 if count > 0 and self.tree_nodes:  # a tree of the budget's rows, as deep as the stream allows
                     nodes = self.tree_nodes if self.budget.kind == "fixed" else count
                     # n nodes reach at most n deep: the drafter's lm_head then runs no row the tree cannot use
-                    proposals.append((s, Proposal(s.drafter_state, s.pending, min(limit, nodes), s.params, nodes)))
+                    proposals.append((s, Proposal(s.drafter_state, last, min(limit, nodes), s.params, nodes)))
                 elif count > 0:
-                    proposals.append((s, Proposal(s.drafter_state, s.pending, count, s.params)))
+                    proposals.append((s, Proposal(s.drafter_state, last, count, s.params)))
             drafting_at = time.perf_counter()  # a pass's tokens come back as lists: it is evaluated when it returns
             if self.tree_nodes:
                 for (s, _), tree in zip(proposals, self.drafter.propose_trees([p for _, p in proposals])):
@@ -234,15 +283,88 @@ class Lanes:
                     else:
                         s.drafts = tuple(d.tolist())
             draft_seconds = time.perf_counter() - drafting_at
-        evaluate = mx.async_eval if self.queue_drafts else mx.eval
-        queued = [s.draft_ids for s in self.streams if s.draft_ids is not None]
-        evaluate([a for s in self.streams for a in self.arrays(s)], queued)
+        if windows and self.lookahead and self.queue_drafts and not self.tree_nodes:
+            self.ahead = self.look_ahead_windows()
+        if self.ahead is None:
+            evaluate = mx.async_eval if self.queue_drafts else mx.eval
+            evaluate([a for s in self.streams for a in self.arrays(s)], [s.draft_ids for s in self.streams
+                                                                          if s.draft_ids is not None])
+        if windows:
+            self.read(windows)
+            if not self.streams:  # the last ones ended: let the work queued for them finish, so an idle
+                mx.synchronize()  # engine holds no temporaries (memory is back at its baseline)
         if self.budget is not None and not any(seg.prefill for seg in segments):
             # what a decode round cost, for the auto budget's fit (budget.py); prompt chunks take another
             # path whose rows cost less, so their rounds would skew the price of a decode row
             self.budget.observe([len(seg.tokens) for seg in segments],
                                 time.perf_counter() - started - draft_seconds, [p.count for _, p in proposals],
                                 draft_seconds, sum(len(seg.tokens) for seg in segments if seg.tree is not None))
+
+    def limit(self, s: Stream) -> int:
+        """The most drafts `s`'s next window can use: up to its max_tokens, and while its verify is unread
+        (at least one more token, the window starting at most at the verify's end) inside the context."""
+        left = s.request.max_tokens - s.emitted - 1
+        if s.verdict is not None:
+            left = min(left - 1, self.context - s.verdict.keep[1] - 1)
+        return max(0, min(self.drafter.block - 1, left))
+
+    def verify(self, s: Stream, seg: Segment, out: SegmentOut) -> mx.array | None:
+        """A chain window's keyed choices and its accepted count k, as device values: the state keeps the
+        pending token and the k drafts equal to the choices before them (cache.py's `keep_at`), the
+        drafter absorbs every row and keeps as many, the next pass starts from the choice after them
+        (`anchor`), and `read` reads them later. Returns the window's taps, every row."""
+        n = len(seg.tokens)
+        first = seg.start if seg.at is None else seg.at
+        chosen = choose(out.logits, mx.arange(1, n + 1, dtype=mx.int32) + first, s.params).astype(mx.int32)
+        drafts = s.draft_ids if s.draft_ids is not None else mx.array(s.drafts, dtype=mx.int32)
+        k = accepted(drafts, chosen)
+        s.anchor = chosen[k]
+        keep = (first + k + 1, s.known + n, s.known + 1)
+        s.verdict = Verdict(mx.concatenate([k.reshape(1), chosen]), keep,
+                            list(seg.tokens) if seg.ids is None else [], s.lattice)
+        s.segment_state.keep_at(*keep)
+        s.drafts, s.draft_ids, s.lattice = (), None, None
+        return out.taps
+
+    def read(self, windows: list[Stream]) -> None:
+        """Read the chain windows' verifies (`verify`): stats, the budget's record, the kept tokens out. A
+        state that no queued round has written past is settled at its length."""
+        values = [s.verdict.values.tolist() for s in windows]
+        for s, (k, *chosen) in zip(windows, values):
+            verdict, s.verdict, s.anchor = s.verdict, None, None
+            s.known += k + 1
+            if self.ahead is None or id(s) not in self.ahead:
+                s.segment_state.settle(s.known)
+                if s.drafting:
+                    s.drafter_state.settle(s.known)
+            s.stats.count_round(len(chosen) - 1, k)
+            if s.acceptance is not None:
+                ranks = self.ranks(verdict.lattice, verdict.window[: k + 1], chosen[: k + 1])
+                self.budget.record(s.acceptance, len(chosen) - 1, k, ranks)
+            s.pending = chosen[k]
+            self.emit(s, chosen[: k + 1], from_round=True)
+
+    def look_ahead_windows(self) -> dict[int, tuple[Segment, SegmentOut]] | None:
+        """The next round's forward over every stream's next window (its anchor, then its drafts: device
+        values), queued before this round's choices are read, as `look_ahead` queues a plain round: each
+        state places the window at its kept length, a device value (cache.py). None where a stream is in
+        its prompt, no stream drafts or a request could take a lane; a stream this round surely ends is left out."""
+        if (any(s.pending is None for s in self.streams) or not any(s.drafting for s in self.streams)
+                or (self.waiting and len(self.streams) < self.parallel)):
+            return None  # (plain streams alone take `look_ahead`'s cheaper rounds)
+        going = [s for s in self.streams if s.emitted + (s.anchor is not None) < s.request.max_tokens]
+        if not going:
+            return None
+        segments = []
+        for s in going:
+            anchor = (mx.array(s.pending, dtype=mx.int32) if s.anchor is None else s.anchor).reshape(1)
+            ids = anchor if s.draft_ids is None else mx.concatenate([anchor, s.draft_ids])
+            n, state = ids.shape[0], s.segment_state
+            segments.append(Segment([-1] * n, state.length, state, list(range(n)), s.drafting, ids=ids, at=state.at))
+        outs = self.target.forward(segments, self.drafter.taps if self.drafter else ())
+        mx.async_eval([o.logits for o in outs], [o.taps for o in outs if o.taps is not None],
+                      [a for s in self.streams for a in self.arrays(s)])
+        return {id(s): (seg, out) for s, seg, out in zip(going, segments, outs)}
 
     def plain_round(self, segments: list[Segment], outs: list[SegmentOut]) -> None:
         """Every stream takes its keyed choice of its one row, with the next round queued before the
@@ -251,6 +373,7 @@ class Lanes:
                  for s, seg, out in zip(self.streams, segments, outs)]
         for s, seg in zip(self.streams, segments):
             s.segment_state.keep(seg.start + 1)
+            s.known = seg.start + 1
         admitting = self.waiting and len(self.streams) < self.parallel
         self.ahead = self.look_ahead(picks) if self.lookahead and not admitting else None
         for s, pick in zip(list(self.streams), picks):
@@ -307,6 +430,7 @@ class Lanes:
                 s.drafter_state.snapshot(s.pos) if s.drafting else None,
             )
         if s.pos == len(s.prompt):
+            s.known = s.pos
             first = choose(out.logits, mx.array([s.pos], dtype=mx.int32), s.params).item()
             now = time.perf_counter()
             s.stats.prefill_seconds = s.stats.ttft_seconds = now - s.started
@@ -314,25 +438,6 @@ class Lanes:
             s.pending = first
             self.emit(s, [first], from_round=False)
         return out.taps
-
-    def after_window(self, s: Stream, seg: Segment, out) -> mx.array | None:
-        if s.tree is not None:
-            return self.after_tree(s, seg, out)
-        n = len(seg.tokens)
-        positions = mx.arange(seg.start + 1, seg.start + n + 1, dtype=mx.int32)
-        chosen = choose(out.logits, positions, s.params).tolist()
-        drafts = s.drafts if s.draft_ids is None else tuple(s.draft_ids.tolist())  # evaluated with the verify
-        k = 0
-        while k < len(drafts) and drafts[k] == chosen[k]:
-            k += 1
-        s.segment_state.keep(seg.start + k + 1)
-        s.stats.count_round(len(drafts), k)
-        if s.acceptance is not None:
-            self.budget.record(s.acceptance, len(drafts), k, self.ranks(s, [seg.tokens[0], *drafts[:k]], chosen[: k + 1]))
-        s.drafts, s.draft_ids, s.lattice = (), None, None
-        s.pending = chosen[k]
-        self.emit(s, chosen[: k + 1], from_round=True)
-        return out.taps[: k + 1] if out.taps is not None else None
 
     def after_tree(self, s: Stream, seg: Segment, out) -> mx.array | None:
         """The accept walk (tree.py): commit the path of nodes carrying the target's keyed choices (each
@@ -344,19 +449,20 @@ class Lanes:
         s.segment_state.keep_path(seg.start, path)
         s.stats.count_round(tree.nodes, len(path) - 1, tree.depth)
         if s.acceptance is not None:
-            ranks = self.ranks(s, [tree.tokens[r] for r in path], [chosen[r] for r in path])
+            ranks = self.ranks(s.lattice, [tree.tokens[r] for r in path], [chosen[r] for r in path])
             self.budget.record(s.acceptance, tree.depth, len(path) - 1, ranks)
+        s.known = seg.start + len(path)
         s.tree, s.lattice = None, None
         s.pending = chosen[path[-1]]
         self.emit(s, [chosen[r] for r in path], from_round=True)
         return out.taps[mx.array(path, dtype=mx.int32)] if out.taps is not None else None
 
-    def ranks(self, s: Stream, path_tokens: list[int], choices: list[int]) -> list[int]:
-        """The ranks of the target's choices along the kept path among the candidates `s`'s drafts came
-        from (`tree.choice_ranks`), where the budget counts them; else none."""
-        if s.lattice is None or not self.budget.counts_ranks:
+    def ranks(self, lattice: Lattice | None, path_tokens: list[int], choices: list[int]) -> list[int]:
+        """The ranks of the target's choices along the kept path among the candidates a stream's drafts
+        came from (`lattice`, `tree.choice_ranks`), where the budget counts them; else none."""
+        if lattice is None or not self.budget.counts_ranks:
             return []
-        return choice_ranks(s.lattice, path_tokens, choices)
+        return choice_ranks(lattice, path_tokens, choices)
 
     # -- output ------------------------------------------------------------------------------
     def emit(self, s: Stream, tokens: list[int], from_round: bool) -> None:
@@ -387,6 +493,9 @@ class Lanes:
             self.prompt_cache.insert(s.boundary)
         s.boundary = None
         self.streams.remove(s)
+        if self.ahead is not None:  # its queued round goes with it (and the round if it was the last)
+            self.ahead.pop(id(s), None)
+            self.ahead = self.ahead or None
         s.handle.events.put(Event([], finish=reason, stats=s.stats, error=error))
 
     def fail_all(self, error: str) -> None:

@@ -21,7 +21,8 @@ target, on the device and dtype that will serve:
   the layers run on this device (qwen3_5.py's `decode_recurrence`: the CUDA kernel on a CUDA GPU,
   mlx-lm's `gated_delta_ops` elsewhere; no other path is tried);
 - the model itself with those choices: a window of 16 tokens equals 16 single steps (logits and
-  the state after keeping all of it, or part of it), and a window packed beside another stream's
+  the state after keeping all of it, or part of it; and the window after keeping part of it as a
+  device value, placed at that length: cache.py's keep_at), and a window packed beside another stream's
   step equals each alone; on a dense target, every node of a 15-node draft tree equals its path's
   single steps, and keeping a path leaves their state (tree_attention.py).
 
@@ -341,7 +342,8 @@ def model_faults(target: Target, seed: int = 0) -> list[str]:
         return state
 
     def logits(state: TargetState, feed: list[int]) -> mx.array:
-        out = target.forward([Segment(feed, state.length, state, list(range(len(feed))))])[0].logits
+        """`feed`'s logits from the state's length (its device value, where it is one: cache.py's keep_at)."""
+        out = target.forward([Segment(feed, state.length, state, list(range(len(feed))), at=state.at)])[0].logits
         mx.eval(out)
         return out
 
@@ -368,7 +370,8 @@ def model_faults(target: Target, seed: int = 0) -> list[str]:
 def window_faults(base: TargetState, window_tokens: list[int],
                   logits: Callable[[TargetState, list[int]], mx.array]) -> tuple[list[str], mx.array]:
     """A window from `base` against its rows fed one at a time: the logits, the state after keeping
-    all of it and after keeping half. Also returns the window's logits."""
+    all of it and after keeping half, and the rows after the half from a length kept on the device.
+    Also returns the window's logits."""
     faults = []
     stepped, half_stepped = base.snapshot(PROMPT), None
     steps = []
@@ -390,6 +393,13 @@ def window_faults(base: TargetState, window_tokens: list[int],
     half.keep(PROMPT + WINDOW // 2)
     if not _same_state(half, half_stepped):
         faults.append(f"the state after keeping {WINDOW // 2} of a window's rows differs from single steps")
+    del half
+    # a drafted round queued ahead (lanes.py): the kept length a device value, the next window placed at it
+    placed = base.snapshot(PROMPT)
+    logits(placed, window_tokens)
+    placed.keep_at(mx.array(PROMPT + WINDOW // 2, dtype=mx.int32), PROMPT + WINDOW, PROMPT + 1)
+    if bad := _differing(logits(placed, window_tokens[WINDOW // 2 :]), mx.concatenate(steps[WINDOW // 2 :])):
+        faults.append(f"a window at a kept length on the device: logits rows {bad[:4]} differ from single steps")
     return faults, window
 
 

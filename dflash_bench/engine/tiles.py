@@ -280,7 +280,7 @@ def linear(x: mx.array, weight: Weight | mx.array, layout: Layout | None = None)
 
 
 def key_mask(
-    q_pos: mx.array, k_start: int, k_rows: int, k_len: int, causal: bool = True, window: int | None = None
+    q_pos: mx.array, k_start: int, k_rows: int, k_len: int | mx.array, causal: bool = True, window: int | None = None
 ) -> mx.array:
     """Which keys each query sees, shaped (query tiles, key tiles, QUERY_TILE, KEY_TILE).
 
@@ -355,9 +355,12 @@ def merge(weighted: mx.array, total: mx.array) -> mx.array:
     return mx.sum(weighted, axis=3) / mx.maximum(total, 1e-30)
 
 
-def query_positions(start: int, n: int) -> mx.array:
-    """Absolute positions of n query rows from `start`, padded to whole query tiles (pads repeat start)."""
+def query_positions(start: int | mx.array, n: int) -> mx.array:
+    """Absolute positions of n query rows from `start` (a device value where the host does not know it yet:
+    cache.py's keep_at), padded to whole query tiles (pads repeat start)."""
     pad = (-n) % QUERY_TILE
+    if isinstance(start, mx.array):
+        return mx.concatenate([mx.arange(n, dtype=mx.int32), mx.zeros((pad,), dtype=mx.int32)]) + start
     return mx.concatenate([mx.arange(start, start + n, dtype=mx.int32), mx.full((pad,), start, dtype=mx.int32)])
 
 

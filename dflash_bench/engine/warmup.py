@@ -7,14 +7,16 @@ compiled at first use: docs/gpu-round-profile.md). Left to the first requests, t
 client after /health has said ready. So the engine runs, after its self-check and before it serves:
 
 - decode rounds of 1..parallel segments, each of 1 row and of every attention row bucket up to the
-  drafter's block (`window_rows`), every segment then rolled back to its first row as a round that
-  kept no draft does;
+  drafter's block (`window_rows`), every segment then kept to its first row as a device value, as a
+  drafted round that kept no draft does (lanes.py's `verify`, cache.py's `keep_at`), and the next
+  round's windows placed at it;
 - rounds of 0..parallel-1 such windows beside one prompt chunk of 1, 16 and `chunk` rows (a prompt's
   last chunk has any length: these are meant to reach MLX's matrix-vector, small- and large-tile
   matmuls; the row counts MLX switches at are its own and not checked here), and a prompt's second
   chunk (its attention sees more keys than it has rows);
 - the sampler, greedy and sampled, on every round's logits;
-- with a drafter, a drafter pass for 1..parallel streams after each round of full windows.
+- with a drafter, a drafter pass for 1..parallel streams after each round of full windows (every row
+  absorbed, one kept on the device, the anchor a device value, as lanes.py runs it).
 
 Every state is a scratch one, dropped at the end, so no stream's output and no prompt-cache entry can
 depend on it (tests/test_warmup.py). On a CPU nothing compiles at first use, so `every=False` keeps the
@@ -31,6 +33,7 @@ import mlx.core as mx
 
 from dflash_bench.engine.cache import TargetState
 from dflash_bench.engine.drafters.dflash import DFlashDrafter, Proposal
+from dflash_bench.engine.lanes import accepted
 from dflash_bench.engine.sampling import SamplingParams, choose
 from dflash_bench.engine.targets.base import Segment, SegmentOut, Target
 
@@ -99,8 +102,8 @@ def warm(target: Target, drafter: DFlashDrafter | None, parallel: int, chunk: in
 
 
 def run(target: Target, drafter: DFlashDrafter | None, parallel: int, plan: list[Shape]) -> int:
-    """The plan's forwards on `parallel` scratch streams (each window rolled back to its first row, as a
-    round that kept no draft does); returns the drafter passes run."""
+    """The plan's forwards on `parallel` scratch streams (each window kept to its first row on the device,
+    as a drafted round that kept no draft does); returns the drafter passes run."""
     taps = drafter.taps if drafter is not None else ()
     states = [target.new_state() for _ in range(parallel)]
     passes = 0
@@ -111,7 +114,8 @@ def run(target: Target, drafter: DFlashDrafter | None, parallel: int, plan: list
         outs = target.forward(segments, taps)
         sample(segments, outs)
         for seg in segments[: len(shape.windows)]:
-            seg.state.keep(seg.start + 1)
+            first = seg.start if seg.at is None else seg.at
+            seg.state.keep_at(mx.array(1, dtype=mx.int32) + first, seg.start + len(seg.tokens), seg.start + 1)
         if drafter is not None and shape.draft:
             propose(drafter, outs[: len(shape.windows)])
             passes += 1
@@ -129,22 +133,30 @@ def prompt_chunk(target: Target, rows: int, after: int, want_taps: bool) -> Segm
 
 
 def window(state: TargetState, rows: int, want_taps: bool) -> Segment:
-    """A decode window of `rows` rows at the state's end, every row's logits wanted (as lanes.py asks)."""
-    return Segment([0] * rows, state.length, state, list(range(rows)), want_taps)
+    """A decode window of `rows` rows at the state's end (its device value, where it is one), every row's
+    logits wanted (as lanes.py asks)."""
+    return Segment([0] * rows, state.length, state, list(range(rows)), want_taps, at=state.at)
 
 
 def sample(segments: list[Segment], outs: list[SegmentOut]) -> None:
-    """Each segment's logits through the sampler, greedy and sampled, evaluated with the forward."""
+    """Each segment's logits through the sampler, greedy and sampled, and the accepted count of drafts
+    from the picks (lanes.py's verify), evaluated with the forward."""
     picks = []
     for seg, out in zip(segments, outs):
         if out.logits is not None:
-            positions = mx.arange(seg.start + 1, seg.start + 1 + out.logits.shape[0], dtype=mx.int32)
-            picks += [choose(out.logits, positions, params) for params in SAMPLERS]
+            positions = mx.arange(1, 1 + out.logits.shape[0], dtype=mx.int32) + (seg.start if seg.at is None else seg.at)
+            for params in SAMPLERS:
+                chosen = choose(out.logits, positions, params).astype(mx.int32)
+                picks += [chosen, accepted(chosen[1:], chosen)]
     mx.eval(picks)
 
 
 def propose(drafter: DFlashDrafter, outs: list[SegmentOut]) -> None:
-    """A round's drafter pass for these streams: absorb each window's first row, then draft a block."""
+    """A round's drafter pass for these streams: absorb each window's rows and keep the first on the device,
+    then draft a block from a device anchor."""
     dstates = [drafter.new_state() for _ in outs]
-    drafter.absorb([(d, out.taps[:1]) for d, out in zip(dstates, outs)])
-    drafter.propose([Proposal(d, 0, drafter.block - 1, SAMPLERS[0]) for d in dstates])  # its drafts are read: evaluated
+    drafter.absorb([(d, out.taps) for d, out in zip(dstates, outs)])
+    for d, out in zip(dstates, outs):
+        d.keep_at(mx.array(1, dtype=mx.int32), out.taps.shape[0], 1)
+    anchor = mx.array(0, dtype=mx.int32)
+    drafter.propose([Proposal(d, anchor, drafter.block - 1, SAMPLERS[0]) for d in dstates])  # its drafts are read: evaluated

@@ -49,6 +49,21 @@ class DrafterState:
     def length(self) -> int:
         return self.layers[0].length
 
+    @property
+    def start(self) -> int | mx.array:
+        """Where the next rows go: the length, or its device value while the host has not read it (cache.py)."""
+        first = self.layers[0]
+        return first.length if first.at is None else first.at
+
+    def keep_at(self, kept: mx.array, bound: int, low: int) -> None:
+        """Keep `kept` positions, a device value (the target state's, cache.py's keep_at)."""
+        for layer in self.layers:
+            layer.keep_at(kept, bound, low)
+
+    def settle(self, length: int) -> None:
+        for layer in self.layers:
+            layer.settle(length)
+
     def snapshot(self, length: int) -> "DrafterState":
         return DrafterState([layer.snapshot(length) for layer in self.layers])
 
@@ -66,7 +81,7 @@ class Proposal:
     `count`, or (`propose_trees`) a tree of `nodes` nodes at most `count` deep."""
 
     state: DrafterState
-    last: int
+    last: int | mx.array  # an int32 scalar while the host has not read the stream's last token (lanes.py)
     count: int
     params: SamplingParams
     nodes: int = 0
@@ -183,11 +198,12 @@ class DFlashDrafter:
     def new_state(self) -> DrafterState:
         return DrafterState([AttentionCache(self.kv_heads, self.head_dim, self.dtype) for _ in self.layers])
 
-    def rope(self, x: mx.array, offset: int) -> mx.array:
+    def rope(self, x: mx.array, offset: int | mx.array) -> mx.array:
         return mx.fast.rope(x[None], self.head_dim, traditional=False, base=self.config.rope_theta, scale=1.0, offset=offset)[0]
 
     def absorb(self, items: list[tuple[DrafterState, mx.array]]) -> None:
-        """Fuse each stream's new tap rows and append their K/V at the stream's next positions."""
+        """Fuse each stream's new tap rows and append their K/V at the stream's next positions (a device
+        value while the host has not read it: lanes.py then keeps the accepted ones with `keep_at`)."""
         if not items:
             return
         spans, rows = [], 0
@@ -195,13 +211,13 @@ class DFlashDrafter:
             spans.append((rows, rows + taps.shape[0]))
             rows += taps.shape[0]
         fused = mx.fast.rms_norm(linear(pad_rows(mx.concatenate([t for _, t in items])), self.fc), self.hidden_norm, self.eps)
-        starts = [state.length for state, _ in items]  # read once: writing layer 0 advances state.length
+        starts = [(state.length, state.start) for state, _ in items]  # read once: writing layer 0 advances them
         for li, layer in enumerate(self.layers):
             k, v = linear(fused, layer["k"]), linear(fused, layer["v"])
-            for (state, _), (a, b), start in zip(items, spans, starts):
+            for (state, _), (a, b), (start, at) in zip(items, spans, starts):
                 n = b - a
                 ks = mx.fast.rms_norm(k[a:b].reshape(n, self.kv_heads, self.head_dim), layer["k_norm"], self.eps)
-                ks = self.rope(ks.transpose(1, 0, 2), start)
+                ks = self.rope(ks.transpose(1, 0, 2), at)
                 vs = v[a:b].reshape(n, self.kv_heads, self.head_dim).transpose(1, 0, 2)
                 state.layers[li].write(start, ks, vs)
 
@@ -250,7 +266,7 @@ class DFlashDrafter:
         blocks = [[p.last] + [mask] * (self.block_rows(p.count) - 1) for p in items]
         ends = list(accumulate(len(b) for b in blocks))
         spans = list(zip([0, *ends[:-1]], ends))
-        h = pad_rows(self.target.embed_rows([t for b in blocks for t in b]))
+        h = pad_rows(self.target.embed_rows(block_ids(blocks)))
         for li, layer in enumerate(self.layers):
             h = self.layer(li, layer, h, items, spans)
         rows = [a + r for (a, _), p in zip(spans, items) for r in range(1, 1 + p.count)]
@@ -293,20 +309,24 @@ class DFlashDrafter:
 
     def attend(self, layer: dict, li: int, state: DrafterState, q: mx.array, k: mx.array, v: mx.array) -> mx.array:
         """One stream's block queries over its context plus the block, in the layer's window."""
-        n, start = q.shape[0], state.length
+        cache = state.layers[li]
+        n, start, at, low = q.shape[0], cache.length, cache.at, cache.low
+        here = start if at is None else at  # the block's first position (a device value while unread)
         qs = mx.fast.rms_norm(q.reshape(n, self.heads, self.head_dim), layer["q_norm"], self.eps)
         ks = mx.fast.rms_norm(k.reshape(n, self.kv_heads, self.head_dim), layer["k_norm"], self.eps)
-        qs = self.rope(qs.transpose(1, 0, 2), start)
-        ks = self.rope(ks.transpose(1, 0, 2), start)
+        qs = self.rope(qs.transpose(1, 0, 2), here)
+        ks = self.rope(ks.transpose(1, 0, 2), here)
         vs = v.reshape(n, self.kv_heads, self.head_dim).transpose(1, 0, 2)
-        cache = state.layers[li]
         cache.write(start, ks, vs)  # the block sits after the context only for this pass
         keys, values = cache.view(start + n)
-        cache.keep(start)
+        if at is None:
+            cache.keep(start)
+        else:
+            cache.keep_at(at, start, low)
         first = 0
-        if layer["window"] is not None:
-            first = max(0, start + n - layer["window"]) // KEY_TILE * KEY_TILE
-        seen = key_mask(query_positions(start, n), first, keys.shape[1] - first, start + n, layer["causal"], layer["window"])
+        if layer["window"] is not None:  # from the host's lower bound of the length: the mask drops the rest
+            first = max(0, low + n - layer["window"]) // KEY_TILE * KEY_TILE
+        seen = key_mask(query_positions(here, n), first, keys.shape[1] - first, here + n, layer["causal"], layer["window"])
         o = attention(pad_queries(qs), keys[:, first:], values[:, first:], seen, scale=self.scale)[:, :n]
         return o.transpose(1, 0, 2).reshape(n, self.heads * self.head_dim)
 
@@ -319,7 +339,21 @@ def firsts(items: list[Proposal]) -> list[int]:
 
 def draft_positions(p: Proposal) -> mx.array:
     """The absolute positions a stream's drafts would take (its sampling keys)."""
-    return mx.arange(p.state.length + 1, p.state.length + 1 + p.count, dtype=mx.int32)
+    return mx.arange(1, 1 + p.count, dtype=mx.int32) + p.state.start
+
+
+def block_ids(blocks: list[list[int | mx.array]]) -> list[int] | mx.array:
+    """The blocks' token ids one after another: a list, or an int32 array where a block's anchor (its
+    first id) is a device value the host has not read (lanes.py)."""
+    if not any(isinstance(b[0], mx.array) for b in blocks):
+        return [t for b in blocks for t in b]
+    parts = []
+    for anchor, *rest in blocks:
+        parts.append(anchor.astype(mx.int32).reshape(1) if isinstance(anchor, mx.array)
+                     else mx.array([anchor], dtype=mx.int32))
+        if rest:
+            parts.append(mx.array(rest, dtype=mx.int32))
+    return mx.concatenate(parts)
 
 
 def load_drafter(path: str | Path, target: Target, bits: int = 0, dtype: mx.Dtype = mx.float32) -> DFlashDrafter:

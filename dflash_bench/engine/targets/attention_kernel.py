@@ -366,22 +366,49 @@ def check_segments(segments: list[Rows]) -> tuple[int, int, int, mx.Dtype]:
     return hq, hkv, d, dtype
 
 
-def decode_attention(segments: list[Rows], scale: float) -> mx.array:
+def device_meta(head: tuple[int, ...], lengths: list[int], starts: list[int], ats: list[mx.array | None],
+                seg_meta: list[int]) -> mx.array:
+    """The launch's layout where some segments start at a device value (cache.py's keep_at): the same
+    int32 values `_meta` holds, the rows' positions and those starts computed on the device."""
+    positions = mx.concatenate([mx.arange(n, dtype=mx.int32) + (start if at is None else at)
+                                for n, start, at in zip(lengths, starts, ats)])
+    table = mx.array(seg_meta, dtype=mx.int32).reshape(-1, 4)
+    firsts = mx.stack([mx.array(start, dtype=mx.int32) if at is None else at.astype(mx.int32)
+                       for start, at in zip(starts, ats)])
+    table = mx.concatenate([table[:, :1], firsts[:, None], table[:, 2:]], axis=1).reshape(-1)
+    return mx.concatenate([mx.array(head, dtype=mx.int32), positions, table])
+
+
+def launch_meta(segments: list[Rows], ats: list[mx.array | None] | None = None) -> mx.array:
+    """The launch's int32 layout (pmax, rows, each row's position, then (row0, start, n, capacity) a
+    segment), the same for every attention layer of a forward. Where `ats` gives a segment a device start,
+    its `start` is that start's upper bound and the layout is computed on the device (`device_meta`)."""
+    lengths = [q.shape[0] for q, _, _, _ in segments]
+    offsets = (0, *accumulate(lengths))
+    pmax = max(-(-(start + n) // PARTITION) for (_, _, _, start), n in zip(segments, lengths))
+    starts = [start for _, _, _, start in segments]
+    seg_meta = [x for (_, k, _, start), n, row0 in zip(segments, lengths, offsets) for x in (row0, start, n, k.shape[1])]
+    if ats is not None and any(at is not None for at in ats):
+        return device_meta((pmax, offsets[-1]), lengths, starts, ats, seg_meta)
+    positions = [start + r for start, n in zip(starts, lengths) for r in range(n)]
+    return _meta((pmax, offsets[-1], *positions, *seg_meta))
+
+
+def decode_attention(segments: list[Rows], scale: float, meta: mx.array | None = None) -> mx.array:
     """Every segment's causal attention over its own cache, in two launches: (sum n_i, Hq, D) in q's dtype,
     the segments' rows in order.
 
     A segment is (q, k, v, start): q (n, Hq, D) after RoPE and norms; k and v the stream's whole cache
     arrays (Hkv, capacity, D), row j at position j (not slices: a slice along the positions is not row-
     contiguous, so MLX would copy it); row r sits at position start + r and sees keys [0, start + r].
-    Query head h reads kv head h // (Hq / Hkv)."""
+    Query head h reads kv head h // (Hq / Hkv). `meta` is `launch_meta`'s (made here if not given): where
+    it places a segment at a device start, `start` is that start's upper bound and sizes the launch (a
+    block past a row's keys returns at once), so the rows' bits are those of the rows launched at a host start."""
     hq, hkv, d, dtype = check_segments(segments)
     lengths = [q.shape[0] for q, _, _, _ in segments]
-    offsets = (0, *accumulate(lengths))
-    rows = offsets[-1]
+    rows = sum(lengths)
     pmax = max(-(-(start + n) // PARTITION) for (_, _, _, start), n in zip(segments, lengths))
-    positions = [start + r for (_, _, _, start), n in zip(segments, lengths) for r in range(n)]
-    seg_meta = [x for (_, k, _, start), n, row0 in zip(segments, lengths, offsets) for x in (row0, start, n, k.shape[1])]
-    meta = _meta((pmax, rows, *positions, *seg_meta))
+    meta = launch_meta(segments) if meta is None else meta
     group = hq // hkv
     geo = geometry(group, max(lengths))
     nt = 32 * geo.nw

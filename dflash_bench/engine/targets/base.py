@@ -42,16 +42,19 @@ class Segment:
     prefill: bool = False  # every row is a prompt row of a chunk that starts at a chunk boundary
     tree: Tree | None = None  # the rows are a draft tree's (tree.py): row r at position start + its depth
     ids: mx.array | None = None  # the tokens as an array not yet read back (a lookahead round, lanes.py)
+    at: mx.array | None = None  # the start as a device value, `start` its upper bound (cache.py's keep_at)
     _masks: dict[int, mx.array] = field(default_factory=dict, repr=False)
     _tree_view: TreeView | None = field(default=None, repr=False)
     _positions: mx.array | None = field(default=None, repr=False)
     _packed: tuple[tuple[int, ...], mx.array] | None = field(default=None, repr=False)  # packed_positions'
+    _launch: tuple[tuple, mx.array] | None = field(default=None, repr=False)  # dense.py's kernel_meta
 
     def key_mask(self, k_rows: int) -> mx.array:
         """The causal mask of this segment's rows over `k_rows` keys from position 0, built once."""
         if k_rows not in self._masks:
             n = len(self.tokens)
-            self._masks[k_rows] = key_mask(query_positions(self.start, n), 0, k_rows, self.start + n)
+            start = self.start if self.at is None else self.at
+            self._masks[k_rows] = key_mask(query_positions(start, n), 0, k_rows, start + n)
         return self._masks[k_rows]
 
     def positions(self) -> mx.array:
@@ -59,6 +62,8 @@ class Segment:
         if self._positions is None:
             if self.tree is not None:
                 self._positions = mx.array(self.tree.depths, dtype=mx.int32) + self.start
+            elif self.at is not None:
+                self._positions = mx.arange(len(self.tokens), dtype=mx.int32) + self.at
             else:
                 self._positions = mx.arange(self.start, self.start + len(self.tokens), dtype=mx.int32)
         return self._positions

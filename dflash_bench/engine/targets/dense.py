@@ -32,6 +32,17 @@ def kernel_runs_here(heads: tuple[int, int, int], device: mx.Device, cuda: bool)
     return device.type == mx.DeviceType.gpu and cuda and attention_kernel.fits(*heads)
 
 
+def kernel_meta(decoding: list[tuple[Segment, tuple[int, int]]], launch: list[attention_kernel.Rows]) -> mx.array:
+    """attention_kernel.py's launch layout for a forward's decode segments, built once for every attention
+    layer (the first segment keeps it, as `packed_positions`: a Segment lives for one forward; every
+    layer's cache has the same capacity)."""
+    first = decoding[0][0]
+    key = tuple((id(seg), c.shape[1]) for (seg, _), (_, c, _, _) in zip(decoding, launch))
+    if first._launch is None or first._launch[0] != key:
+        first._launch = (key, attention_kernel.launch_meta(launch, [seg.at for seg, _ in decoding]))
+    return first._launch[1]
+
+
 class SelfAttention:
     """Rotary multi-head attention with grouped K/V heads, one stream's cache per segment.
 
@@ -116,7 +127,7 @@ class SelfAttention:
         if self.path == "kernel":
             assert all(seg.tree is None for seg, _ in decoding), "trees never reach the kernel: DenseTarget.tree_refusal"
             launch = [(q[:, lo:hi].transpose(1, 0, 2), c.k, c.v, seg.start) for (seg, (lo, hi)), c in zip(decoding, caches)]
-            o = attention_kernel.decode_attention(launch, self.scale).reshape(rows, -1)
+            o = attention_kernel.decode_attention(launch, self.scale, kernel_meta(decoding, launch)).reshape(rows, -1)
         else:
             outs = []
             for (seg, (lo, hi)), c in zip(decoding, caches):

@@ -165,7 +165,7 @@ class GatedDeltaNet:
                                   (q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi])) if n > 1 else None
             # a view: it pins this round's few decode input rows, where a copy is a launch per stream and layer
             c.conv, c.state = inputs[st + n : st + n + span], state
-            c.window_start, c.length = seg.start, seg.start + n
+            c.window_start, c.window_at, c.length = seg.start, seg.at, seg.start + n
         return self.gated_norm(y, z[:rows].reshape(rows, self.hv, self.dv)).reshape(rows, -1)
 
     def recur(self, q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, states: list[mx.array],
@@ -207,11 +207,25 @@ class GatedDeltaNet:
         """
         span = self.kernel - 1
 
-        def redo(m: int) -> tuple[mx.array, mx.array]:
+        def redo(m: int | mx.array) -> tuple[mx.array, mx.array]:
+            if isinstance(m, mx.array):
+                return masked(m)
             if m == 0:
                 return prev_conv, prev_state
             [(_, state)] = RECURRENCES[self.recurrence]([(*(r[:m] for r in rows), prev_state)])
             return inputs[m : m + span], state
+
+        def masked(m: mx.array) -> tuple[mx.array, mx.array]:
+            """m a device value (cache.py's keep_at): the recurrence over every row of the window, rows m and
+            after with g = 1 and beta = 0, which leave a state as it is (s * 1 is s, the delta (v - kv) * 0
+            adds zeros; delta_kernel.py's step and `gated_delta_ops` have that form): the state after m
+            rows, in one call whatever m is. The conv tail is the `kernel - 1` inputs ending at row m."""
+            q, k, v, g, beta = rows
+            live = (mx.arange(q.shape[0], dtype=mx.int32) < m)[:, None]
+            g, beta = mx.where(live, g, mx.array(1, dtype=g.dtype)), mx.where(live, beta, mx.array(0, dtype=beta.dtype))
+            [(_, state)] = RECURRENCES[self.recurrence]([(q, k, v, g, beta, prev_state)])
+            conv = mx.slice(inputs, mx.reshape(m, (1,)).astype(mx.int32), (0,), (span, inputs.shape[1]))
+            return conv, state
 
         return redo
 
