@@ -184,7 +184,7 @@ class TargetState:
             layer.keep_path(start, rows)
 
     def snapshot(self, length: int) -> "TargetState":
-        return TargetState([layer.snapshot(length) for layer in self.layers])
+        return type(self)([layer.snapshot(length) for layer in self.layers])
 
     def arrays(self) -> list[mx.array]:
         out: list[mx.array] = []

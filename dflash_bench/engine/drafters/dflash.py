@@ -25,7 +25,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from dflash_bench.engine.cache import AttentionCache
+from dflash_bench.engine.cache import AttentionCache, TargetState
 from dflash_bench.engine.checkpoint import all_finite, files_sha256
 from dflash_bench.engine.draft_config import DraftConfig, read_draft_config
 from dflash_bench.engine.errors import CheckpointError
@@ -39,40 +39,16 @@ from dflash_bench.engine.validate import check_drafter
 TREE_WIDTH = 4  # candidates a tree considers at each depth (tree.py); best-first picks among them
 
 
-class DrafterState:
-    """One stream's drafter context: a K/V cache per drafter layer over the fused rows so far."""
+class DrafterState(TargetState):
+    """One stream's drafter context: a K/V cache per drafter layer over the fused rows so far. Its
+    lengths keep, settle and snapshot as a target state's attention layers do (cache.py)."""
 
-    def __init__(self, layers: list[AttentionCache]):
-        self.layers = layers
-
-    @property
-    def length(self) -> int:
-        return self.layers[0].length
+    layers: list[AttentionCache]
 
     @property
     def start(self) -> int | mx.array:
         """Where the next rows go: the length, or its device value while the host has not read it (cache.py)."""
-        first = self.layers[0]
-        return first.length if first.at is None else first.at
-
-    def keep_at(self, kept: mx.array, bound: int, low: int) -> None:
-        """Keep `kept` positions, a device value (the target state's, cache.py's keep_at)."""
-        for layer in self.layers:
-            layer.keep_at(kept, bound, low)
-
-    def settle(self, length: int) -> None:
-        for layer in self.layers:
-            layer.settle(length)
-
-    def snapshot(self, length: int) -> "DrafterState":
-        return DrafterState([layer.snapshot(length) for layer in self.layers])
-
-    def arrays(self) -> list[mx.array]:
-        return [a for layer in self.layers for a in (layer.k, layer.v)]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(layer.nbytes for layer in self.layers)
+        return self.length if self.at is None else self.at
 
 
 @dataclass
