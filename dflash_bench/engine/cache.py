@@ -124,7 +124,7 @@ class LinearCache:
 
     def keep_at(self, kept: mx.array, bound: int, low: int) -> None:
         """Keep the window's first `kept - start` rows, a device value: one recurrence over all of its rows
-        whatever the count (qwen3_5.py's `redo_fn`). `bound` is this window's end, so keeping it all costs nothing."""
+        whatever the count, a whole window's too, since the host does not know it (qwen3_5.py's `redo_fn`)."""
         if self.redo is not None:
             start = self.window_start if self.window_at is None else self.window_at
             self.conv, self.state = self.redo(kept - start)
