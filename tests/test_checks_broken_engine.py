@@ -74,7 +74,7 @@ def keep_one_row_too_many(monkeypatch) -> None:
 
     def broken(self, s, seg, out):
         state, keep_at = s.segment_state, s.segment_state.keep_at
-        end = (seg.start if seg.at is None else seg.at) + len(seg.tokens)
+        end = seg.origin + len(seg.tokens)
 
         def off_by_one(kept: mx.array, bound: int, low: int) -> None:
             keep_at(mx.where(kept < end, kept + 1, kept), bound, low)

@@ -314,12 +314,11 @@ class Lanes:
         drafter absorbs every row and keeps as many, the next pass starts from the choice after them
         (`anchor`), and `read` reads them later. Returns the window's taps, every row."""
         n = len(seg.tokens)
-        first = seg.start if seg.at is None else seg.at
-        chosen = choose(out.logits, mx.arange(1, n + 1, dtype=mx.int32) + first, s.params).astype(mx.int32)
+        chosen = choose(out.logits, seg.positions() + 1, s.params).astype(mx.int32)
         drafts = s.draft_ids if s.draft_ids is not None else mx.array(s.drafts, dtype=mx.int32)
         k = accepted(drafts, chosen)
         s.anchor = chosen[k]
-        keep = (first + k + 1, s.known + n, s.known + 1)
+        keep = (seg.origin + k + 1, s.known + n, s.known + 1)
         s.verdict = Verdict(mx.concatenate([k.reshape(1), chosen]), keep,
                             list(seg.tokens) if seg.ids is None else [], s.lattice)
         s.segment_state.keep_at(*keep)

@@ -114,8 +114,7 @@ def run(target: Target, drafter: DFlashDrafter | None, parallel: int, plan: list
         outs = target.forward(segments, taps)
         sample(segments, outs)
         for seg in segments[: len(shape.windows)]:
-            first = seg.start if seg.at is None else seg.at
-            seg.state.keep_at(mx.array(1, dtype=mx.int32) + first, seg.start + len(seg.tokens), seg.start + 1)
+            seg.state.keep_at(mx.array(1, dtype=mx.int32) + seg.origin, seg.start + len(seg.tokens), seg.start + 1)
         if drafter is not None and shape.draft:
             propose(drafter, outs[: len(shape.windows)])
             passes += 1
@@ -144,7 +143,7 @@ def sample(segments: list[Segment], outs: list[SegmentOut]) -> None:
     picks = []
     for seg, out in zip(segments, outs):
         if out.logits is not None:
-            positions = mx.arange(1, 1 + out.logits.shape[0], dtype=mx.int32) + (seg.start if seg.at is None else seg.at)
+            positions = mx.arange(1, 1 + out.logits.shape[0], dtype=mx.int32) + seg.origin
             for params in SAMPLERS:
                 chosen = choose(out.logits, positions, params).astype(mx.int32)
                 picks += [chosen, accepted(chosen[1:], chosen)]

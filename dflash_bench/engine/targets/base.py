@@ -49,12 +49,16 @@ class Segment:
     _packed: tuple[tuple[int, ...], mx.array] | None = field(default=None, repr=False)  # packed_positions'
     _launch: tuple[tuple, mx.array] | None = field(default=None, repr=False)  # dense.py's kernel_meta
 
+    @property
+    def origin(self) -> int | mx.array:
+        """The first row's position: `at` where the host knows only its bound, else `start`."""
+        return self.start if self.at is None else self.at
+
     def key_mask(self, k_rows: int) -> mx.array:
         """The causal mask of this segment's rows over `k_rows` keys from position 0, built once."""
         if k_rows not in self._masks:
             n = len(self.tokens)
-            start = self.start if self.at is None else self.at
-            self._masks[k_rows] = key_mask(query_positions(start, n), 0, k_rows, start + n)
+            self._masks[k_rows] = key_mask(query_positions(self.origin, n), 0, k_rows, self.origin + n)
         return self._masks[k_rows]
 
     def positions(self) -> mx.array:
