@@ -15,8 +15,9 @@ engine, one difference at a time; `--layers DRAFTER` instead adds what engine-sp
 plain engine one at a time in one process (mlx-lm's model, a drafting engine on the same target, an
 mlx-lm decode, a drafted decode) and re-times the plain round after each, both as above and as
 engine-speed times it (a request's decode seconds over its rounds, on the code probe). `--drafter`
-serves with a drafter and splits a drafted round beside a plain one in the same process (the
-drafter's absorbing and proposing apart from the verify forward); `--probes` times engine-speed's
+serves with a drafter and splits a drafted round beside a plain one in the same process, on engine-speed's
+probes (the drafter's absorbing and proposing apart from the verify forward, and the read of the verify's
+choices: the wait for the device), with the drafted rounds' time by accepted count; `--probes` times engine-speed's
 code and chat probes' plain rounds by quarter of the decode.
 """
 
@@ -35,14 +36,21 @@ from dflash_bench.engine.cache import TargetState
 from dflash_bench.engine.request import Request
 
 
-def split(engine: Engine, prompt: list[int], streams: int, tokens: int, draft: bool = False) -> dict[str, float]:
+def split(engine: Engine, prompt: list[int], streams: int, tokens: int, draft: bool = False,
+          by_accepted: dict[int, list[float]] | None = None) -> dict[str, float]:
     """Median ms a round of each part, over the rounds after the prompt's. Drafted (`draft`), the
-    build is split into the verify forward's and the drafter's (absorbing taps, the block pass)."""
+    build is split into the verify forward's and the drafter's (absorbing taps, the block pass), and
+    `read` is reading a verify's choices back (lanes.py: after the next round is queued, so it is the
+    wait for the device, less what the host built meanwhile). `by_accepted` collects each drafted
+    round's ms under the accepted count its read found (the first stream's)."""
     build: list[float] = []
     drafting: list[float] = []
     queue: list[float] = []
     kept: list[float] = []
+    reading: list[float] = []
+    accepted: list[int] = []
     forward, async_eval, evaluate, keep = engine.target.forward, mx.async_eval, mx.eval, TargetState.keep
+    read = type(engine.lanes).read
     keep_at = TargetState.keep_at  # a drafted round keeps a device length (lanes.py's verify)
     drafter = engine.lanes.drafter
     absorb, propose = (drafter.absorb, drafter.propose_queued) if drafter is not None else (None, None)
@@ -61,28 +69,63 @@ def split(engine: Engine, prompt: list[int], streams: int, tokens: int, draft: b
     TargetState.keep, TargetState.keep_at = timer(keep, kept), timer(keep_at, kept)
     if drafter is not None:
         drafter.absorb, drafter.propose_queued = timer(absorb, drafting), timer(propose, drafting)
+
+    def counted_read(lanes, windows):
+        before = windows[0].stats.accepted
+        t0, queued = time.perf_counter(), sum(queue)
+        read(lanes, windows)
+        reading.append(time.perf_counter() - t0 - (sum(queue) - queued))
+        accepted.append(windows[0].stats.accepted - before)
+
+    type(engine.lanes).read = counted_read
     try:
         for i in range(streams):
             engine.submit(Request(prompt, max_tokens=tokens, ignore_eos=True, seed=i, draft=draft))
         rounds = []
         while engine.lanes.busy:
-            for part in (build, drafting, queue, kept):
+            for part in (build, drafting, queue, kept, reading, accepted):
                 part.clear()
             t0 = time.perf_counter()
             engine.step()
-            rounds.append((time.perf_counter() - t0, sum(build), sum(drafting), sum(queue), sum(kept)))
+            rounds.append((time.perf_counter() - t0, sum(build), sum(drafting), sum(queue), sum(kept),
+                           sum(reading), accepted[0] if accepted else None))
     finally:
+        type(engine.lanes).read = read
         engine.target.forward, mx.async_eval, mx.eval, TargetState.keep = forward, async_eval, evaluate, keep
         TargetState.keep_at = keep_at
         if drafter is not None:
             drafter.absorb, drafter.propose_queued = absorb, propose
     decode = rounds[2:]  # the prompt's round and the first queued one
-    total, built, drafted, queued, kept_ = (statistics.median(r[i] for r in decode) for i in range(5))
-    out = {"round": total, "build": built, "draft": drafted, "queue": queued, "keep": kept_,
-           "rest": total - built - drafted - queued - kept_}
+    total, built, drafted, queued, kept_, read_ = (statistics.median(r[i] for r in decode) for i in range(6))
+    out = {"round": total, "build": built, "draft": drafted, "queue": queued, "keep": kept_, "read": read_,
+           "rest": total - built - drafted - queued - kept_ - read_}
     if not draft:
-        del out["draft"]
+        del out["draft"], out["read"]
+    for r in decode:
+        if by_accepted is not None and r[6] is not None:
+            by_accepted.setdefault(r[6], []).append(r[0])
     return {k: 1e3 * v for k, v in out.items()}
+
+
+def drafted_rounds(engine: Engine, prompt: list[int], streams: int, tokens: int) -> None:
+    """A plain and a drafted split on each of engine-speed's probes (the numbers prompt where the target
+    has no tokenizer), and the drafted rounds' median ms by how many drafts the round accepted."""
+    from dflash_bench.checks import engine_speed
+    from dflash_bench.checks import prompts as prompt_sets
+
+    prompts = ({name: engine_speed.chat_ids(engine.loaded, p) for name, p in prompt_sets.probes().items()}
+               if engine.loaded is not None and engine.loaded.tokenizer is not None else {"numbers": prompt})
+    for name, ids in prompts.items():
+        by_accepted: dict[int, list[float]] = {}
+        got = {mode: split(engine, ids, streams, tokens, draft=mode == "drafted",
+                           by_accepted=by_accepted if mode == "drafted" else None)
+               for mode in ("plain", "drafted")}
+        ratio = got["drafted"]["round"] / got["plain"]["round"]
+        for mode, parts in got.items():
+            print(f"{name}, {streams} stream(s), {mode}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in parts.items())
+                  + (f" ({ratio:.2f}x the plain round)" if mode == "drafted" else ""), flush=True)
+        print(f"{name}, drafted round ms by drafts accepted: " + ", ".join(
+            f"{k}: {1e3 * statistics.median(v):.2f} ({len(v)})" for k, v in sorted(by_accepted.items())), flush=True)
 
 
 def probes(engine: Engine, tokens: int) -> None:
@@ -172,12 +215,7 @@ def main() -> None:
     if args.probes:
         probes(engine, args.tokens)
     elif args.drafter:
-        got = {mode: split(engine, prompt, args.streams, args.tokens, draft=mode == "drafted")
-               for mode in ("plain", "drafted")}
-        ratio = got["drafted"]["round"] / got["plain"]["round"]
-        for mode, parts in got.items():
-            print(f"{args.streams} stream(s), {mode}: " + ", ".join(f"{k} {v:.2f} ms" for k, v in parts.items())
-                  + (f" ({ratio:.2f}x the plain round)" if mode == "drafted" else ""), flush=True)
+        drafted_rounds(engine, prompt, args.streams, args.tokens)
     else:
         for lookahead in (True, False):
             for collect in (True, False):
