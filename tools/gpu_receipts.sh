@@ -6,9 +6,10 @@
 # model's GGUF (21 MB parts keep a part plus this working tree under a call's 64 MiB). There: every part's stash.sh, `source .dev/partN/install.sh`,
 # then `setsid nohup bash tools/gpu_receipts.sh OUT_DIR > /dev/null 2>&1 < /dev/null &` and poll OUT_DIR/progress
 # from later calls (a line a step: time, step, exit status; "done" last). OUT_DIR must not be the device
-# tool's $OUT (each call empties that folder, the job's logs with it): copy from OUT_DIR to $OUT when polling. Steps run in the order the open
-# bars need them; a step that overruns its limit is stopped and the next one runs. The whole job takes
-# about 30 minutes on a fresh machine (NVRTC compiles every kernel at its first use: minutes).
+# tool's $OUT (each call empties that folder, the job's logs with it): copy from OUT_DIR to $OUT when
+# polling. Steps run in the order the open bars need them; a step that overruns its limit is stopped
+# and the next one runs. The whole job takes about 30 minutes on a fresh machine (NVRTC compiles every
+# kernel at its first use: minutes).
 # Poll back to back: the machine is handed back 30 s after a call ends, and the job dies with it.
 # (Already packed MLX alone? `split -b 21000000` of the GGUF carries it as raw parts instead, one call
 # each; `cat` them to /tmp/site/extra/SmolLM2-135M-Instruct.Q4_1.gguf before starting the job.)

@@ -70,11 +70,11 @@ def split(engine: Engine, prompt: list[int], streams: int, tokens: int, draft: b
     if drafter is not None:
         drafter.absorb, drafter.propose_queued = timer(absorb, drafting), timer(propose, drafting)
 
+    timed_read = timer(read, reading)
+
     def counted_read(lanes, windows):
         before = windows[0].stats.accepted
-        t0, queued = time.perf_counter(), sum(queue)
-        read(lanes, windows)
-        reading.append(time.perf_counter() - t0 - (sum(queue) - queued))
+        timed_read(lanes, windows)
         accepted.append(windows[0].stats.accepted - before)
 
     type(engine.lanes).read = counted_read
@@ -107,14 +107,19 @@ def split(engine: Engine, prompt: list[int], streams: int, tokens: int, draft: b
     return {k: 1e3 * v for k, v in out.items()}
 
 
-def drafted_rounds(engine: Engine, prompt: list[int], streams: int, tokens: int) -> None:
-    """A plain and a drafted split on each of engine-speed's probes (the numbers prompt where the target
-    has no tokenizer), and the drafted rounds' median ms by how many drafts the round accepted."""
+def probe_ids(engine: Engine) -> dict[str, list[int]]:
+    """engine-speed's code and chat probes as the token ids it sends the engine."""
     from dflash_bench.checks import engine_speed
     from dflash_bench.checks import prompts as prompt_sets
 
-    prompts = ({name: engine_speed.chat_ids(engine.loaded, p) for name, p in prompt_sets.probes().items()}
-               if engine.loaded is not None and engine.loaded.tokenizer is not None else {"numbers": prompt})
+    return {name: engine_speed.chat_ids(engine.loaded, prompt) for name, prompt in prompt_sets.probes().items()}
+
+
+def drafted_rounds(engine: Engine, prompt: list[int], streams: int, tokens: int) -> None:
+    """A plain and a drafted split on each of engine-speed's probes (the numbers prompt where the target
+    has no tokenizer), and the drafted rounds' median ms by how many drafts the round accepted."""
+    prompts = (probe_ids(engine) if engine.loaded is not None and engine.loaded.tokenizer is not None
+               else {"numbers": prompt})
     for name, ids in prompts.items():
         by_accepted: dict[int, list[float]] = {}
         got = {mode: split(engine, ids, streams, tokens, draft=mode == "drafted",
@@ -131,11 +136,7 @@ def drafted_rounds(engine: Engine, prompt: list[int], streams: int, tokens: int)
 def probes(engine: Engine, tokens: int) -> None:
     """One plain stream on engine-speed's code and chat probes: the round's median ms by the decode's
     quarter, to see whether a probe's round cost moves with its context."""
-    from dflash_bench.checks import engine_speed
-    from dflash_bench.checks import prompts as prompt_sets
-
-    for name, prompt in prompt_sets.probes().items():
-        ids = engine_speed.chat_ids(engine.loaded, prompt)
+    for name, ids in probe_ids(engine).items():
         engine.submit(Request(ids, max_tokens=tokens, ignore_eos=True, seed=0, draft=False))
         times = []
         while engine.lanes.busy:
@@ -151,10 +152,9 @@ def probes(engine: Engine, tokens: int) -> None:
 def layers(engine: Engine, drafter_path: str, tokens: int) -> None:
     """Re-time one plain stream after each thing engine-speed adds to the process."""
     from dflash_bench.checks import engine_speed, mlx_lm_speed
-    from dflash_bench.checks import prompts as prompt_sets
     from dflash_bench.engine.drafters.dflash import load_drafter
 
-    probe = engine_speed.chat_ids(engine.loaded, prompt_sets.probes()["code"])
+    probe = probe_ids(engine)["code"]
     held: dict[str, object] = {}
 
     def timed(label: str) -> None:
