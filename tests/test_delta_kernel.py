@@ -17,6 +17,7 @@ fixture in gpu mode drafts exactly what it decodes plainly, alone and beside ano
 from __future__ import annotations
 
 import random
+import shutil
 
 import cuda_emulator
 import pytest
@@ -31,7 +32,7 @@ from dflash_bench.engine.cache import LinearCache
 from dflash_bench.engine.engine import Engine, Settings
 from dflash_bench.engine.request import Request
 from dflash_bench.engine.targets import Segment
-from dflash_bench.engine.targets.delta_kernel import delta_windows
+from dflash_bench.engine.targets.delta_kernel import delta_prefix, delta_windows
 from dflash_bench.engine.targets.qwen3_5 import RECURRENCES, GatedDeltaNet, decode_recurrence, per_window_ops
 from dflash_bench.fixtures.big import write_big
 
@@ -182,30 +183,37 @@ def test_the_kernel_source_run_on_a_cpu_stays_in_bounds_and_is_exact_and_right(m
 
 
 @cuda_emulator.needs_gxx
-def test_the_kernel_source_leaves_the_state_as_it_is_on_rows_of_g_1_and_beta_0(monkeypatch) -> None:
-    """What `keep_at` relies on (qwen3_5.py's `redo_fn`): a window whose rows from m on have g = 1 and
-    beta = 0 leaves the state after its first m rows, for every m, through the kernel's source."""
+def test_the_kernel_source_launched_to_a_device_count_leaves_the_state_of_that_many_rows(monkeypatch) -> None:
+    """What `keep_at` relies on (qwen3_5.py's `redo_fn`): a window launched with its end at a device
+    count m (`delta_prefix`) leaves, through the kernel's source, the state after its first m rows
+    launched alone, bit for bit, for every m; at m = 0 the state it started from."""
     cuda_emulator.install_delta(monkeypatch)
     q, k, v, g, beta, state0 = window(HEADS["small"], 6, seed=70)
     for m in range(7):
-        live = (mx.arange(6) < m)[:, None]
-        [(_, masked)] = delta_windows([(q, k, v, mx.where(live, g, 1.0), mx.where(live, beta, 0.0), state0)])
+        got = delta_prefix(q, k, v, g, beta, state0, mx.array(m, dtype=mx.int32))
         want = state0
         if m:
             [(_, want)] = delta_windows([(q[:m], k[:m], v[:m], g[:m], beta[:m], state0)])
-        assert same(masked, want), f"kept {m}"
+        assert same(got, want), f"kept {m}"
 
 
 # -- on a CUDA GPU: the engine with it -----------------------------------------------------------------
-def test_rollback_to_every_acceptance_length_equals_the_kept_rows_one_at_a_time() -> None:
+@pytest.mark.parametrize("source", ["layer", "kernel-source"])
+def test_rollback_to_every_acceptance_length_equals_the_kept_rows_one_at_a_time(monkeypatch, source: str) -> None:
     """The layer's `redo` after a 16-row window (what `keep` calls) gives, for every m, the conv and
-    state of its first m rows fed one at a time through the same layer: the kernel on a CUDA GPU,
-    gated_delta_ops elsewhere (so this one runs everywhere); m a host int, or a device value (the
-    rerun of every row with g = 1 and beta = 0 past m that `keep_at` runs)."""
+    state of its first m rows fed one at a time through the same layer: the layer's own recurrence
+    (the kernel on a CUDA GPU, gated_delta_ops elsewhere), and the kernel's CUDA source run by
+    tests/cuda_emulator.py on any machine with g++; m a host int, or a device value (what `keep_at`
+    runs: the kernel launched to m, or gated_delta_ops over every row with g = 1 and beta = 0 past m)."""
     target, _ = tiny_target("qwen3_5", "smol", layers=2, seed=23)
     m = linear_layers(target)[0]
     assert m.recurrence == ("delta_kernel" if ON_CUDA else "gated_delta_ops")
-    span, n = m.kernel - 1, 16
+    if source == "kernel-source":
+        if shutil.which("g++") is None:
+            pytest.skip("the emulator compiles the kernel source with g++")
+        cuda_emulator.install_delta(monkeypatch)
+        monkeypatch.setattr(m, "recurrence", "delta_kernel")
+    span, n = m.kernel - 1, 16 if source == "layer" else 6  # the emulator runs each launch on one CPU thread
     keys = iter(mx.random.split(mx.random.key(5), 4))
     inputs = mx.random.normal((span + n, m.conv_dim), key=next(keys))
     a, b = mx.random.normal((n, m.hv), key=next(keys)), mx.random.normal((n, m.hv), key=next(keys))

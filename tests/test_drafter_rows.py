@@ -13,6 +13,7 @@ from dflash_bench.engine.drafters.dflash2 import DFlash2Drafter
 from dflash_bench.engine.engine import Engine, Settings
 from dflash_bench.engine.sampling import SamplingParams
 from dflash_bench.engine.targets import Segment
+from dflash_bench.engine.tiles import key_mask
 from dflash_bench.fixtures.small import write_fixture
 
 
@@ -67,3 +68,25 @@ def test_short_proposals_draft_a_full_blocks_first_rows_and_run_only_their_rows(
         whole = [drafter.propose([Proposal(st, 9 + i, full, p)])[0] for i, (st, p) in enumerate(zip(states, params))]
         short = drafter.propose(proposals)
     assert short == [w[:n] for w, n in zip(whole, counts)]
+
+
+def test_a_pass_builds_one_key_mask_per_stream_and_layer_kind(drafter, monkeypatch):
+    """Every layer of a stream holds the same positions, so a pass builds each stream's mask once per
+    kind of layer (window, causality), not once per layer (drafters/dflash.py's `BlockMasks`: a GPU
+    round pays per operation; the DFlash2 fixture's two sliding layers share one), and its drafts are
+    the ones each layer's own mask gives."""
+    from dflash_bench.engine.drafters import dflash
+
+    class PerLayer:
+        def of(self, stream: int) -> dict:
+            return {}
+
+    drafter, states = drafter
+    proposals = [Proposal(st, 9 + i, 5, SamplingParams(0.0)) for i, st in enumerate(states)]
+    built = []
+    monkeypatch.setattr(dflash, "key_mask", lambda *a: built.append(a) or key_mask(*a))
+    shared = drafter.propose(proposals)
+    assert len(built) == len(proposals) * len({(layer["window"], layer["causal"]) for layer in drafter.layers})
+    monkeypatch.setattr(dflash, "BlockMasks", PerLayer)
+    built.clear()
+    assert drafter.propose(proposals) == shared and len(built) == len(proposals) * len(drafter.layers)

@@ -153,3 +153,26 @@ def test_positions_are_built_once_a_forward() -> None:
     assert a.positions() is a.positions() and a.positions().tolist() == [0, 1]
     assert packed_positions([a, b]) is packed_positions([a, b]) and packed_positions([a, b]).tolist() == [0, 1, 0]
     assert packed_positions([b, a]).tolist() == [0, 0, 1]
+
+
+def test_a_rollback_to_a_device_length_launches_the_kernel_to_it_with_no_mask(monkeypatch) -> None:
+    """`keep_at` with the kernel (qwen3_5.py's `redo_fn`) launches it with the window's end at the kept
+    count (delta_kernel.py's `delta_prefix`): no positions, comparisons or selects a layer. The
+    kernel is stood in for by a node on all of its inputs (its rows are tested through its source in
+    tests/test_delta_kernel.py)."""
+
+    def launch(inputs, output_shapes, output_dtypes, **_):
+        return [mx.depends([mx.zeros(shape, dtype=dtype)], inputs)[0] for shape, dtype in zip(output_shapes, output_dtypes)]
+
+    monkeypatch.setattr(delta_kernel, "_kernel", lambda: launch)
+    target = kernel_target("qwen3_5", monkeypatch, each_row_alone)
+    linear = [m for m in target.mixer_layers() if isinstance(m, GatedDeltaNet)]
+    for m in linear:
+        monkeypatch.setattr(m, "recurrence", "delta_kernel")
+    state = target.new_state()
+    mx.eval(target.forward([Segment([3, 1, 4, 1, 5], 0, state, [4], prefill=True)])[0].logits, state.arrays())
+    state.keep(5)
+    mx.eval(target.forward([Segment([9, 2, 6], 5, state, [0, 1, 2])])[0].logits, state.arrays())
+    state.keep_at(mx.array(6, dtype=mx.int32), 8, 6)
+    ops = census([layer.state for layer in state.layers if not hasattr(layer, "k")])
+    assert ops["Depends"] == len(linear) and ops["Select"] == ops["Arange"] == ops["Less"] == 0, ops

@@ -29,6 +29,7 @@ from dflash_bench.engine.cache import AttentionCache, TargetState
 from dflash_bench.engine.checkpoint import all_finite, files_sha256
 from dflash_bench.engine.draft_config import DraftConfig, read_draft_config
 from dflash_bench.engine.errors import CheckpointError
+from dflash_bench.engine.fused import swiglu
 from dflash_bench.engine.quantize import dequantize_packed
 from dflash_bench.engine.sampling import SamplingParams, choose, filtered, gumbel
 from dflash_bench.engine.targets.base import Target, repack
@@ -243,26 +244,29 @@ class DFlashDrafter:
         ends = list(accumulate(len(b) for b in blocks))
         spans = list(zip([0, *ends[:-1]], ends))
         h = pad_rows(self.target.embed_rows(block_ids(blocks)))
+        masks = BlockMasks()
         for li, layer in enumerate(self.layers):
-            h = self.layer(li, layer, h, items, spans)
+            h = self.layer(li, layer, h, items, spans, masks)
         rows = [a + r for (a, _), p in zip(spans, items) for r in range(1, 1 + p.count)]
         x = mx.fast.rms_norm(h[mx.array(rows, dtype=mx.int32)], self.norm, self.eps)
         return x, self.logits(x)
 
-    def layer(self, li: int, layer: dict, h: mx.array, items: list[Proposal], spans: list[tuple[int, int]]) -> mx.array:
+    def layer(self, li: int, layer: dict, h: mx.array, items: list[Proposal], spans: list[tuple[int, int]],
+              masks: BlockMasks) -> mx.array:
         """One decoder layer over every stream's block: attention, then the SwiGLU MLP, each residual."""
-        h = h + self.attention(li, layer, mx.fast.rms_norm(h, layer["pre"], self.eps), items, spans)
+        h = h + self.attention(li, layer, mx.fast.rms_norm(h, layer["pre"], self.eps), items, spans, masks)
         return h + self.mlp(layer, mx.fast.rms_norm(h, layer["post"], self.eps))
 
-    def attention(self, li: int, layer: dict, x: mx.array, items: list[Proposal], spans: list[tuple[int, int]]) -> mx.array:
+    def attention(self, li: int, layer: dict, x: mx.array, items: list[Proposal], spans: list[tuple[int, int]],
+                  masks: BlockMasks) -> mx.array:
         q, k, v = linear(x, layer["q"]), linear(x, layer["k"]), linear(x, layer["v"])
-        outs = [self.attend(layer, li, p.state, q[a:b], k[a:b], v[a:b]) for p, (a, b) in zip(items, spans)]
+        outs = [self.attend(layer, li, p.state, q[a:b], k[a:b], v[a:b], masks.of(i))
+                for i, (p, (a, b)) in enumerate(zip(items, spans))]
         return linear(repack(outs, x.shape[0]), layer["o"])
 
     def mlp(self, layer: dict, x: mx.array) -> mx.array:
         gate, up, down = layer["mlp"]
-        g = linear(x, gate)
-        return linear(mx.sigmoid(g) * g * linear(x, up), down)
+        return linear(swiglu(linear(x, gate), linear(x, up)), down)
 
     def drafts(self, x: mx.array, logits: mx.array, items: list[Proposal]) -> list[mx.array]:
         """Each stream's drafts (int32) from its block rows' logits, keyed like the target's own draws."""
@@ -283,8 +287,10 @@ class DFlashDrafter:
             out = mx.tanh(out / c.final_logit_softcapping) * c.final_logit_softcapping
         return out
 
-    def attend(self, layer: dict, li: int, state: DrafterState, q: mx.array, k: mx.array, v: mx.array) -> mx.array:
-        """One stream's block queries over its context plus the block, in the layer's window."""
+    def attend(self, layer: dict, li: int, state: DrafterState, q: mx.array, k: mx.array, v: mx.array,
+               masks: dict) -> mx.array:
+        """One stream's block queries over its context plus the block, in the layer's window; the keys
+        they see from `masks` (the stream's, `BlockMasks`), built by its pass's first layer of a kind."""
         cache = state.layers[li]
         n, start, at, low = q.shape[0], cache.length, cache.at, cache.low
         here = start if at is None else at  # the block's first position (a device value while unread)
@@ -302,9 +308,26 @@ class DFlashDrafter:
         first = 0
         if layer["window"] is not None:  # from the host's lower bound of the length: the mask drops the rest
             first = max(0, low + n - layer["window"]) // KEY_TILE * KEY_TILE
-        seen = key_mask(query_positions(here, n), first, keys.shape[1] - first, here + n, layer["causal"], layer["window"])
+        kind = (first, keys.shape[1] - first, layer["causal"], layer["window"])
+        if kind not in masks:
+            masks[kind] = key_mask(query_positions(here, n), *kind[:2], here + n, *kind[2:])
+        seen = masks[kind]
         o = attention(pad_queries(qs), keys[:, first:], values[:, first:], seen, scale=self.scale)[:, :n]
         return o.transpose(1, 0, 2).reshape(n, self.heads * self.head_dim)
+
+
+class BlockMasks:
+    """Which keys a block pass's rows see, per stream and layer kind, built once a pass: every layer
+    of a stream holds the same positions (`absorb` writes each layer alike), so its layers with the
+    same window, causality and key span share one mask. On a GPU a decode round is bound by the
+    operations the host encodes (docs/gpu-round-profile.md); a mask is about ten of them."""
+
+    def __init__(self) -> None:
+        self.streams: dict[int, dict] = {}
+
+    def of(self, stream: int) -> dict:
+        """The masks of the pass's `stream`-th stream, by (first key, key rows, causal, window)."""
+        return self.streams.setdefault(stream, {})
 
 
 def firsts(items: list[Proposal]) -> list[int]:

@@ -22,7 +22,7 @@ import mlx.core as mx
 import numpy as np
 
 from dflash_bench.engine.draft_config import DraftConfig
-from dflash_bench.engine.drafters.dflash import DFlashDrafter, Proposal, draft_positions, firsts
+from dflash_bench.engine.drafters.dflash import BlockMasks, DFlashDrafter, Proposal, draft_positions, firsts
 from dflash_bench.engine.sampling import filtered, gumbel
 from dflash_bench.engine.targets.base import Target
 from dflash_bench.engine.tiles import Weight, linear, pad_rows
@@ -63,10 +63,11 @@ class DFlash2Drafter(DFlashDrafter):
         return self.block
 
     # -- the body: each sublayer between its two convs ------------------------------------------
-    def layer(self, li: int, layer: dict, h: mx.array, items: list[Proposal], spans: list[tuple[int, int]]) -> mx.array:
+    def layer(self, li: int, layer: dict, h: mx.array, items: list[Proposal], spans: list[tuple[int, int]],
+              masks: BlockMasks) -> mx.array:
         base, projection = self.convs[li]["attention_conv"]
         x, kernel = self.prepare(mx.fast.rms_norm(h, layer["pre"], self.eps), base, projection, len(items))
-        h = h + self.convolve(self.attention(li, layer, x, items, spans), kernel, base[1], len(items))
+        h = h + self.convolve(self.attention(li, layer, x, items, spans, masks), kernel, base[1], len(items))
         base, projection = self.convs[li]["mlp_conv"]
         x, kernel = self.prepare(mx.fast.rms_norm(h, layer["post"], self.eps), base, projection, len(items))
         return h + self.convolve(self.mlp(layer, x), kernel, base[1], len(items))

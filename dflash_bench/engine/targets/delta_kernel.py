@@ -175,17 +175,39 @@ def delta_packed(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.ar
     each window's new state (a forward's decode segments pass their rows as they lie)."""
     assert states and len(starts) == len(states) + 1 and starts[0] == 0 and starts[-1] == q.shape[0]
     assert all(a < b for a, b in zip(starts, starts[1:])), f"every window needs a row: {starts}"
-    (rows, hk, dk), (hv, dv) = q.shape, v.shape[1:]
+    (_, hk, dk), (hv, dv) = q.shape, v.shape[1:]
     assert fits(hk, hv, dk, dv), f"no launch for {hk}/{hv} heads of {dk}/{dv}"
-    lanes = _lanes(dk)
     stacked = mx.stack(states) if len(states) > 1 else states[0][None]
-    y, new_states = _kernel()(
-        inputs=[q, k, v, g, beta, stacked, _offsets(tuple(starts))],
-        template=[("Dk", dk), ("Dv", dv), ("Hk", hk), ("Hv", hv), ("LANES", lanes), ("YT", q.dtype)],
-        grid=(dv * lanes, hv, len(states)),
-        threadgroup=(math.gcd(dv * lanes, 256), 1, 1),
-        output_shapes=[(rows, hv, dv), (len(states), hv, dv, dk)],
-        output_dtypes=[q.dtype, mx.float32],
-    )
+    y, new_states = _launch(q, k, v, g, beta, stacked, _offsets(tuple(starts)))
     # slices, not `new_states[i]`: an integer index is a Gather, a copy launched per stream and layer
     return y, [new_states[i : i + 1].squeeze(0) for i in range(len(states))]
+
+
+def delta_prefix(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array,
+                 m: mx.array) -> mx.array:
+    """The state after the first `m` rows of one window (m an int32 device scalar, 0 <= m <= rows): the
+    window launched with its end at m, so the kernel walks rows 0 .. m - 1 exactly as a launch of
+    those rows alone does (module docstring) and leaves the state as it is at m = 0. What a rollback
+    to a length the host has not read needs (qwen3_5.py's `redo_fn`) in one launch whatever m is,
+    with no mask over the rows; y past row m is left unwritten and is not returned."""
+    offsets = mx.concatenate([mx.zeros((1,), dtype=mx.int32), m.reshape(1).astype(mx.int32)])
+    _, new_state = _launch(q, k, v, g, beta, state[None], offsets)
+    return new_state.squeeze(0)
+
+
+def _launch(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, states: mx.array,
+            offsets: mx.array) -> tuple[mx.array, mx.array]:
+    """One launch over windows `offsets` (windows + 1 row bounds, int32) of the packed rows, from the
+    stacked `states`: every row's y (rows of no window left unwritten) and the new states, stacked."""
+    (rows, hk, dk), (hv, dv) = q.shape, v.shape[1:]
+    lanes = _lanes(dk)
+    windows = states.shape[0]
+    y, new_states = _kernel()(
+        inputs=[q, k, v, g, beta, states, offsets],
+        template=[("Dk", dk), ("Dv", dv), ("Hk", hk), ("Hv", hv), ("LANES", lanes), ("YT", q.dtype)],
+        grid=(dv * lanes, hv, windows),
+        threadgroup=(math.gcd(dv * lanes, 256), 1, 1),
+        output_shapes=[(rows, hv, dv), (windows, hv, dv, dk)],
+        output_dtypes=[q.dtype, mx.float32],
+    )
+    return y, new_states

@@ -157,6 +157,10 @@ class GatedDeltaNet:
         if len(decoding) > 1:  # slices, not a row gather (26 us a layer on an H200: docs/profiles/ncu-forward-h200.txt)
             mixed = mx.concatenate([mixed[st : st + hi - lo] for st, (lo, hi) in zip(starts, spans)])
         q, k, v = self.heads(mixed)
+        if self.recurrence == "delta_kernel" and rows > 1:
+            # the kernel takes row-contiguous rows: copied once here (q and k are head slices, v a column
+            # slice), not once by its launch and again by a rollback's (`redo_fn`)
+            q, k, v = mx.contiguous(q), mx.contiguous(k), mx.contiguous(v)
         g, beta = compute_g(self.A_log, a[:rows], self.dt_bias), mx.sigmoid(b[:rows])
         y, states = self.recur(q, k, v, g, beta, [c.state for c in caches], spans)
         for (seg, (lo, hi)), c, st, state in zip(decoding, caches, starts, states):
@@ -216,14 +220,18 @@ class GatedDeltaNet:
             return inputs[m : m + span], state
 
         def masked(m: mx.array) -> tuple[mx.array, mx.array]:
-            """m a device value (cache.py's keep_at): the recurrence over every row of the window, rows m and
-            after with g = 1 and beta = 0, which leave a state as it is (s * 1 is s, the delta (v - kv) * 0
-            adds zeros; delta_kernel.py's step and `gated_delta_ops` have that form): the state after m
-            rows, in one call whatever m is. The conv tail is the `kernel - 1` inputs ending at row m."""
+            """m a device value (cache.py's keep_at): the state after the window's first m rows in one call
+            whatever m is. The kernel takes m as the window's end (delta_kernel.py's `delta_prefix`: the
+            rows' own steps, one launch and no mask); mlx-lm's ops run every row, rows m and after with
+            g = 1 and beta = 0, which leave a state as it is (s * 1 is s, the delta (v - kv) * 0 adds
+            zeros). The conv tail is the `kernel - 1` inputs ending at row m."""
             q, k, v, g, beta = rows
-            live = (mx.arange(q.shape[0], dtype=mx.int32) < m)[:, None]
-            g, beta = mx.where(live, g, mx.array(1, dtype=g.dtype)), mx.where(live, beta, mx.array(0, dtype=beta.dtype))
-            [(_, state)] = RECURRENCES[self.recurrence]([(q, k, v, g, beta, prev_state)])
+            if self.recurrence == "delta_kernel":
+                state = delta_kernel.delta_prefix(q, k, v, g, beta, prev_state, m)
+            else:
+                live = (mx.arange(q.shape[0], dtype=mx.int32) < m)[:, None]
+                g, beta = mx.where(live, g, mx.array(1, dtype=g.dtype)), mx.where(live, beta, mx.array(0, dtype=beta.dtype))
+                [(_, state)] = RECURRENCES[self.recurrence]([(q, k, v, g, beta, prev_state)])
             conv = mx.slice(inputs, mx.reshape(m, (1,)).astype(mx.int32), (0,), (span, inputs.shape[1]))
             return conv, state
 
