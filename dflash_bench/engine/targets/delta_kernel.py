@@ -148,6 +148,9 @@ def _kernel():
     )
 
 
+_TO_M = mx.array([0, 1], dtype=mx.int32)  # m times it: the offsets (0, m) of one window, one operation
+
+
 @lru_cache(maxsize=256)
 def _offsets(starts: tuple[int, ...]) -> mx.array:
     """The kernel's copy of each window's first row and the end, made once per layout of windows."""
@@ -190,8 +193,7 @@ def delta_prefix(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.ar
     those rows alone does (module docstring) and leaves the state as it is at m = 0. What a rollback
     to a length the host has not read needs (qwen3_5.py's `redo_fn`) in one launch whatever m is,
     with no mask over the rows; y past row m is left unwritten and is not returned."""
-    offsets = mx.concatenate([mx.zeros((1,), dtype=mx.int32), m.reshape(1).astype(mx.int32)])
-    _, new_state = _launch(q, k, v, g, beta, state[None], offsets)
+    _, new_state = _launch(q, k, v, g, beta, state[None], m.astype(mx.int32) * _TO_M)
     return new_state.squeeze(0)
 
 
