@@ -54,6 +54,14 @@ run engine-speed-9b 540 engine-speed /root/f9/t --drafter /root/f9/d --levels 1,
   --drafter-bits 0 --backend gpu --out "$out/engine-speed-qwen3.5-9b-4bit-gpu-h200.json"
 # where a drafted round's time goes against a plain one's, in one process (docs/profiles/round-split-h200.txt)
 step round-split-9b 300 python3 tools/round_split.py /root/f9/t --backend gpu --drafter /root/f9/d --tokens 64
+# the same two rounds' kernels, each timed alone by Nsight Compute (docs/profiles/round-kernels-h200.txt)
+ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+if [ -n "$ncu" ]; then
+  step round-kernels-9b 420 "$ncu" --clock-control none --cache-control none --profile-from-start off \
+    --metrics gpu__time_duration.sum --csv --log-file "$out/round-kernels-9b.csv" \
+    python3 tools/round_kernels.py /root/f9/t --drafter /root/f9/d
+  step round-kernels-9b-report 60 python3 tools/round_kernels.py --report "$out/round-kernels-9b.csv"
+fi
 if [ -f "$gguf" ]; then
   run concurrent-default 420 concurrent --levels 1,4 --temperatures 0,0.7 --backend gpu \
     --out "$out/concurrent-default-gpu-h200.json"
