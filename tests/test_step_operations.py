@@ -35,6 +35,7 @@ import mlx.core as mx
 
 from dflash_bench.engine import selfcheck
 from dflash_bench.engine.backend import FLOAT32_TENSORS
+from dflash_bench.engine.cache import AttentionCache
 from dflash_bench.engine.target_config import parse_target_config
 from dflash_bench.engine.targets import build_target
 from dflash_bench.engine.targets import delta_kernel
@@ -176,3 +177,27 @@ def test_a_rollback_to_a_device_length_launches_the_kernel_to_it_with_no_mask(mo
     state.keep_at(mx.array(6, dtype=mx.int32), 8, 6)
     ops = census([layer.state for layer in state.layers if not hasattr(layer, "k")])
     assert ops["Depends"] == len(linear) and ops["Select"] == ops["Arange"] == ops["Less"] == 0, ops
+
+
+def test_a_window_at_a_device_length_scatters_its_keys_along_positions_built_once(monkeypatch) -> None:
+    """A window placed at a length the host has not read (cache.py's `keep_at`) scatters its K/V along
+    the forward's row positions, built once for every layer: no copy at a dynamic offset (on CUDA it
+    launches over the whole cache: docs/profiles/round-kernels-h200.txt) and no positions a layer."""
+    write, given = AttentionCache.write, []
+    monkeypatch.setattr(AttentionCache, "write", lambda self, start, k, v, rows=None: (
+        given.append(rows) if self.at is not None else None, write(self, start, k, v, rows))[1])
+
+    def window_census(layers: int) -> collections.Counter:
+        target, _ = tiny_target("llama", "smol", layers=layers, seed=3)
+        state = target.new_state()
+        mx.eval(target.forward([Segment([3, 1, 4, 1, 5, 9], 0, state, [5], prefill=True)])[0].logits, state.arrays())
+        state.keep(6)
+        mx.eval(target.forward([Segment([2, 6, 5], 6, state, [0, 1, 2])])[0].logits, state.arrays())
+        state.keep_at(mx.array(7, dtype=mx.int32), 9, 7)
+        mx.eval(state.at)
+        outs = target.forward([Segment([3, 5], 9, state, [0, 1], at=state.at)])
+        return census([o.logits for o in outs] + state.arrays())
+
+    ops = window_census(3)
+    assert ops["ScatterAxis"] == 2 * 3 and ops["DynamicSliceUpdate"] == 0, ops
+    assert len(given) == 3 and all(rows is not None for rows in given)  # the forward's positions, sliced

@@ -188,15 +188,17 @@ class DFlashDrafter:
             spans.append((rows, rows + taps.shape[0]))
             rows += taps.shape[0]
         fused = mx.fast.rms_norm(linear(pad_rows(mx.concatenate([t for _, t in items])), self.fc), self.hidden_norm, self.eps)
-        starts = [(state.length, state.start) for state, _ in items]  # read once: writing layer 0 advances them
+        # read once: writing layer 0 advances them; at a device length, the rows' positions for every layer
+        starts = [(state.length, state.start, None if isinstance(state.start, int)
+                   else mx.arange(b - a, dtype=mx.int32) + state.start) for (state, _), (a, b) in zip(items, spans)]
         for li, layer in enumerate(self.layers):
             k, v = linear(fused, layer["k"]), linear(fused, layer["v"])
-            for (state, _), (a, b), (start, at) in zip(items, spans, starts):
+            for (state, _), (a, b), (start, at, rows) in zip(items, spans, starts):
                 n = b - a
                 ks = mx.fast.rms_norm(k[a:b].reshape(n, self.kv_heads, self.head_dim), layer["k_norm"], self.eps)
                 ks = self.rope(ks.transpose(1, 0, 2), at)
                 vs = v[a:b].reshape(n, self.kv_heads, self.head_dim).transpose(1, 0, 2)
-                state.layers[li].write(start, ks, vs)
+                state.layers[li].write(start, ks, vs, rows)
 
     def propose(self, items: list[Proposal]) -> list[list[int]]:
         """Drafts for every drafting stream from one pass over their blocks, read back as lists."""
@@ -289,8 +291,9 @@ class DFlashDrafter:
 
     def attend(self, layer: dict, li: int, state: DrafterState, q: mx.array, k: mx.array, v: mx.array,
                masks: dict) -> mx.array:
-        """One stream's block queries over its context plus the block, in the layer's window; the keys
-        they see from `masks` (the stream's, `BlockMasks`), built by its pass's first layer of a kind."""
+        """One stream's block queries over its context plus the block, in the layer's window; the rows'
+        positions and the keys they see from `masks` (the stream's, `BlockMasks`), built by its pass's
+        first layer (of a kind)."""
         cache = state.layers[li]
         n, start, at, low = q.shape[0], cache.length, cache.at, cache.low
         here = start if at is None else at  # the block's first position (a device value while unread)
@@ -299,7 +302,10 @@ class DFlashDrafter:
         qs = self.rope(qs.transpose(1, 0, 2), here)
         ks = self.rope(ks.transpose(1, 0, 2), here)
         vs = v.reshape(n, self.kv_heads, self.head_dim).transpose(1, 0, 2)
-        cache.write(start, ks, vs)  # the block sits after the context only for this pass
+        if "positions" not in masks:
+            masks["positions"] = query_positions(here, n)
+        positions = masks["positions"]
+        cache.write(start, ks, vs, None if at is None else positions[:n])  # after the context for this pass only
         keys, values = cache.view(start + n)
         if at is None:
             cache.keep(start)
@@ -310,23 +316,25 @@ class DFlashDrafter:
             first = max(0, low + n - layer["window"]) // KEY_TILE * KEY_TILE
         kind = (first, keys.shape[1] - first, layer["causal"], layer["window"])
         if kind not in masks:
-            masks[kind] = key_mask(query_positions(here, n), *kind[:2], here + n, *kind[2:])
+            masks[kind] = key_mask(positions, *kind[:2], here + n, *kind[2:])
         seen = masks[kind]
         o = attention(pad_queries(qs), keys[:, first:], values[:, first:], seen, scale=self.scale)[:, :n]
         return o.transpose(1, 0, 2).reshape(n, self.heads * self.head_dim)
 
 
 class BlockMasks:
-    """Which keys a block pass's rows see, per stream and layer kind, built once a pass: every layer
-    of a stream holds the same positions (`absorb` writes each layer alike), so its layers with the
-    same window, causality and key span share one mask. On a GPU a decode round is bound by the
-    operations the host encodes (docs/gpu-round-profile.md); a mask is about ten of them."""
+    """A block pass's row positions per stream, and which keys its rows see per stream and layer kind,
+    built once a pass: every layer of a stream holds the same positions (`absorb` writes each layer
+    alike), so its layers share the positions, and those with the same window, causality and key span
+    one mask. On a GPU a decode round is bound by the operations the host encodes
+    (docs/gpu-round-profile.md); a mask is about ten of them."""
 
     def __init__(self) -> None:
         self.streams: dict[int, dict] = {}
 
     def of(self, stream: int) -> dict:
-        """The masks of the pass's `stream`-th stream, by (first key, key rows, causal, window)."""
+        """The `stream`-th stream's block positions ("positions") and masks, by (first key, key rows,
+        causal, window)."""
         return self.streams.setdefault(stream, {})
 
 

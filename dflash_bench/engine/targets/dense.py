@@ -122,7 +122,7 @@ class SelfAttention:
         for seg, (lo, hi) in decoding:
             cache = seg.state.layers[layer]
             assert isinstance(cache, AttentionCache)
-            cache.write(seg.start, k[:, lo:hi], v[:, lo:hi])
+            cache.write(seg.start, k[:, lo:hi], v[:, lo:hi], None if seg.at is None else positions[lo:hi])
             caches.append(cache)
         if self.path == "kernel":
             assert all(seg.tree is None for seg, _ in decoding), "trees never reach the kernel: DenseTarget.tree_refusal"
