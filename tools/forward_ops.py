@@ -41,7 +41,8 @@ def census(outputs: list[mx.array]) -> collections.Counter:
     return collections.Counter(label.split()[0] for label in re.findall(r'label ="([^"]+)"', dot.read_text()))
 
 
-def reference_attention(segments, scale):
+def reference_attention(segments, scale, meta=None):
+    """decode_attention's result by tiles.py's attention, for the host starts this tool uses (`meta` unused)."""
     outs = []
     for q, k, v, start in segments:
         n, kr = q.shape[0], tiles_for(start + q.shape[0])
@@ -55,6 +56,13 @@ def reference_packed(q, k, v, g, beta, states, starts):
     res = qwen3_5.per_window_ops([(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], s)
                                   for s, a, b in zip(states, starts, starts[1:])])
     return mx.concatenate([y for y, _ in res]), [s for _, s in res]
+
+
+def reference_prefix(q, k, v, g, beta, state, m):
+    """delta_kernel.delta_prefix by mlx-lm's ops: rows from m on with g = 1 and beta = 0."""
+    live = (mx.arange(q.shape[0], dtype=mx.int32) < m)[:, None]
+    g, beta = mx.where(live, g, mx.array(1, dtype=g.dtype)), mx.where(live, beta, mx.array(0, dtype=beta.dtype))
+    return qwen3_5.per_window_ops([(q, k, v, g, beta, state)])[0][1]
 
 
 class Launch:
@@ -88,15 +96,19 @@ def main() -> None:
     qwen3_5.RECURRENCES["delta_kernel"] = qwen3_5.per_window_ops
     if hasattr(delta_kernel, "delta_packed"):
         delta_kernel.delta_packed = reference_packed
+    if hasattr(delta_kernel, "delta_prefix"):  # a rollback to a device length (qwen3_5.py's redo_fn)
+        delta_kernel.delta_prefix = reference_prefix
     root = Path(tempfile.mkdtemp())
     target = Engine(write_big("qwen3_5-9b-4bit", root / "target", "tiny"), None,
                     Settings(parallel=4, context=256, chunk=32, backend="gpu")).target
     stand_in = Launch(one_node=True)
     matmul_kernel._kernel = lambda: stand_in
-    attention_kernel.decode_attention = lambda segs, scale: mx.abs(mx.concatenate([s[0] for s in segs]))
+    attention_kernel.decode_attention = lambda segs, scale, meta=None: mx.abs(mx.concatenate([s[0] for s in segs]))
     if hasattr(delta_kernel, "delta_packed"):
         delta_kernel.delta_packed = lambda q, k, v, g, beta, states, starts: (
             mx.depends([mx.abs(v).astype(mx.float32)], [q, k, g, beta])[0], [mx.abs(s) for s in states])
+    if hasattr(delta_kernel, "delta_prefix"):
+        delta_kernel.delta_prefix = lambda q, k, v, g, beta, state, m: mx.depends([mx.abs(state)], [q, k, v, g, beta, m])[0]
     # one node for the recurrence, depending on all of its inputs as the kernel does
     qwen3_5.RECURRENCES["delta_kernel"] = lambda ws: [
         tuple(mx.depends([mx.abs(w[2]).astype(mx.float32), mx.abs(w[5])], list(w[:5]))) for w in ws]
