@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import re
 import statistics
 import tempfile
@@ -58,13 +59,6 @@ def reference_packed(q, k, v, g, beta, states, starts):
     return mx.concatenate([y for y, _ in res]), [s for _, s in res]
 
 
-def reference_prefix(q, k, v, g, beta, state, m):
-    """delta_kernel.delta_prefix by mlx-lm's ops: rows from m on with g = 1 and beta = 0."""
-    live = (mx.arange(q.shape[0], dtype=mx.int32) < m)[:, None]
-    g, beta = mx.where(live, g, mx.array(1, dtype=g.dtype)), mx.where(live, beta, mx.array(0, dtype=beta.dtype))
-    return qwen3_5.per_window_ops([(q, k, v, g, beta, state)])[0][1]
-
-
 class Launch:
     """Stands in for `mx.fast.cuda_kernel`'s row matmul: the reference product, or one node."""
 
@@ -97,7 +91,7 @@ def main() -> None:
     if hasattr(delta_kernel, "delta_packed"):
         delta_kernel.delta_packed = reference_packed
     if hasattr(delta_kernel, "delta_prefix"):  # a rollback to a device length (qwen3_5.py's redo_fn)
-        delta_kernel.delta_prefix = reference_prefix
+        delta_kernel.delta_prefix = functools.partial(qwen3_5.prefix_by_rerun, qwen3_5.per_window_ops)
     root = Path(tempfile.mkdtemp())
     target = Engine(write_big("qwen3_5-9b-4bit", root / "target", "tiny"), None,
                     Settings(parallel=4, context=256, chunk=32, backend="gpu")).target

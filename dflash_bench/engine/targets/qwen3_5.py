@@ -48,6 +48,10 @@ from dflash_bench.engine.targets.dense import SelfAttention
 from dflash_bench.engine.tiles import Layout, Stacked, Weight, linear
 
 
+# a decode recurrence: a forward's decode windows to each one's (y, new state)
+Recurrence = Callable[[list[delta_kernel.Window]], list[tuple[mx.array, mx.array]]]
+
+
 def per_window_ops(windows: list[delta_kernel.Window]) -> list[tuple[mx.array, mx.array]]:
     """mlx-lm's `gated_delta_ops`, one call per window: each window's (y, state after its last row)."""
     outs = []
@@ -57,9 +61,20 @@ def per_window_ops(windows: list[delta_kernel.Window]) -> list[tuple[mx.array, m
     return outs
 
 
+def prefix_by_rerun(recurrence: Recurrence, q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
+                    state: mx.array, m: mx.array) -> mx.array:
+    """The state after a window's first m rows (m a device value) by `recurrence` over every row, rows m
+    and after with g = 1 and beta = 0, which leave a state as it is (s * 1 is s, the delta (v - kv) * 0
+    adds zeros): mlx-lm's ops have no window end to stop at, as the kernel does (`delta_prefix`)."""
+    live = (mx.arange(q.shape[0], dtype=mx.int32) < m)[:, None]
+    g, beta = mx.where(live, g, mx.array(1, dtype=g.dtype)), mx.where(live, beta, mx.array(0, dtype=beta.dtype))
+    [(_, state)] = recurrence([(q, k, v, g, beta, state)])
+    return state
+
+
 # The decode recurrences by name (a layer's `recurrence`, and the self-check's key): each takes the
 # windows of a forward's decode segments and returns each one's (y, new state).
-RECURRENCES: dict[str, Callable[[list[delta_kernel.Window]], list[tuple[mx.array, mx.array]]]] = {
+RECURRENCES: dict[str, Recurrence] = {
     "gated_delta_ops": per_window_ops,
     "delta_kernel": delta_kernel.delta_windows,
 }
@@ -222,16 +237,12 @@ class GatedDeltaNet:
         def masked(m: mx.array) -> tuple[mx.array, mx.array]:
             """m a device value (cache.py's keep_at): the state after the window's first m rows in one call
             whatever m is. The kernel takes m as the window's end (delta_kernel.py's `delta_prefix`: the
-            rows' own steps, one launch and no mask); mlx-lm's ops run every row, rows m and after with
-            g = 1 and beta = 0, which leave a state as it is (s * 1 is s, the delta (v - kv) * 0 adds
-            zeros). The conv tail is the `kernel - 1` inputs ending at row m."""
-            q, k, v, g, beta = rows
+            rows' own steps, one launch and no mask); mlx-lm's ops rerun every row (`prefix_by_rerun`).
+            The conv tail is the `kernel - 1` inputs ending at row m."""
             if self.recurrence == "delta_kernel":
-                state = delta_kernel.delta_prefix(q, k, v, g, beta, prev_state, m)
+                state = delta_kernel.delta_prefix(*rows, prev_state, m)
             else:
-                live = (mx.arange(q.shape[0], dtype=mx.int32) < m)[:, None]
-                g, beta = mx.where(live, g, mx.array(1, dtype=g.dtype)), mx.where(live, beta, mx.array(0, dtype=beta.dtype))
-                [(_, state)] = RECURRENCES[self.recurrence]([(q, k, v, g, beta, prev_state)])
+                state = prefix_by_rerun(RECURRENCES[self.recurrence], *rows, prev_state, m)
             conv = mx.slice(inputs, mx.reshape(m, (1,)).astype(mx.int32), (0,), (span, inputs.shape[1]))
             return conv, state
 
