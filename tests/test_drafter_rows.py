@@ -78,8 +78,8 @@ def test_a_pass_builds_one_key_mask_per_stream_and_layer_kind(drafter, monkeypat
     from dflash_bench.engine.drafters import dflash
 
     class PerLayer:
-        def of(self, stream: int) -> dict:
-            return {}
+        def of(self, stream: int) -> dflash.StreamBlock:
+            return dflash.StreamBlock()
 
     drafter, states = drafter
     proposals = [Proposal(st, 9 + i, 5, SamplingParams(0.0)) for i, st in enumerate(states)]

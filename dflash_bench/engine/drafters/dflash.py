@@ -18,7 +18,7 @@ the default model decoded 15-24% faster on this CPU at the same tokens a round (
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 from pathlib import Path
 
@@ -290,9 +290,9 @@ class DFlashDrafter:
         return out
 
     def attend(self, layer: dict, li: int, state: DrafterState, q: mx.array, k: mx.array, v: mx.array,
-               masks: dict) -> mx.array:
+               block: StreamBlock) -> mx.array:
         """One stream's block queries over its context plus the block, in the layer's window; the rows'
-        positions and the keys they see from `masks` (the stream's, `BlockMasks`), built by its pass's
+        positions and the keys they see from `block` (the stream's, `BlockMasks`), built by its pass's
         first layer (of a kind)."""
         cache = state.layers[li]
         n, start, at, low = q.shape[0], cache.length, cache.at, cache.low
@@ -302,9 +302,9 @@ class DFlashDrafter:
         qs = self.rope(qs.transpose(1, 0, 2), here)
         ks = self.rope(ks.transpose(1, 0, 2), here)
         vs = v.reshape(n, self.kv_heads, self.head_dim).transpose(1, 0, 2)
-        if "positions" not in masks:
-            masks["positions"] = query_positions(here, n)
-        positions = masks["positions"]
+        if block.positions is None:
+            block.positions = query_positions(here, n)
+        positions = block.positions
         cache.write(start, ks, vs, None if at is None else positions[:n])  # after the context for this pass only
         keys, values = cache.view(start + n)
         if at is None:
@@ -315,9 +315,9 @@ class DFlashDrafter:
         if layer["window"] is not None:  # from the host's lower bound of the length: the mask drops the rest
             first = max(0, low + n - layer["window"]) // KEY_TILE * KEY_TILE
         kind = (first, keys.shape[1] - first, layer["causal"], layer["window"])
-        if kind not in masks:
-            masks[kind] = key_mask(positions, *kind[:2], here + n, *kind[2:])
-        seen = masks[kind]
+        if kind not in block.masks:
+            block.masks[kind] = key_mask(positions, *kind[:2], here + n, *kind[2:])
+        seen = block.masks[kind]
         o = attention(pad_queries(qs), keys[:, first:], values[:, first:], seen, scale=self.scale)[:, :n]
         return o.transpose(1, 0, 2).reshape(n, self.heads * self.head_dim)
 
@@ -330,12 +330,21 @@ class BlockMasks:
     (docs/gpu-round-profile.md); a mask is about ten of them."""
 
     def __init__(self) -> None:
-        self.streams: dict[int, dict] = {}
+        self.streams: dict[int, StreamBlock] = {}
 
-    def of(self, stream: int) -> dict:
-        """The `stream`-th stream's block positions ("positions") and masks, by (first key, key rows,
-        causal, window)."""
-        return self.streams.setdefault(stream, {})
+    def of(self, stream: int) -> StreamBlock:
+        """The pass's `stream`-th stream's positions and masks."""
+        return self.streams.setdefault(stream, StreamBlock())
+
+
+@dataclass
+class StreamBlock:
+    """One stream's block in a pass: its rows' positions (`query_positions`, padded to whole query
+    tiles) and its key masks by (first key, key rows, causal, window), each built by the first layer
+    that needs it."""
+
+    positions: mx.array | None = None
+    masks: dict[tuple, mx.array] = field(default_factory=dict)
 
 
 def firsts(items: list[Proposal]) -> list[int]:
