@@ -27,7 +27,7 @@ from dflash_bench.engine import matmul_kernel, selfcheck
 from dflash_bench.engine.backend import FLOAT32_TENSORS
 from dflash_bench.engine.target_config import parse_target_config
 from dflash_bench.engine.targets import build_target
-from dflash_bench.engine.tiles import Layout, Weight, linear
+from dflash_bench.engine.tiles import Layout, Stacked, Weight, linear
 
 CASES = {  # (in, out, bits, group): 9B-like 4-bit, 8-bit, the default model's bf16, a Q4_1-like 4-bit/32, a ragged split
     "q4-g64": (1024, 768, 4, 64), "q8-g64": (1024, 512, 8, 64), "bf16": (576, 192, 16, 0),
@@ -92,6 +92,51 @@ def test_linear_sends_decode_rows_to_one_kernel_call_and_chunks_to_mlx(monkeypat
     assert calls == [("kernel", 32)]
 
 
+def test_a_stacked_weight_returns_contiguous_parts_for_decode_rows_and_splits_a_chunk(monkeypatch) -> None:
+    """tiles.Stacked on the kernel: decode rows alone come back as one row-contiguous array a part (one
+    launch, the widths passed down); a forward that also holds a prompt chunk splits one product's
+    columns, as every weight not on the kernel does. Here the kernel is stood in for."""
+    parts = [weight(64, n, 16, 0, seed=s) for n, s in ((32, 1), (16, 2), (16, 3))]
+    stacked = Stacked(parts, stack=True)
+    stacked.weights[0].kernel = True
+    calls: list[tuple[int, tuple[int, ...]]] = []
+
+    def product(self, x, widths=()):
+        calls.append((x.shape[0], widths))
+        y = x @ self.w.T
+        return [mx.contiguous(c) for c in mx.split(y, [32, 48], axis=-1)] if widths else y
+
+    monkeypatch.setattr(Weight, "kernel_product", product)
+    monkeypatch.setattr(Weight, "tile", lambda self, x: x @ self.w.T)
+    x = mx.random.normal((64, 64)).astype(mx.bfloat16)
+    decode = Layout.of([1, 16], [False, False], tile=1)
+    got = stacked(x[: decode.rows], decode)
+    assert calls == [(17, (32, 16, 16))] and [g.shape for g in got] == [(17, 32), (17, 16), (17, 16)]
+    calls.clear()
+    mixed = Layout.of([16, 40], [False, True], tile=1)
+    got = stacked(x[: mixed.rows], mixed)
+    assert calls == [(16, ())] and [g.shape for g in got] == [(mixed.rows, 32), (mixed.rows, 16), (mixed.rows, 16)]
+    assert not matmul_kernel.splits_output((32, 15, 17)) and not matmul_kernel.splits_output((8,) * 5)
+
+
+@cuda_emulator.needs_gxx
+@pytest.mark.parametrize("case", [(128, (64, 32, 16, 16), 4, 64), (64, (16, 24), 16, 0)], ids=["q4-four-parts", "bf16-two-parts"])
+def test_the_kernel_source_writes_parts_that_equal_the_columns_of_one_product(monkeypatch, case) -> None:
+    """`parts`: each part of a call of 1, 5 and 17 rows equals its columns of the same call without
+    parts, bit for bit (only where a column is written changes)."""
+    cuda_emulator.install_matmul(monkeypatch)
+    k, widths, bits, group = case
+    w = weight(k, sum(widths), bits, group, seed=3)
+    x = mx.random.normal((17, k), key=mx.random.key(4)).astype(mx.bfloat16)
+    for m in (1, 5, 17):
+        whole = matmul_kernel.rows_matmul(x[:m], w.w, w.scales, w.biases, bits, group)
+        got = matmul_kernel.rows_matmul(x[:m], w.w, w.scales, w.biases, bits, group, widths)
+        lo = 0
+        for part, width in zip(got, widths):
+            assert part.shape == (m, width) and mx.array_equal(part, whole[:, lo : lo + width]).item(), (m, lo)
+            lo += width
+
+
 # -- on a CUDA GPU ----------------------------------------------------------------------------------
 def dequantized(w: Weight, bits: int, group: int) -> mx.array:
     return w.w.astype(mx.float32) if bits == 16 else mx.dequantize(
@@ -154,6 +199,21 @@ def test_rows_of_any_call_equal_the_row_alone(case: tuple[int, int, int, int]) -
 
 
 @on_cuda
+def test_parts_equal_the_columns_of_one_product() -> None:
+    """On the device: a stacked weight's parts (qwen3_5's in_proj widths, scaled down) equal the columns
+    of the same launch without parts, bit for bit, at 1, 16 and 33 rows."""
+    widths = (256, 128, 32, 32)
+    w = weight(1024, sum(widths), 4, 64, seed=10)
+    x = mx.random.normal((33, 1024), key=mx.random.key(11)).astype(mx.bfloat16)
+    for m in (1, 16, 33):
+        whole = w.kernel_product(x[:m])
+        lo = 0
+        for part, width in zip(w.kernel_product(x[:m], widths), widths):
+            assert mx.array_equal(part, whole[:, lo : lo + width]).item(), (m, lo)
+            lo += width
+
+
+@on_cuda
 def test_a_changed_row_changes_that_row_alone() -> None:
     """The negative control: the comparison above sees a difference the test makes itself."""
     w = weight(*CASES["q4-g64"], seed=6)
@@ -179,3 +239,40 @@ def test_the_self_check_picks_the_kernel_in_gpu_mode_and_windows_equal_steps(fam
     assert any(w.kernel for w in target.projections()) and "the row kernel" in verdict.line()
     for w in target.projections():
         assert w.kernel == w.fits_kernel(mx.bfloat16), selfcheck.weight_key(w)
+
+
+@cuda_emulator.needs_gxx
+def test_a_forward_on_the_kernels_parts_equals_one_on_column_slices(monkeypatch, tmp_path) -> None:
+    """The 9B-shaped tiny target in gpu mode with every projection on the row kernel (its CUDA source
+    run by tests/cuda_emulator.py): a decode step of one stream and a 5-row window of another, through
+    the stacked weights' parts (qwen3_5's in_proj qkv/z/b/a, gated attention's q/k/v, each MLP's
+    gate/up), give the logits and taps of the same forward on one product's column slices, bit for bit."""
+    from dflash_bench.engine import tiles
+    from dflash_bench.engine.targets import Segment
+    from dflash_bench.fixtures.big import write_big
+
+    from dflash_bench.engine.engine import Engine, Settings
+
+    target = Engine(write_big("qwen3_5-9b-4bit", tmp_path / "t", "tiny"), None,
+                    Settings(context=256, chunk=32, backend="gpu")).target
+    base = target.new_state()
+    target.forward([Segment(list(range(40, 72)), 0, base, [], prefill=True)])
+    base.keep(32)
+    cuda_emulator.install_matmul(monkeypatch)
+    monkeypatch.setattr(tiles, "available", lambda dtype: dtype == mx.bfloat16)
+    for w in target.projections():
+        w.kernel = w.fits_kernel(target.dtype)
+    assert all(w.kernel for w in target.projections())
+    widths = []
+    parts = matmul_kernel.rows_matmul
+    monkeypatch.setattr(tiles, "rows_matmul", lambda *a: widths.append(a[-1]) or parts(*a))
+
+    def run() -> list[mx.array]:
+        segs = [Segment([7], 32, base.snapshot(32), [0], want_taps=True),
+                Segment(list(range(200, 205)), 32, base.snapshot(32), list(range(5)), want_taps=True)]
+        return [a.astype(mx.float32) for o in target.forward(segs, (1, 5)) for a in (o.logits, o.taps)]
+
+    on_parts = run()
+    assert len([w for w in widths if w]) == 2 * target.config.num_layers  # a mixer's and an MLP's a layer
+    monkeypatch.setattr(tiles, "splits_output", lambda widths: False)
+    assert all(mx.array_equal(a, b).item() for a, b in zip(on_parts, run()))

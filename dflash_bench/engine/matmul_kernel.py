@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import accumulate
 
 import mlx.core as mx
 
@@ -48,6 +49,7 @@ from dflash_bench.engine.backend import on_cuda
 
 MMA_ROWS = 16  # rows of one tensor-core tile
 MAX_TILES = 4  # row tiles a block carries (64 rows read the weights once)
+MAX_PARTS = 4  # separate outputs a launch can write (qwen3_5's in_proj: qkv, z, b, a)
 TARGET_WARPS = 2048  # enough warps in flight to keep the H200's memory busy (132 SMs)
 
 _HEADER = r"""
@@ -77,7 +79,8 @@ __device__ __forceinline__ void mm_mma(float* d, uint32_t a0, uint32_t a1, uint3
 
 # Template constants: K, N (the weight's in and out widths), BITS (4, 8, or 16 for bf16 weights),
 # G (group size; unused at 16), NT (8-column MMA tiles a warp), SPLITK (warps a block, splitting K),
-# MT (16-row tiles a block), PIPE (iterations whose weight loads are issued before their math). The
+# MT (16-row tiles a block), PIPE (iterations whose weight loads are issued before their math), P1 <=
+# P2 <= P3 (where the output's parts start: `rows_matmul`'s `parts`, N where there are fewer). The
 # source avoids `_shape`, `_strides` and `_ndim` (MLX would add them).
 _SOURCE = r"""
   constexpr int PER_WORD = BITS == 16 ? 2 : 32 / BITS;   // values in a uint32
@@ -207,10 +210,14 @@ _SOURCE = r"""
             if (s < SPLITK - 1) red[at] = v[e];
           }
           if (s == SPLITK - 1) {
+            // column col of part p (columns [lo, hi): P1..P3 split N) at row r: y[M * lo + r * (hi - lo) + col - lo]
             const int col = n0 + j * 8 + 2 * t;
+            const int lo = col < P1 ? 0 : col < P2 ? P1 : col < P3 ? P2 : P3;
+            const int hi = col < P1 ? P1 : col < P2 ? P2 : col < P3 ? P3 : N;
+            __nv_bfloat16* part = y + (size_t)M * lo + (col - lo);
             const int r0 = m0 + i * 16 + grp;
-            if (r0 < M) *reinterpret_cast<__nv_bfloat162*>(y + (size_t)r0 * N + col) = __floats2bfloat162_rn(v[0], v[1]);
-            if (r0 + 8 < M) *reinterpret_cast<__nv_bfloat162*>(y + (size_t)(r0 + 8) * N + col) = __floats2bfloat162_rn(v[2], v[3]);
+            if (r0 < M) *reinterpret_cast<__nv_bfloat162*>(part + (size_t)r0 * (hi - lo)) = __floats2bfloat162_rn(v[0], v[1]);
+            if (r0 + 8 < M) *reinterpret_cast<__nv_bfloat162*>(part + (size_t)(r0 + 8) * (hi - lo)) = __floats2bfloat162_rn(v[2], v[3]);
           }
         }
     }
@@ -292,23 +299,37 @@ def _row_count(m: int) -> mx.array:
     return mx.array([m], dtype=mx.int32)
 
 
+def splits_output(widths: tuple[int, ...]) -> bool:
+    """Whether a launch can write these column widths (summing to N) as separate parts: at most
+    MAX_PARTS, each of whole column pairs (a thread writes two neighbouring columns)."""
+    return 1 < len(widths) <= MAX_PARTS and all(w % 2 == 0 and w > 0 for w in widths)
+
+
 def rows_matmul(x: mx.array, w: mx.array, scales: mx.array | None, biases: mx.array | None, bits: int,
-                group_size: int) -> mx.array:
+                group_size: int, parts: tuple[int, ...] = ()) -> mx.array | list[mx.array]:
     """`x @ W.T` for bf16 rows x (M, K): W packed (N, K * bits / 32) uint32 with bf16 scales and
-    biases (N, K / group_size), or a bf16 (N, K) matrix with `bits` 16. Returns (M, N) bf16."""
+    biases (N, K / group_size), or a bf16 (N, K) matrix with `bits` 16. Returns (M, N) bf16, or with
+    `parts` (column widths summing to N, `splits_output`) one row-contiguous (M, width) array a part:
+    a stacked weight's products (tiles.Stacked), which a column slice of (M, N) would leave strided
+    for every later reshape and kernel to copy. Where a column is written, never how it is summed."""
     m, k = x.shape
     n = w.shape[0]
     g = geometry(k, n, bits)
     tiles = min(MAX_TILES, -(-m // MMA_ROWS))
     if bits == 16:
         scales = biases = w[:1, :1]  # unread: the launch still takes four arrays
+    starts = list(accumulate(parts[:-1])) if parts else []
+    starts += [n] * (MAX_PARTS - 1 - len(starts))
     (y,) = _kernel()(
         inputs=[x, w, scales, biases, _row_count(m)],
         template=[("K", k), ("N", n), ("BITS", bits), ("G", group_size if bits != 16 else 1),
-                  ("NT", g.nt), ("SPLITK", g.split_k), ("MT", tiles), ("PIPE", look_ahead(k, bits, g.split_k, tiles))],
+                  ("NT", g.nt), ("SPLITK", g.split_k), ("MT", tiles), ("PIPE", look_ahead(k, bits, g.split_k, tiles)),
+                  ("P1", starts[0]), ("P2", starts[1]), ("P3", starts[2])],
         grid=(n // (8 * g.nt) * 32 * g.split_k, -(-m // (MMA_ROWS * tiles)), 1),
         threadgroup=(32 * g.split_k, 1, 1),
-        output_shapes=[(m, n)],
+        output_shapes=[(m * n,) if parts else (m, n)],
         output_dtypes=[mx.bfloat16],
     )
-    return y
+    if not parts:
+        return y
+    return [y[m * lo : m * (lo + width)].reshape(m, width) for lo, width in zip([0, *starts], parts)]

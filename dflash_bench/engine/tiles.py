@@ -40,7 +40,7 @@ from typing import Literal
 import mlx.core as mx
 
 from dflash_bench.engine.backend import on_cuda
-from dflash_bench.engine.matmul_kernel import available, fits, rows_matmul
+from dflash_bench.engine.matmul_kernel import available, fits, rows_matmul, splits_output
 
 ROW_TILE = 16
 SMALL_TILE = 8
@@ -144,9 +144,10 @@ class Weight:
         return (available(dtype) and held.dtype == mx.bfloat16
                 and fits(self.in_features, self.out_features, self.bits or 16, self.group_size))
 
-    def kernel_product(self, x: mx.array) -> mx.array:
-        """`x @ W.T` for any number of bf16 rows in one call of the row-independent kernel."""
-        return rows_matmul(x, self.w, self.scales, self.biases, self.bits or 16, self.group_size)
+    def kernel_product(self, x: mx.array, parts: tuple[int, ...] = ()) -> mx.array | list[mx.array]:
+        """`x @ W.T` for any number of bf16 rows in one call of the row-independent kernel; with `parts`
+        (column widths), one row-contiguous array a part (matmul_kernel.rows_matmul)."""
+        return rows_matmul(x, self.w, self.scales, self.biases, self.bits or 16, self.group_size, parts)
 
     def arrays(self) -> list[mx.array]:
         return [a for a in (self.w, self.scales, self.biases) if a is not None]
@@ -185,9 +186,15 @@ class Stacked:
         self.weights = (Weight.stacked(parts),) if joined else tuple(parts)
 
     def __call__(self, x: mx.array, layout: Layout | None = None) -> list[mx.array]:
-        """Each part's product of `x`, in the parts' order."""
+        """Each part's product of `x`, in the parts' order. Decode rows alone on the row kernel come back
+        as a row-contiguous array a part: column slices of one product would be strided over several
+        rows (a verify window's), and each reshape and kernel after would copy them
+        (docs/gpu-round-profile.md: 222 strided copies in a 9B drafted round against 16 in a plain one)."""
         if len(self.weights) == 1 and len(self.widths) > 1:
-            return mx.split(linear(x, self.weights[0], layout), list(accumulate(self.widths[:-1])), axis=-1)
+            stacked = self.weights[0]
+            if stacked.kernel and splits_output(self.widths) and (layout is None or not layout.blocks):
+                return stacked.kernel_product(x if layout is None else x[: layout.decode_rows], self.widths)
+            return mx.split(linear(x, stacked, layout), list(accumulate(self.widths[:-1])), axis=-1)
         return [linear(x, w, layout) for w in self.weights]
 
 
