@@ -6,6 +6,8 @@ bidirectional inside the block (a short block then loses nothing a draft row cou
 
 from __future__ import annotations
 
+import cuda_emulator
+import mlx.core as mx
 import pytest
 
 from dflash_bench.engine.drafters.dflash import Proposal
@@ -90,3 +92,41 @@ def test_a_pass_builds_one_key_mask_per_stream_and_layer_kind(drafter, monkeypat
     monkeypatch.setattr(dflash, "BlockMasks", PerLayer)
     built.clear()
     assert drafter.propose(proposals) == shared and len(built) == len(proposals) * len(drafter.layers)
+
+
+@cuda_emulator.needs_gxx
+def test_on_the_row_kernel_a_drafter_layer_runs_k_v_and_gate_up_as_one_launch_each(monkeypatch, tmp_path) -> None:
+    """Where the drafter's projections take the row kernel (a CUDA GPU; here its CUDA source run by
+    tests/cuda_emulator.py), a layer's k and v, and its gate and up, are one stacked weight and one
+    launch each, whose parts come back apart (tiles.Stacked): a block pass of the 9B-shaped tiny drafter
+    launches 5 products a layer, not 8, and its logits are the separate products' to bf16 accuracy (a
+    swapped part would be off by the whole norm)."""
+    from dflash_bench.engine import tiles
+    from dflash_bench.engine.drafters.dflash import load_drafter
+    from dflash_bench.fixtures.big import write_big
+
+    engine = Engine(write_big("qwen3_5-9b-4bit", tmp_path / "t", "tiny"), None,
+                    Settings(context=256, chunk=32, backend="gpu"))
+    path = write_big("dflash-9b", tmp_path / "d", "tiny")
+    separate = load_drafter(path, engine.target, dtype=mx.bfloat16)  # here: no kernel, one product each
+    cuda_emulator.install_matmul(monkeypatch)
+    monkeypatch.setattr(tiles, "available", lambda dtype: dtype == mx.bfloat16)
+    stacked = load_drafter(path, engine.target, dtype=mx.bfloat16)
+    for mine, theirs in zip(stacked.layers, separate.layers):
+        for name in ("kv", "gate_up"):
+            assert len(mine[name].weights) == 1 and len(theirs[name].weights) == 2
+    taps = engine.target.forward([Segment(list(range(8, 40)), 0, engine.target.new_state(), want_taps=True)],
+                                 stacked.taps)[0].taps
+    launches: list[tuple[int, ...]] = []
+    rows_matmul = tiles.rows_matmul
+    monkeypatch.setattr(tiles, "rows_matmul", lambda *a: launches.append(a[-1]) or rows_matmul(*a))
+    logits = []
+    for drafter in (separate, stacked):
+        state = drafter.new_state()
+        drafter.absorb([(state, taps)])
+        launches.clear()
+        logits.append(drafter.block_pass([Proposal(state, 9, 5, SamplingParams(0.0))])[1])
+    layers = len(stacked.layers)
+    assert len(launches) == 5 * layers and launches.count(stacked.layers[0]["kv"].widths) == layers
+    err = (mx.linalg.norm(logits[1] - logits[0]) / mx.linalg.norm(logits[0])).item()
+    assert err < 5e-2, err

@@ -33,7 +33,7 @@ from dflash_bench.engine.fused import swiglu
 from dflash_bench.engine.quantize import dequantize_packed
 from dflash_bench.engine.sampling import SamplingParams, choose, filtered, gumbel
 from dflash_bench.engine.targets.base import Target, repack
-from dflash_bench.engine.tiles import KEY_TILE, Weight, attention, key_mask, linear, pad_queries, pad_rows, query_positions
+from dflash_bench.engine.tiles import KEY_TILE, Stacked, Weight, attention, key_mask, linear, pad_queries, pad_rows, query_positions
 from dflash_bench.engine.tree import Lattice, Tree, build
 from dflash_bench.engine.validate import check_drafter
 
@@ -135,6 +135,16 @@ class DFlashDrafter:
             weight.kernel = weight.fits_kernel(self.dtype)
             return weight
 
+        def stacked(*names: str) -> Stacked:
+            """Projections of the same rows: on the row kernel one launch writing each part apart
+            (tiles.Stacked), elsewhere one product each, as `w` (a stacked weight's bits are its own,
+            which drafts may change: the target's choices decide every token)."""
+            parts = [w(name) for name in names]
+            joined = Stacked(parts, stack=all(part.kernel for part in parts))
+            for weight in joined.weights:
+                weight.kernel = weight.fits_kernel(self.dtype)
+            return joined
+
         self.fc = w("fc.weight")
         self.hidden_norm = weights["hidden_norm.weight"]
         self.norm = weights["norm.weight"]
@@ -144,14 +154,15 @@ class DFlashDrafter:
             self.layers.append(
                 dict(
                     q=w(f"{p}.self_attn.q_proj.weight"),
-                    k=w(f"{p}.self_attn.k_proj.weight"),
-                    v=w(f"{p}.self_attn.v_proj.weight"),
+                    # k and v: also what `absorb` runs on the context rows, so not stacked with q
+                    kv=stacked(f"{p}.self_attn.k_proj.weight", f"{p}.self_attn.v_proj.weight"),
                     o=w(f"{p}.self_attn.o_proj.weight"),
                     q_norm=weights[f"{p}.self_attn.q_norm.weight"],
                     k_norm=weights[f"{p}.self_attn.k_norm.weight"],
                     pre=weights[f"{p}.input_layernorm.weight"],
                     post=weights[f"{p}.post_attention_layernorm.weight"],
-                    mlp=tuple(w(f"{p}.mlp.{n}_proj.weight") for n in ("gate", "up", "down")),
+                    gate_up=stacked(f"{p}.mlp.gate_proj.weight", f"{p}.mlp.up_proj.weight"),
+                    down=w(f"{p}.mlp.down_proj.weight"),
                     window=c.sliding_window if c.layer_types[i] == "sliding_attention" else None,
                     causal=c.causal[i],
                 )
@@ -166,8 +177,8 @@ class DFlashDrafter:
             for value in layer.values():
                 if isinstance(value, Weight):
                     out += value.arrays()
-                elif isinstance(value, tuple):
-                    out += [a for w in value for a in w.arrays()]
+                elif isinstance(value, Stacked):
+                    out += [a for w in value.weights for a in w.arrays()]
                 elif isinstance(value, mx.array):
                     out.append(value)
         return out
@@ -192,7 +203,7 @@ class DFlashDrafter:
         starts = [(state.length, state.start, None if isinstance(state.start, int)
                    else mx.arange(b - a, dtype=mx.int32) + state.start) for (state, _), (a, b) in zip(items, spans)]
         for li, layer in enumerate(self.layers):
-            k, v = linear(fused, layer["k"]), linear(fused, layer["v"])
+            k, v = layer["kv"](fused)
             for (state, _), (a, b), (start, at, rows) in zip(items, spans, starts):
                 n = b - a
                 ks = mx.fast.rms_norm(k[a:b].reshape(n, self.kv_heads, self.head_dim), layer["k_norm"], self.eps)
@@ -261,14 +272,13 @@ class DFlashDrafter:
 
     def attention(self, li: int, layer: dict, x: mx.array, items: list[Proposal], spans: list[tuple[int, int]],
                   masks: BlockMasks) -> mx.array:
-        q, k, v = linear(x, layer["q"]), linear(x, layer["k"]), linear(x, layer["v"])
+        q, (k, v) = linear(x, layer["q"]), layer["kv"](x)
         outs = [self.attend(layer, li, p.state, q[a:b], k[a:b], v[a:b], masks.of(i))
                 for i, (p, (a, b)) in enumerate(zip(items, spans))]
         return linear(repack(outs, x.shape[0]), layer["o"])
 
     def mlp(self, layer: dict, x: mx.array) -> mx.array:
-        gate, up, down = layer["mlp"]
-        return linear(swiglu(linear(x, gate), linear(x, up)), down)
+        return linear(swiglu(*layer["gate_up"](x)), layer["down"])
 
     def drafts(self, x: mx.array, logits: mx.array, items: list[Proposal]) -> list[mx.array]:
         """Each stream's drafts (int32) from its block rows' logits, keyed like the target's own draws."""
