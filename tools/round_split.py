@@ -1,7 +1,7 @@
 """Where a decode round's time goes in the engine: the forward's Python, queuing it, and the rest.
 
 usage: python3 tools/round_split.py [TARGET] [--backend auto|cpu|gpu] [--streams N] [--tokens T]
-       [--parallel P] [--no-warm] [--with-mlx-lm | --layers DRAFTER | --drafter DRAFTER | --probes]
+       [--parallel P] [--no-warm] [--drafter-bits B] [--with-mlx-lm | --layers DRAFTER | --drafter DRAFTER | --probes]
 (on the GPU machine: PYTHONPATH=/tmp/site:$PWD python3 tools/round_split.py /root/t9 --backend gpu)
 
 On the H200 a 9B step built and evaluated on its own costs 13.8 ms (tools/build_eval_split.py) but the
@@ -190,6 +190,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--parallel", type=int, default=0, help="the engine's lanes (default: --streams)")
     parser.add_argument("--no-warm", action="store_true", help="skip the engine's warm-up (the first split warms)")
+    parser.add_argument("--drafter-bits", type=int, default=0, help="with --drafter: its precision (0 = float, 4 = 4-bit)")
     modes = parser.add_mutually_exclusive_group()  # --layers loads mlx-lm's model itself, as one of its steps
     modes.add_argument("--with-mlx-lm", action="store_true",
                        help="hold mlx-lm's model of TARGET in the process too, as engine-speed does")
@@ -199,7 +200,7 @@ def main() -> None:
     modes.add_argument("--probes", action="store_true", help="time engine-speed's probes' plain rounds by quarter")
     args = parser.parse_args()
     engine = Engine(args.target, args.drafter, Settings(parallel=args.parallel or args.streams, context=4096,
-                                                        warm=not args.no_warm,
+                                                        warm=not args.no_warm, drafter_bits=args.drafter_bits,
                                                         backend=None if args.backend == "auto" else args.backend))
     print(engine.startup_line(), flush=True)
     held = None
