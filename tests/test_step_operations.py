@@ -21,6 +21,8 @@ forward, not once a layer.
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import collections
 import sys
 from pathlib import Path
@@ -47,14 +49,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from forward_ops import census  # noqa: E402  (tools/: the operation census the GPU figures were counted with)
 
 
-def each_row_alone(self: Weight, x: mx.array) -> mx.array:
+def apart(y: mx.array, parts: tuple[int, ...]) -> mx.array | list[mx.array]:
+    """`y`, or with `parts` (a stacked weight's column widths) each part as its own array, as the kernel
+    returns them (matmul_kernel.rows_matmul)."""
+    if not parts:
+        return y
+    return [mx.contiguous(c) for c in mx.split(y, list(accumulate(parts[:-1])), axis=-1)]
+
+
+def each_row_alone(self: Weight, x: mx.array, parts: tuple[int, ...] = ()) -> mx.array | list[mx.array]:
     """The kernel's contract without the kernel: every row through the weight's own product, alone."""
-    return mx.concatenate([self.tile(x[i : i + 1]) for i in range(x.shape[0])])
+    return apart(mx.concatenate([self.tile(x[i : i + 1]) for i in range(x.shape[0])]), parts)
 
 
-def count_dependent(self: Weight, x: mx.array) -> mx.array:
+def count_dependent(self: Weight, x: mx.array, parts: tuple[int, ...] = ()) -> mx.array | list[mx.array]:
     """A product whose rows depend on the call's row count: what the model check must catch."""
-    return each_row_alone(self, x) + (x.shape[0] - 1) * 1e-2
+    return apart(each_row_alone(self, x) + (x.shape[0] - 1) * 1e-2, parts)
 
 
 def kernel_target(family: str, monkeypatch, product) -> Target:

@@ -72,10 +72,14 @@ class Launch:
             key = (t["K"], t["N"])
             if key not in self.zeros:
                 self.zeros[key] = mx.zeros(key, dtype=mx.bfloat16)
-            return [x @ self.zeros[key]]
+            return [(x @ self.zeros[key]).reshape(output_shapes[0])]
         y = x @ w.T if t["BITS"] == 16 else mx.quantized_matmul(x, w, scales, biases, transpose=True,
                                                                 group_size=t["G"], bits=t["BITS"])
-        return [y.astype(mx.bfloat16)]
+        y = y.astype(mx.bfloat16)
+        if len(output_shapes[0]) == 1:  # a stacked weight's parts, one after another (rows_matmul's `parts`)
+            starts = sorted({0, t["P1"], t["P2"], t["P3"], t["N"]})
+            y = mx.concatenate([y[:, a:b].reshape(-1) for a, b in zip(starts, starts[1:])])
+        return [y]
 
 
 def main() -> None:
