@@ -31,6 +31,10 @@ chunk's values that A and B share (lane t's values 4s..4s+3 of its chunk sit in 
 Loading PIPE iterations' weights ahead of their math (`look_ahead`) changes when loads are issued,
 not what is summed in which order.
 
+A stacked weight's launch (tiles.Stacked) can write its output as one row-contiguous array a part
+(`parts`): where each column lands, never how it is summed, so the parts equal the columns of the
+unsplit product bit for bit (tests/test_matmul_kernel.py, on the device and under the emulator).
+
 Only the decode rows take this path, and only on a CUDA GPU (tiles.py `linear`); prompt chunks keep
 MLX's own kernels (their bits need only be a function of the chunk: tiles.py). The engine's
 self-check proves the kernel where it runs (selfcheck.py); tests/test_matmul_kernel.py checks it on
