@@ -298,15 +298,35 @@ def _kernel():
     )
 
 
-@lru_cache(maxsize=64)
-def _row_count(m: int) -> mx.array:
-    return mx.array([m], dtype=mx.int32)
-
-
 def splits_output(widths: tuple[int, ...]) -> bool:
     """Whether a launch can write these column widths (summing to N) as separate parts: at most
     MAX_PARTS, each of whole column pairs (a thread writes two neighbouring columns)."""
     return 1 < len(widths) <= MAX_PARTS and all(w % 2 == 0 and w > 0 for w in widths)
+
+
+@dataclass(frozen=True)
+class KernelCall:
+    """One call shape's launch arguments (`launch`), built once: a decode round makes a call per weight,
+    and the host's time building each is part of the round's (docs/gpu-round-profile.md)."""
+
+    rows: mx.array  # the row count, the kernel's input `rows`
+    options: dict  # template, grid, threadgroup, output shapes and dtypes
+    splits: list[int]  # where the flat output divides into parts (with `parts`)
+
+
+@lru_cache(maxsize=4096)
+def launch(m: int, k: int, n: int, bits: int, group_size: int, parts: tuple[int, ...]) -> KernelCall:
+    """The launch of `rows_matmul` for m rows of a (n, k) weight: a function of the shapes alone."""
+    g = geometry(k, n, bits)
+    tiles = min(MAX_TILES, -(-m // MMA_ROWS))
+    starts = list(accumulate(parts[:-1])) if parts else []
+    template = [("K", k), ("N", n), ("BITS", bits), ("G", group_size if bits != 16 else 1),
+                ("NT", g.nt), ("SPLITK", g.split_k), ("MT", tiles), ("PIPE", look_ahead(k, bits, g.split_k, tiles)),
+                *zip(("P1", "P2", "P3"), starts + [n] * (MAX_PARTS - 1 - len(starts)))]
+    options = dict(template=template, grid=(n // (8 * g.nt) * 32 * g.split_k, -(-m // (MMA_ROWS * tiles)), 1),
+                   threadgroup=(32 * g.split_k, 1, 1), output_shapes=[(m * n,) if parts else (m, n)],
+                   output_dtypes=[mx.bfloat16])
+    return KernelCall(mx.array([m], dtype=mx.int32), options, [m * lo for lo in starts])
 
 
 def rows_matmul(x: mx.array, w: mx.array, scales: mx.array | None, biases: mx.array | None, bits: int,
@@ -317,23 +337,10 @@ def rows_matmul(x: mx.array, w: mx.array, scales: mx.array | None, biases: mx.ar
     a stacked weight's products (tiles.Stacked), which a column slice of (M, N) would leave strided
     for every later reshape and kernel to copy. Where a column is written, never how it is summed."""
     m, k = x.shape
-    n = w.shape[0]
-    g = geometry(k, n, bits)
-    tiles = min(MAX_TILES, -(-m // MMA_ROWS))
+    call = launch(m, k, w.shape[0], bits, group_size, parts)
     if bits == 16:
         scales = biases = w[:1, :1]  # unread: the launch still takes four arrays
-    starts = list(accumulate(parts[:-1])) if parts else []
-    starts += [n] * (MAX_PARTS - 1 - len(starts))
-    (y,) = _kernel()(
-        inputs=[x, w, scales, biases, _row_count(m)],
-        template=[("K", k), ("N", n), ("BITS", bits), ("G", group_size if bits != 16 else 1),
-                  ("NT", g.nt), ("SPLITK", g.split_k), ("MT", tiles), ("PIPE", look_ahead(k, bits, g.split_k, tiles)),
-                  ("P1", starts[0]), ("P2", starts[1]), ("P3", starts[2])],
-        grid=(n // (8 * g.nt) * 32 * g.split_k, -(-m // (MMA_ROWS * tiles)), 1),
-        threadgroup=(32 * g.split_k, 1, 1),
-        output_shapes=[(m * n,) if parts else (m, n)],
-        output_dtypes=[mx.bfloat16],
-    )
+    (y,) = _kernel()(inputs=[x, w, scales, biases, call.rows], **call.options)
     if not parts:
         return y
-    return [y[m * lo : m * (lo + width)].reshape(m, width) for lo, width in zip([0, *starts], parts)]
+    return [part.reshape(m, width) for part, width in zip(mx.split(y, call.splits), parts)]
