@@ -65,6 +65,8 @@ fi
 if [ -f "$gguf" ]; then
   run concurrent-default 420 concurrent --levels 1,4 --temperatures 0,0.7 --backend gpu \
     --out "$out/concurrent-default-gpu-h200.json"
+  step round-split-default 300 python3 tools/round_split.py default --backend gpu \
+    --drafter dflash_bench/drafters/smollm2-135m-dflash --tokens 128
   run engine-speed-default 540 engine-speed default --levels 1,4 --tokens 256 --reps 2 --drafter-bits 0 \
     --backend gpu --out "$out/engine-speed-default-gpu-h200.json"
 else
