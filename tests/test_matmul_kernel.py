@@ -15,6 +15,7 @@ weights, and its engine drafts exactly what it decodes plainly.
 
 from __future__ import annotations
 
+from itertools import accumulate
 
 import cuda_emulator
 import pytest
@@ -104,7 +105,7 @@ def test_a_stacked_weight_returns_contiguous_parts_for_decode_rows_and_splits_a_
     def product(self, x, widths=()):
         calls.append((x.shape[0], widths))
         y = x @ self.w.T
-        return [mx.contiguous(c) for c in mx.split(y, [32, 48], axis=-1)] if widths else y
+        return [mx.contiguous(c) for c in mx.split(y, list(accumulate(widths[:-1])), axis=-1)] if widths else y
 
     monkeypatch.setattr(Weight, "kernel_product", product)
     monkeypatch.setattr(Weight, "tile", lambda self, x: x @ self.w.T)
@@ -249,9 +250,8 @@ def test_a_forward_on_the_kernels_parts_equals_one_on_column_slices(monkeypatch,
     gate/up), give the logits and taps of the same forward on one product's column slices, bit for bit."""
     from dflash_bench.engine import tiles
     from dflash_bench.engine.targets import Segment
-    from dflash_bench.fixtures.big import write_big
-
     from dflash_bench.engine.engine import Engine, Settings
+    from dflash_bench.fixtures.big import write_big
 
     target = Engine(write_big("qwen3_5-9b-4bit", tmp_path / "t", "tiny"), None,
                     Settings(context=256, chunk=32, backend="gpu")).target
