@@ -242,6 +242,34 @@ def test_the_kernel_source_at_device_starts_equals_host_starts(monkeypatch) -> N
     assert same(got, want), f"seed {seed}"
 
 
+@cuda_emulator.needs_gxx
+@pytest.mark.parametrize("causal, window", [(False, None), (True, 40), (False, 40), (False, PARTITION + 3)],
+                         ids=["bidirectional", "causal-window", "bidirectional-window", "window-past-a-partition"])
+def test_the_kernel_source_runs_a_drafter_blocks_masks(monkeypatch, causal, window) -> None:
+    """A drafter's block pass (drafters/dflash.py) takes the kernel with its layers' masks: every row of a
+    segment seeing all of it, and a sliding window back from each row's own position. The source agrees
+    with the float64 reference under those masks (partitions below a row's window combine as exact zeros,
+    so none is NaN), writes every element, and at device starts (`launch_meta` of the same causality)
+    equals host starts bit for bit."""
+    cuda_emulator.install(monkeypatch)
+    seed = secrets.randbits(31)
+    heads, scale = (4, 2, 64), 64**-0.5
+    segments = inputs(heads, [4, 1, 5], [PARTITION - 2, 300, 9], mx.bfloat16, seed)
+    got = decode_attention(segments, scale, causal=causal, window=window)
+    assert mx.all(mx.isfinite(got)).item(), f"seed {seed}: elements left unwritten"
+    want = reference(segments, scale, causal, window)
+    error = np.abs(np.array(got.astype(mx.float32), dtype=np.float64) - want).max() / np.abs(want).max()
+    assert error <= TOLERANCE[mx.bfloat16], f"seed {seed}: {error:.2e} relative"
+    if causal and window is None:
+        return
+    other = reference(segments, scale, True, None)  # the masks matter at these shapes
+    assert np.abs(other - want).max() > 10 * TOLERANCE[mx.bfloat16] * np.abs(want).max()
+    bounds = [(q, k, v, start + extra) for (q, k, v, start), extra in zip(segments, (15, 31, 0))]
+    ats = [mx.array(start, dtype=mx.int32) for _, _, _, start in segments]
+    meta = attention_kernel.launch_meta(bounds, ats, causal)
+    assert same(decode_attention(bounds, scale, meta, causal, window), got), f"seed {seed}"
+
+
 # -- on a CUDA GPU: the kernel itself ------------------------------------------------------------------
 def inputs(heads: tuple[int, int, int], rows: list[int], starts: list[int], dtype: mx.Dtype, seed: int):
     """Segments of fresh normal queries and caches, each cache a whole number of 64-key tiles."""
@@ -257,16 +285,21 @@ def inputs(heads: tuple[int, int, int], rows: list[int], starts: list[int], dtyp
     return out
 
 
-def reference(segments: list[attention_kernel.Rows], scale: float) -> np.ndarray:
-    """Causal attention in float64 numpy."""
+def reference(segments: list[attention_kernel.Rows], scale: float, causal: bool = True,
+              window: int | None = None) -> np.ndarray:
+    """Attention in float64 numpy: causal (or every row seeing its whole segment), within `window`
+    positions back from each row's own where given."""
     outs = []
     for q, k, v, start in segments:
         q64, k64, v64 = (np.array(x.astype(mx.float32), dtype=np.float64) for x in (q, k, v))
         n, hq, d = q64.shape
         hkv, keys = k64.shape[0], start + n
         s = np.einsum("nkgd,kld->nkgl", q64.reshape(n, hkv, hq // hkv, d), k64[:, :keys]) * scale
-        after = np.arange(keys)[None, :] > start + np.arange(n)[:, None]  # (rows, keys): keys past each row
-        s = np.where(after[:, None, None, :], -np.inf, s)
+        key, row = np.arange(keys)[None, :], start + np.arange(n)[:, None]
+        unseen = (key > row) if causal else np.zeros((n, keys), dtype=bool)  # (rows, keys)
+        if window is not None:
+            unseen |= row - key >= window
+        s = np.where(unseen[:, None, None, :], -np.inf, s)
         w = np.exp(s - s.max(-1, keepdims=True))
         w /= w.sum(-1, keepdims=True)
         outs.append(np.einsum("nkgl,kld->nkgd", w, v64[:, :keys]).reshape(n, hq, d))

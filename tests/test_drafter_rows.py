@@ -130,3 +130,58 @@ def test_on_the_row_kernel_a_drafter_layer_runs_k_v_and_gate_up_as_one_launch_ea
     assert len(launches) == 5 * layers and launches.count(stacked.layers[0]["kv"].widths) == layers
     err = (mx.linalg.norm(logits[1] - logits[0]) / mx.linalg.norm(logits[0])).item()
     assert err < 5e-2, err
+
+
+@cuda_emulator.needs_gxx
+def test_on_a_cuda_gpu_a_block_pass_runs_each_layers_attention_as_one_kernel_launch(monkeypatch, tmp_path) -> None:
+    """Where decode attention runs attention_kernel.py (a CUDA GPU; here its CUDA source run by
+    tests/cuda_emulator.py), a block pass runs each layer's attention for every stream in one launch with
+    the layer's own mask (causal or bidirectional inside the block, a sliding window or none), instead of
+    the tile products a stream at a time: a stream at a host start and one at a device start (cache.py's
+    keep_at), the 9B-shaped tiny drafter in bf16. Its logits are the tile products' to bf16 accuracy, and
+    a control with the windows left out of the launches is not (the masks are what the kernel takes)."""
+    from itertools import cycle
+
+    from dflash_bench.engine.drafters.dflash import load_drafter
+    from dflash_bench.engine.targets import attention_kernel
+    from dflash_bench.fixtures.big import write_big
+
+    engine = Engine(write_big("qwen3_5-9b-4bit", tmp_path / "t", "tiny"), None,
+                    Settings(context=256, chunk=32, backend="gpu"))
+    drafter = load_drafter(write_big("dflash-9b", tmp_path / "d", "tiny"), engine.target, dtype=mx.bfloat16)
+    assert not drafter.kernel_attention  # no CUDA GPU here
+    cuda_emulator.install(monkeypatch)
+    kinds = cycle([(True, 20), (False, 20), (False, None), (True, None)])
+    for layer, (causal, window) in zip(drafter.layers, kinds):
+        monkeypatch.setitem(layer, "causal", causal)
+        monkeypatch.setitem(layer, "window", window)
+    taps = engine.target.forward([Segment(list(range(8, 48)), 0, engine.target.new_state(), want_taps=True)],
+                                 drafter.taps)[0].taps
+    launches: list[int] = []
+    decode_attention = attention_kernel.decode_attention
+    monkeypatch.setattr(attention_kernel, "decode_attention",
+                        lambda segs, *a: launches.append(len(segs)) or decode_attention(segs, *a))
+
+    def logits(kernel: bool) -> mx.array:
+        monkeypatch.setattr(drafter, "kernel_attention", kernel)
+        states = []
+        for n in (40, 29):
+            state = drafter.new_state()
+            drafter.absorb([(state, taps[:n])])
+            states.append(state)
+        states[1].keep_at(mx.array(27, dtype=mx.int32), 29, 25)  # two stale rows past the device length
+        out = drafter.block_pass([Proposal(st, 9 + i, 7, SamplingParams(0.0)) for i, st in enumerate(states)])[1]
+        assert [st.length for st in states] == [40, 29]  # the block's K/V were the pass's only
+        return out
+
+    def error(got: mx.array, want: mx.array) -> float:
+        return (mx.linalg.norm(got - want) / mx.linalg.norm(want)).item()
+
+    tiled = logits(False)
+    assert launches == []
+    kernel = logits(True)
+    assert launches == [2] * len(drafter.layers)
+    assert error(kernel, tiled) < 5e-2, error(kernel, tiled)  # 1.7e-2 here: the tile products' bf16 scores
+    for layer in drafter.layers:
+        monkeypatch.setitem(layer, "window", None)
+    assert error(logits(True), tiled) > 0.3  # 0.95 here

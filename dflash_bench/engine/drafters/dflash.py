@@ -32,7 +32,9 @@ from dflash_bench.engine.errors import CheckpointError
 from dflash_bench.engine.fused import swiglu
 from dflash_bench.engine.quantize import dequantize_packed
 from dflash_bench.engine.sampling import SamplingParams, choose, filtered, gumbel
-from dflash_bench.engine.targets.base import Target, repack
+from dflash_bench.engine.targets import attention_kernel
+from dflash_bench.engine.targets.base import Target, repack, rope_rows
+from dflash_bench.engine.targets.dense import kernel_runs_here
 from dflash_bench.engine.tiles import KEY_TILE, Stacked, Weight, attention, key_mask, linear, pad_queries, pad_rows, query_positions
 from dflash_bench.engine.tree import Lattice, Tree, build
 from dflash_bench.engine.validate import check_drafter
@@ -126,6 +128,11 @@ class DFlashDrafter:
         self.scale = c.head_dim**-0.5
         self.eps = c.rms_norm_eps
         self.dtype = weights["hidden_norm.weight"].dtype  # its activations and context K/V: its weights' dtype
+        # every stream's block in one launch of attention_kernel.py a layer where it runs (a CUDA GPU): a
+        # decode round there is bound by the operations the host builds and encodes, and the tile products'
+        # softmax is about 15 of them a layer and stream (docs/gpu-round-profile.md)
+        self.kernel_attention = kernel_runs_here((self.heads, self.kv_heads, self.head_dim), mx.default_device(),
+                                                 mx.cuda.is_available())
 
         def w(name: str) -> Weight:
             """A projection; on a CUDA GPU in bf16 it takes the row kernel (matmul_kernel.py): one launch
@@ -273,6 +280,8 @@ class DFlashDrafter:
     def attention(self, li: int, layer: dict, x: mx.array, items: list[Proposal], spans: list[tuple[int, int]],
                   masks: BlockMasks) -> mx.array:
         q, (k, v) = linear(x, layer["q"]), layer["kv"](x)
+        if self.kernel_attention:
+            return linear(pad_rows(self.attend_launch(li, layer, q, k, v, items, spans, masks), x.shape[0]), layer["o"])
         outs = [self.attend(layer, li, p.state, q[a:b], k[a:b], v[a:b], masks.of(i))
                 for i, (p, (a, b)) in enumerate(zip(items, spans))]
         return linear(repack(outs, x.shape[0]), layer["o"])
@@ -332,6 +341,35 @@ class DFlashDrafter:
         return o.transpose(1, 0, 2).reshape(n, self.heads * self.head_dim)
 
 
+    def attend_launch(self, li: int, layer: dict, q: mx.array, k: mx.array, v: mx.array, items: list[Proposal],
+                      spans: list[tuple[int, int]], masks: BlockMasks) -> mx.array:
+        """Every stream's block over its context plus the block, in one launch of attention_kernel.py with
+        the layer's causality and window (what `attend` computes per stream with the tile products, in
+        another summation order): the rows' norms and RoPE once for all streams, each row at its own
+        position. Returns (rows, heads * head_dim) for the blocks' rows."""
+        rows = spans[-1][1]
+        qs = mx.fast.rms_norm(q[:rows].reshape(rows, self.heads, self.head_dim), layer["q_norm"], self.eps)
+        ks = mx.fast.rms_norm(k[:rows].reshape(rows, self.kv_heads, self.head_dim), layer["k_norm"], self.eps)
+        positions = masks.packed(items, spans)
+        qs = rope_rows(qs, positions, self.head_dim, self.config.rope_theta)
+        ks = rope_rows(ks, positions, self.head_dim, self.config.rope_theta)
+        vs = v[:rows].reshape(rows, self.kv_heads, self.head_dim).transpose(1, 0, 2)
+        launch, ats = [], []
+        for p, (a, b) in zip(items, spans):
+            cache = p.state.layers[li]
+            start, at, low = cache.length, cache.at, cache.low
+            cache.write(start, ks[:, a:b], vs[:, a:b], None if at is None else positions[a:b])
+            launch.append((qs[:, a:b].transpose(1, 0, 2), cache.k, cache.v, start))
+            ats.append(at)
+            if at is None:  # the block's K/V are this pass's only
+                cache.keep(start)
+            else:
+                cache.keep_at(at, start, low)
+        meta = masks.launch_meta(launch, ats, layer["causal"])
+        o = attention_kernel.decode_attention(launch, self.scale, meta, layer["causal"], layer["window"])
+        return o.reshape(rows, self.heads * self.head_dim)
+
+
 class BlockMasks:
     """A block pass's row positions per stream, and which keys its rows see per stream and layer kind,
     built once a pass: every layer of a stream holds the same positions (`absorb` writes each layer
@@ -341,10 +379,28 @@ class BlockMasks:
 
     def __init__(self) -> None:
         self.streams: dict[int, StreamBlock] = {}
+        self.positions: mx.array | None = None  # every stream's rows' positions, one after another
+        self.metas: dict[tuple, mx.array] = {}  # attention_kernel.py's launch layouts, by causality and capacities
 
     def of(self, stream: int) -> StreamBlock:
         """The pass's `stream`-th stream's positions and masks."""
         return self.streams.setdefault(stream, StreamBlock())
+
+    def packed(self, items: list[Proposal], spans: list[tuple[int, int]]) -> mx.array:
+        """The kernel path's row positions (int32), every stream's block from its first position (a device
+        value while the host has not read it), built by the pass's first layer."""
+        if self.positions is None:
+            parts = [mx.arange(b - a, dtype=mx.int32) + p.state.start for p, (a, b) in zip(items, spans)]
+            self.positions = mx.concatenate(parts) if len(parts) > 1 else parts[0]
+        return self.positions
+
+    def launch_meta(self, launch: list[attention_kernel.Rows], ats: list[mx.array | None], causal: bool) -> mx.array:
+        """attention_kernel.py's layout for the pass's launches of one causality (every layer's caches have
+        the same capacity, as `absorb` writes each layer alike), built by the first layer that needs it."""
+        key = (causal, *(k.shape[1] for _, k, _, _ in launch))
+        if key not in self.metas:
+            self.metas[key] = attention_kernel.launch_meta(launch, ats, causal)
+        return self.metas[key]
 
 
 @dataclass

@@ -5,7 +5,10 @@ What it computes: for each segment (one stream's decode rows: its pending token 
 one-row step), softmax(q k^T * scale) v over that stream's AttentionCache (cache.py), row r of a
 segment starting at position `start` seeing the keys [0, start + r]. It replaces `tiles.attention`'s
 per-segment tile products on a CUDA GPU (dense.py's `kernel_runs_here`), which cost 0.57-0.64 ms
-a layer per stream at 1,024 keys on an H200 (docs/gpu-round-profile.md), once per stream.
+a layer per stream at 1,024 keys on an H200 (docs/gpu-round-profile.md), once per stream. A drafter's
+block pass takes it too (drafters/dflash.py), with its layers' other masks: bidirectional inside the
+block, and a sliding window (`decode_attention`'s `causal` and `window`); a drafter needs only
+determinism, which the kernel has.
 
 Why a row's bits do not depend on its segment's row count, its place in it, or the other segments of
 the launch (what drafted == plain needs, targets/base.py): a row's arithmetic is a fixed function of
@@ -102,7 +105,8 @@ __device__ __forceinline__ void da_stage(T* dst, const T* src) {
 """
 
 # Pass 1. Template constants: T (K/V dtype; q arrives float32), D, G (q heads per kv head), HQ, HKV, RB (rows a block),
-# NW (warps), QPW (pairs a warp), P (PARTITION). `{select}` picks segment `seg`'s cache pointers.
+# NW (warps), QPW (pairs a warp), P (PARTITION), CAUSAL (0: a row sees its whole segment, a drafter's block),
+# WINDOW (keys a row sees back from its own position, itself included; 0: all). `{select}` picks segment `seg`'s cache pointers.
 # The source avoids the substrings `_shape`, `_strides` and `_ndim`, which would add MLX parameters.
 _PARTIAL = r"""
   constexpr int C = 32;
@@ -129,8 +133,11 @@ _PARTIAL = r"""
   if (r_lo >= n) return;
   const int rows = min(RB, n - r_lo);
   const int k_lo = part * P;
-  const int k_end = min(k_lo + P, start + r_lo + rows);  // one past the last key a row here sees
+  // one past the last key a row here sees: its own position (causal), else its block's last
+  const int k_end = min(k_lo + P, start + (CAUSAL ? r_lo + rows : n));
   if (k_lo >= k_end) return;
+  // the first chunk any row here sees: the first row's window starts lowest
+  const int c_lo = WINDOW ? max(k_lo, (start + r_lo - WINDOW + 1) / C * C) : k_lo;
   const T* kp;
   const T* vp;
 {select}
@@ -141,7 +148,8 @@ _PARTIAL = r"""
   const int lane = threadIdx.x % 32;
 
   bool live[QPW];
-  int pos[QPW];
+  int pos[QPW];  // the last key the row sees
+  int low[QPW];  // the first (its window's), 0 without one
   long long pair[QPW];  // (global row, q head), the index of q's and out's rows
   float m[QPW], l[QPW], acc[QPW][E];
 #pragma unroll
@@ -149,7 +157,8 @@ _PARTIAL = r"""
     const int qi = warp + NW * i;
     const int r = qi / G;
     live[i] = qi < rows * G;
-    pos[i] = start + r_lo + r;
+    pos[i] = CAUSAL ? start + r_lo + r : start + n - 1;
+    low[i] = WINDOW ? start + r_lo + r - WINDOW + 1 : 0;
     pair[i] = (long long)(row0 + r_lo + r) * HQ + hk * G + qi % G;
     m[i] = NEG_INF;
     l[i] = 0.0f;
@@ -157,7 +166,7 @@ _PARTIAL = r"""
     for (int e = 0; e < E; ++e) acc[i][e] = 0.0f;
   }
 
-  for (int c0 = k_lo; c0 < k_end; c0 += C) {
+  for (int c0 = c_lo; c0 < k_end; c0 += C) {
     da_stage<T, D, DP, NT>(kbuf, kp + (long long)c0 * D);
     if constexpr (!SPLIT) da_stage<T, D, DP, NT>(vown, vp + (long long)c0 * D);
     __syncthreads();
@@ -172,7 +181,7 @@ _PARTIAL = r"""
       da_load<T, VEC>(kbuf + lane * DP + d, kk);
 #pragma unroll
       for (int i = 0; i < QPW; ++i) {
-        if (live[i] && c0 <= pos[i]) {
+        if (live[i] && c0 <= pos[i] && c0 + C > low[i]) {
           float qq[VEC];
           da_load<float, VEC>(q + pair[i] * D + d, qq);
 #pragma unroll
@@ -182,8 +191,8 @@ _PARTIAL = r"""
     }
 #pragma unroll
     for (int i = 0; i < QPW; ++i) {
-      if (live[i] && c0 <= pos[i]) {
-        const bool seen = c0 + lane <= pos[i];
+      if (live[i] && c0 <= pos[i] && c0 + C > low[i]) {
+        const bool seen = c0 + lane <= pos[i] && c0 + lane >= low[i];
         const float x = seen ? __fmul_rn(s[i], sc) : NEG_INF;
         float top = x;
 #pragma unroll
@@ -216,7 +225,7 @@ _PARTIAL = r"""
       da_load<T, E>(vbuf + j * DP + lane * E, vv);
 #pragma unroll
       for (int i = 0; i < QPW; ++i) {
-        if (live[i] && c0 + j <= pos[i]) {
+        if (live[i] && c0 + j <= pos[i] && c0 + j >= low[i]) {
           const float w = weights[warp][i][j];
 #pragma unroll
           for (int e = 0; e < E; ++e) acc[i][e] = __fmaf_rn(w, vv[e], acc[i][e]);
@@ -366,11 +375,17 @@ def check_segments(segments: list[Rows]) -> tuple[int, int, int, mx.Dtype]:
     return hq, hkv, d, dtype
 
 
+def last_keys(n: int, causal: bool) -> list[int]:
+    """The last key each of a segment's n rows sees, from its start: its own position (causal), else the
+    segment's last (a drafter's block, bidirectional inside it)."""
+    return list(range(n)) if causal else [n - 1] * n
+
+
 def device_meta(head: tuple[int, ...], lengths: list[int], starts: list[int], ats: list[mx.array | None],
-                seg_meta: list[int]) -> mx.array:
+                seg_meta: list[int], causal: bool = True) -> mx.array:
     """The launch's layout where some segments start at a device value (cache.py's keep_at): the same
-    int32 values `_meta` holds, the rows' positions and those starts computed on the device."""
-    positions = mx.concatenate([mx.arange(n, dtype=mx.int32) + (start if at is None else at)
+    int32 values `_meta` holds, the rows' last keys and those starts computed on the device."""
+    positions = mx.concatenate([mx.array(last_keys(n, causal), dtype=mx.int32) + (start if at is None else at)
                                 for n, start, at in zip(lengths, starts, ats)])
     table = mx.array(seg_meta, dtype=mx.int32).reshape(-1, 4)
     firsts = mx.stack([mx.array(start, dtype=mx.int32) if at is None else at.astype(mx.int32)
@@ -379,36 +394,42 @@ def device_meta(head: tuple[int, ...], lengths: list[int], starts: list[int], at
     return mx.concatenate([mx.array(head, dtype=mx.int32), positions, table])
 
 
-def launch_meta(segments: list[Rows], ats: list[mx.array | None] | None = None) -> mx.array:
-    """The launch's int32 layout (pmax, rows, each row's position, then (row0, start, n, capacity) a
-    segment), the same for every attention layer of a forward. Where `ats` gives a segment a device start,
-    its `start` is that start's upper bound and the layout is computed on the device (`device_meta`)."""
+def launch_meta(segments: list[Rows], ats: list[mx.array | None] | None = None, causal: bool = True) -> mx.array:
+    """The launch's int32 layout (pmax, rows, the last key each row sees, then (row0, start, n, capacity) a
+    segment), the same for every attention layer of a forward (of a kind: `causal`, as `decode_attention`).
+    Where `ats` gives a segment a device start, its `start` is that start's upper bound and the layout is
+    computed on the device (`device_meta`)."""
     lengths = [q.shape[0] for q, _, _, _ in segments]
     offsets = (0, *accumulate(lengths))
     pmax = max(-(-(start + n) // PARTITION) for (_, _, _, start), n in zip(segments, lengths))
     starts = [start for _, _, _, start in segments]
     seg_meta = [x for (_, k, _, start), n, row0 in zip(segments, lengths, offsets) for x in (row0, start, n, k.shape[1])]
     if ats is not None and any(at is not None for at in ats):
-        return device_meta((pmax, offsets[-1]), lengths, starts, ats, seg_meta)
-    positions = [start + r for start, n in zip(starts, lengths) for r in range(n)]
+        return device_meta((pmax, offsets[-1]), lengths, starts, ats, seg_meta, causal)
+    positions = [start + r for start, n in zip(starts, lengths) for r in last_keys(n, causal)]
     return _meta((pmax, offsets[-1], *positions, *seg_meta))
 
 
-def decode_attention(segments: list[Rows], scale: float, meta: mx.array | None = None) -> mx.array:
-    """Every segment's causal attention over its own cache, in two launches: (sum n_i, Hq, D) in q's dtype,
+def decode_attention(segments: list[Rows], scale: float, meta: mx.array | None = None, causal: bool = True,
+                     window: int | None = None) -> mx.array:
+    """Every segment's attention over its own cache, in two launches: (sum n_i, Hq, D) in q's dtype,
     the segments' rows in order.
 
     A segment is (q, k, v, start): q (n, Hq, D) after RoPE and norms; k and v the stream's whole cache
     arrays (Hkv, capacity, D), row j at position j (not slices: a slice along the positions is not row-
     contiguous, so MLX would copy it); row r sits at position start + r and sees keys [0, start + r].
-    Query head h reads kv head h // (Hq / Hkv). `meta` is `launch_meta`'s (made here if not given): where
-    it places a segment at a device start, `start` is that start's upper bound and sizes the launch (a
-    block past a row's keys returns at once), so the rows' bits are those of the rows launched at a host start."""
+    Query head h reads kv head h // (Hq / Hkv). `meta` is `launch_meta`'s (made here if not given, of the
+    same `causal`): where it places a segment at a device start, `start` is that start's upper bound and
+    sizes the launch (a block past a row's keys returns at once), so the rows' bits are those of the rows
+    launched at a host start. A drafter's block pass (drafters/dflash.py) takes the other two masks its
+    layers have: `causal` False, every row of a segment seeing all of it, and a sliding `window`, a row
+    seeing only the last `window` positions up to its own (a partition below a row's window is combined
+    as an exact zero: pass 1 writes it as having seen nothing)."""
     hq, hkv, d, dtype = check_segments(segments)
     lengths = [q.shape[0] for q, _, _, _ in segments]
     rows = sum(lengths)
     pmax = max(-(-(start + n) // PARTITION) for (_, _, _, start), n in zip(segments, lengths))
-    meta = launch_meta(segments) if meta is None else meta
+    meta = launch_meta(segments, causal=causal) if meta is None else meta
     group = hq // hkv
     geo = geometry(group, max(lengths))
     nt = 32 * geo.nw
@@ -419,7 +440,7 @@ def decode_attention(segments: list[Rows], scale: float, meta: mx.array | None =
     ml, part_out = _partial_kernel(len(segments))(
         inputs=[q, meta, _scale(scale), *caches],
         template=[("T", dtype), ("D", d), ("G", group), ("HQ", hq), ("HKV", hkv), ("RB", geo.rb), ("NW", geo.nw),
-                  ("QPW", geo.qpw), ("P", PARTITION)],
+                  ("QPW", geo.qpw), ("P", PARTITION), ("CAUSAL", int(causal)), ("WINDOW", window or 0)],
         grid=(pmax * nt, hkv * geo.rg, len(segments)),
         threadgroup=(nt, 1, 1),
         output_shapes=[(rows, hq, pmax, 2), (rows, hq, pmax, d)],

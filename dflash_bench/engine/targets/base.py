@@ -112,6 +112,14 @@ def packed_positions(segments: list[Segment]) -> mx.array:
     return first._packed[1]
 
 
+def rope_rows(x: mx.array, positions: mx.array, dims: int, theta: float) -> mx.array:
+    """(n, heads, d) rows each rotated at its own position: (heads, n, d). A row's rotation is its own
+    (each row is its own batch entry), so rows rotated together equal rows rotated alone."""
+    n, heads, d = x.shape
+    out = mx.fast.rope(x.reshape(n, heads, 1, d), dims, traditional=False, base=theta, scale=1.0, offset=positions)
+    return out.reshape(n, heads, d).transpose(1, 0, 2)
+
+
 def as_weight(w: Weight | mx.array) -> Weight:
     """A checkpoint tensor as a projection weight: kept-packed ones arrive as Weights already."""
     return w if isinstance(w, Weight) else Weight(w)

@@ -16,7 +16,7 @@ from dflash_bench.engine.cache import AttentionCache, TargetState
 from dflash_bench.engine.fused import sigmoid_gate
 from dflash_bench.engine.target_config import TargetConfig
 from dflash_bench.engine.targets import attention_kernel
-from dflash_bench.engine.targets.base import Segment, Target, as_weight, packed_positions
+from dflash_bench.engine.targets.base import Segment, Target, as_weight, packed_positions, rope_rows
 from dflash_bench.engine.tiles import AttentionPath, Layout, Stacked, Weight, attention, linear, pad_queries
 from dflash_bench.engine.tree_attention import tree_attention, tree_keys
 
@@ -167,12 +167,8 @@ class SelfAttention:
                               scale=self.scale, path=self.path)[:, :n]
 
     def rope_rows(self, x: mx.array, positions: mx.array) -> mx.array:
-        """(n, heads, d) rows each rotated at its own position: (heads, n, d). A row's rotation is its
-        own (each row is its own batch entry), so rows rotated together equal rows rotated alone."""
-        n, heads, d = x.shape
-        out = mx.fast.rope(x.reshape(n, heads, 1, d), self.rope_dims, traditional=False, base=self.rope_theta,
-                           scale=1.0, offset=positions)
-        return out.reshape(n, heads, d).transpose(1, 0, 2)
+        """(n, heads, d) rows each rotated at its own position: (heads, n, d) (base.py's `rope_rows`)."""
+        return rope_rows(x, positions, self.rope_dims, self.rope_theta)
 
     def rope(self, x: mx.array, offset: int) -> mx.array:
         return mx.fast.rope(
