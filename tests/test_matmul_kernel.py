@@ -161,6 +161,9 @@ def test_the_kernel_source_run_on_a_cpu_stays_in_bounds_and_keeps_rows_alone(mon
     assert matmul_kernel.fits(k, n, bits, group or 64)
     assert matmul_kernel.geometry(k, n, bits).split_k == split
     assert matmul_kernel.look_ahead(k, bits, split, tiles=2) == ahead
+    assert matmul_kernel.launch(1, k, n, bits, group or 64, ()).options["template"][4] == ("NT", 2 if n % 16 == 0 else 1)
+    windows = matmul_kernel.launch(3, k, n, bits, group or 64, ()).options["template"][4]  # 4 where the columns allow
+    assert windows == ("NT", 4 if n % 32 == 0 else 2 if n % 16 == 0 else 1)
     w = weight(k, n, bits, group, seed=8)
     x = mx.random.normal((70, k), key=mx.random.key(9)).astype(mx.bfloat16)
     ref = x.astype(mx.float32) @ dequantized(w, bits, group).T

@@ -5,7 +5,8 @@ usage (on the GPU machine, from the repo root): PYTHONPATH=/tmp/site:$PWD python
 For each weight shape (Qwen3.5-9B's projections at 4 bits, the default model's in bf16, an 8-bit
 case): the relative error against a float32 product of the dequantized weights; whether every row
 of calls with 1..80 rows equals the same row computed alone (bit for bit); and the time a call at
-1, 16 and 64 rows next to MLX's own `quantized_matmul` at 1 row (above one row it compiles a
+1, 16 and 64 rows (and at 16 and 64 with the weight geometry's column tiles a warp instead of
+`tiles_a_warp`'s, the same bits) next to MLX's own `quantized_matmul` at 1 row (above one row it compiles a
 kernel at first use, for minutes) or `x @ w.T` at each (bf16), on the same arrays, as the
 median over timed batches of calls, each batch rotating over enough weight copies to overflow the
 L2 cache.
@@ -19,6 +20,7 @@ import time
 
 import mlx.core as mx
 
+from dflash_bench.engine import matmul_kernel
 from dflash_bench.engine.matmul_kernel import fits, geometry, rows_matmul
 
 L2_BYTES = 60 * 2**20
@@ -106,9 +108,17 @@ def main() -> int:
                 # MLX's quantized product above one row compiles a kernel at first use (minutes): time it at 1
                 theirs_ms = timed(theirs, xm, copies, bits, group) if (m == 1 or bits == 16) else float("nan")
                 times[m] = (timed(ours, xm, copies, bits, group), theirs_ms)
+                if m > 1:  # the same call at the geometry's column tiles a warp
+                    tiles_a_warp = matmul_kernel.tiles_a_warp
+                    matmul_kernel.tiles_a_warp = lambda m, n, nt: nt
+                    matmul_kernel.launch.cache_clear()
+                    times[-m] = (timed(ours, xm, copies, bits, group), float("nan"))
+                    matmul_kernel.tiles_a_warp = tiles_a_warp
+                    matmul_kernel.launch.cache_clear()
             ok = err < 2e-2 and finite and same
             fails += not ok
-            t = "  ".join(f"M{m} {a:.3f}/{b:.3f}ms" for m, (a, b) in times.items())
+            t = "  ".join(f"M{m} {a:.3f}/{b:.3f}ms" if m > 0 else f"(M{-m} at nt{g.nt} {a:.3f})"
+                          for m, (a, b) in times.items())
             gbs = wbytes / (times[1][0] * 1e-3) / 1e9
             rows_out.append(f"{name:18s} nt{g.nt} sk{g.split_k} err {err:.1e} rows {'PASS' if same else 'FAIL'}  {t}  ours@1 {gbs:.0f} GB/s")
         except Exception as e:  # one shape's failure must not hide the others

@@ -314,16 +314,27 @@ class KernelCall:
     splits: list[int]  # where the flat output divides into parts (with `parts`)
 
 
+def tiles_a_warp(m: int, n: int, geometry_nt: int) -> int:
+    """8-column MMA tiles a warp computes for m rows. Each warp loads its rows of x for every chunk, and
+    at one row only a few lanes do; a verify window's 16 rows cost every lane 8 loads a chunk against
+    2 of weights at the geometry's 2 tiles (docs/gpu-round-profile.md: a 16-row call at 1.37x a one-row
+    one on the 9B), so several rows take 4 tiles a warp where the columns allow, halving x's loads per
+    weight byte. Which warp computes a column never enters its sum (the split of the input width,
+    `SPLITK`, and each lane's chunks set that), so the bits are the geometry's."""
+    return 4 if m > 1 and geometry_nt == 2 and n % 32 == 0 else geometry_nt
+
+
 @lru_cache(maxsize=4096)
 def launch(m: int, k: int, n: int, bits: int, group_size: int, parts: tuple[int, ...]) -> KernelCall:
     """The launch of `rows_matmul` for m rows of a (n, k) weight: a function of the shapes alone."""
     g = geometry(k, n, bits)
+    nt = tiles_a_warp(m, n, g.nt)
     tiles = min(MAX_TILES, -(-m // MMA_ROWS))
     starts = list(accumulate(parts[:-1])) if parts else []
     template = [("K", k), ("N", n), ("BITS", bits), ("G", group_size if bits != 16 else 1),
-                ("NT", g.nt), ("SPLITK", g.split_k), ("MT", tiles), ("PIPE", look_ahead(k, bits, g.split_k, tiles)),
+                ("NT", nt), ("SPLITK", g.split_k), ("MT", tiles), ("PIPE", look_ahead(k, bits, g.split_k, tiles)),
                 *zip(("P1", "P2", "P3"), starts + [n] * (MAX_PARTS - 1 - len(starts)))]
-    options = dict(template=template, grid=(n // (8 * g.nt) * 32 * g.split_k, -(-m // (MMA_ROWS * tiles)), 1),
+    options = dict(template=template, grid=(n // (8 * nt) * 32 * g.split_k, -(-m // (MMA_ROWS * tiles)), 1),
                    threadgroup=(32 * g.split_k, 1, 1), output_shapes=[(m * n,) if parts else (m, n)],
                    output_dtypes=[mx.bfloat16])
     return KernelCall(mx.array([m], dtype=mx.int32), options, [m * lo for lo in starts])
