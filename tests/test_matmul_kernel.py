@@ -162,8 +162,8 @@ def test_the_kernel_source_run_on_a_cpu_stays_in_bounds_and_keeps_rows_alone(mon
     assert matmul_kernel.geometry(k, n, bits).split_k == split
     assert matmul_kernel.look_ahead(k, bits, split, tiles=2) == ahead
     assert matmul_kernel.launch(1, k, n, bits, group or 64, ()).options["template"][4] == ("NT", 2 if n % 16 == 0 else 1)
-    windows = matmul_kernel.launch(3, k, n, bits, group or 64, ()).options["template"][4]  # 4 where the columns allow
-    assert windows == ("NT", 4 if n % 32 == 0 else 2 if n % 16 == 0 else 1)
+    windows = matmul_kernel.launch(3, k, n, bits, group or 64, ()).options["template"][4]
+    assert windows == ("NT", 2 if n % 16 == 0 else 1)  # too few columns for 4 tiles a warp
     w = weight(k, n, bits, group, seed=8)
     x = mx.random.normal((70, k), key=mx.random.key(9)).astype(mx.bfloat16)
     ref = x.astype(mx.float32) @ dequantized(w, bits, group).T
@@ -180,6 +180,31 @@ def test_the_kernel_source_run_on_a_cpu_stays_in_bounds_and_keeps_rows_alone(mon
     changed[2, 5] = changed[2, 5] + 1.0
     same = mx.all(matmul_kernel.rows_matmul(changed, w.w, w.scales, w.biases, bits, group) == got[:17], axis=1)
     assert same.tolist() == [i != 2 for i in range(17)]
+
+
+@cuda_emulator.needs_gxx
+@pytest.mark.parametrize("case", [(1024, 64, 4, 32), (512, 96, 8, 64), (256, 32, 16, 0)], ids=["q4", "q8", "bf16"])
+def test_the_kernel_source_at_four_column_tiles_a_warp_equals_two(monkeypatch, case) -> None:
+    """`tiles_a_warp`: calls of several rows against a wide weight take 4 column tiles a warp, which changes
+    which warp computes a column, never its sum: at 4 tiles every row of calls of 3, 17 and 40 rows equals
+    the same call at 2 bit for bit (the weights here are narrow, so the rule is forced; what it picks for the
+    9B's weights is checked beside)."""
+    assert [matmul_kernel.tiles_a_warp(m, 4096, n, 4) for m, n in ((16, 24576), (16, 4096), (1, 24576), (16, 1024))] == [4, 4, 2, 2]
+    assert matmul_kernel.tiles_a_warp(16, 576, 1536, 16) == 2  # the 135M model's MLP: too few columns
+    cuda_emulator.install_matmul(monkeypatch)
+    k, n, bits, group = case
+    w = weight(k, n, bits, group, seed=11)
+    x = mx.random.normal((40, k), key=mx.random.key(12)).astype(mx.bfloat16)
+    got = {}
+    for nt in (2, 4):
+        with monkeypatch.context() as patch:
+            patch.setattr(matmul_kernel, "tiles_a_warp", lambda m, k, n, bits: nt)
+            matmul_kernel.launch.cache_clear()
+            got[nt] = [matmul_kernel.rows_matmul(x[:m], w.w, w.scales, w.biases, bits, group) for m in (3, 17, 40)]
+            assert matmul_kernel.launch(17, k, n, bits, group or 64, ()).options["template"][4] == ("NT", nt)
+        matmul_kernel.launch.cache_clear()  # no launch of the forced rule outlives the test
+    for two, four in zip(got[2], got[4]):
+        assert bool(mx.all(mx.isfinite(four)).item()) and mx.array_equal(two, four).item()
 
 
 # -- on a CUDA GPU ---------------------------------------------------------------------------------

@@ -314,21 +314,26 @@ class KernelCall:
     splits: list[int]  # where the flat output divides into parts (with `parts`)
 
 
-def tiles_a_warp(m: int, n: int, geometry_nt: int) -> int:
+def tiles_a_warp(m: int, k: int, n: int, bits: int) -> int:
     """8-column MMA tiles a warp computes for m rows. Each warp loads its rows of x for every chunk, and
-    at one row only a few lanes do; a verify window's 16 rows cost every lane 8 loads a chunk against
-    2 of weights at the geometry's 2 tiles (docs/gpu-round-profile.md: a 16-row call at 1.37x a one-row
-    one on the 9B), so several rows take 4 tiles a warp where the columns allow, halving x's loads per
-    weight byte. Which warp computes a column never enters its sum (the split of the input width,
+    at one row only a few lanes do; a verify window's 16 rows cost every lane 8 loads a chunk against 2
+    of weights at the geometry's 2 tiles, so several rows take 4 tiles a warp where that still leaves
+    half of TARGET_WARPS in flight. On the H200 (docs/profiles/matmul-kernel-probe-h200.log, 2026-12-04)
+    that made 16 rows of the 9B's projections 8-21% faster (its lm_head 0.591 -> 0.479 ms) and 64 rows
+    35-46% faster, while weights too narrow for it (the 9B's k/v alone, the 135M model's) were as fast or
+    slower at 4. Which warp computes a column never enters its sum (the split of the input width,
     `SPLITK`, and each lane's chunks set that), so the bits are the geometry's."""
-    return 4 if m > 1 and geometry_nt == 2 and n % 32 == 0 else geometry_nt
+    g = geometry(k, n, bits)
+    if m > 1 and g.nt == 2 and n % 32 == 0 and n // 32 * g.split_k >= TARGET_WARPS // 2:
+        return 4
+    return g.nt
 
 
 @lru_cache(maxsize=4096)
 def launch(m: int, k: int, n: int, bits: int, group_size: int, parts: tuple[int, ...]) -> KernelCall:
     """The launch of `rows_matmul` for m rows of a (n, k) weight: a function of the shapes alone."""
     g = geometry(k, n, bits)
-    nt = tiles_a_warp(m, n, g.nt)
+    nt = tiles_a_warp(m, k, n, bits)
     tiles = min(MAX_TILES, -(-m // MMA_ROWS))
     starts = list(accumulate(parts[:-1])) if parts else []
     template = [("K", k), ("N", n), ("BITS", bits), ("G", group_size if bits != 16 else 1),
