@@ -133,6 +133,51 @@ def test_on_the_row_kernel_a_drafter_layer_runs_k_v_and_gate_up_as_one_launch_ea
 
 
 @cuda_emulator.needs_gxx
+def test_where_every_kernel_takes_any_row_count_a_pass_runs_its_rows_unpadded(monkeypatch, tmp_path) -> None:
+    """Where a pass's products and attention all run our kernels (a CUDA GPU; here their CUDA sources run
+    by tests/cuda_emulator.py), its rows are not padded to whole ROW_TILEs (`any_rows`): the absorb's
+    projection takes the taps' rows and every product of the block pass the block's rows alone, and the
+    drafter's logits and K/V equal a padded pass's bit for bit, since each kernel gives a row the same
+    arithmetic whatever rows share its launch."""
+    from dflash_bench.engine import tiles
+    from dflash_bench.engine.drafters import dflash
+    from dflash_bench.fixtures.big import write_big
+
+    engine = Engine(write_big("qwen3_5-9b-4bit", tmp_path / "t", "tiny"), None,
+                    Settings(context=256, chunk=32, backend="gpu"))
+    path = write_big("dflash-9b", tmp_path / "d", "tiny")
+    cuda_emulator.install(monkeypatch)
+    cuda_emulator.install_matmul(monkeypatch)
+    monkeypatch.setattr(tiles, "available", lambda dtype: dtype == mx.bfloat16)
+    monkeypatch.setattr(dflash, "kernel_runs_here", lambda *a: True)
+    drafter = dflash.load_drafter(path, engine.target, dtype=mx.bfloat16)
+    assert drafter.any_rows
+    taps = engine.target.forward([Segment(list(range(8, 37)), 0, engine.target.new_state(), want_taps=True)],
+                                 drafter.taps)[0].taps
+    rows: list[int] = []
+    rows_matmul = tiles.rows_matmul
+    monkeypatch.setattr(tiles, "rows_matmul", lambda x, *a: rows.append(x.shape[0]) or rows_matmul(x, *a))
+
+    def run(any_rows: bool) -> tuple[list[int], list[int], list[mx.array]]:
+        monkeypatch.setattr(drafter, "any_rows", any_rows)
+        state = drafter.new_state()
+        rows.clear()
+        drafter.absorb([(state, taps)])
+        absorbed = list(rows)
+        rows.clear()
+        logits = drafter.block_pass([Proposal(state, 9, 5, SamplingParams(0.0))])[1]
+        return absorbed, list(rows), [logits, *state.arrays()]
+
+    absorbed, passed, unpadded = run(True)
+    assert set(absorbed) == {29} and set(passed) == {6}  # the taps' 29 rows; the anchor and 5 draft rows
+    absorbed, passed, padded = run(False)
+    assert set(absorbed) == {32} and set(passed) == {16}
+    assert len(unpadded) == len(padded)
+    for got, want in zip(unpadded, padded):
+        assert got.shape == want.shape and mx.array_equal(got, want).item()
+
+
+@cuda_emulator.needs_gxx
 def test_on_a_cuda_gpu_a_block_pass_runs_each_layers_attention_as_one_kernel_launch(monkeypatch, tmp_path) -> None:
     """Where decode attention runs attention_kernel.py (a CUDA GPU; here its CUDA source run by
     tests/cuda_emulator.py), a block pass runs each layer's attention for every stream in one launch with

@@ -1,13 +1,17 @@
 """How many operations one decode forward asks MLX for, and how long Python takes to build them.
 
-usage: python3 tools/forward_ops.py [--streams 1,4]
+usage: python3 tools/forward_ops.py [--streams 1,4] [--drafter]
 
 On a GPU a decode forward pays per launch (docs/gpu-round-profile.md), so the number of operations
 that are not views, and the Python time to build them, are what a change to the forward should cut.
 It counts them, and those of rolling a 16-row window back to its first row (`keep`), on any machine:
 the 9B-shaped `tiny` preset (fixture qwen3_5-9b-4bit's layer pattern, 8 layers) in the gpu mode,
 each of our three CUDA kernels stood in for by one node (the self-check runs first on reference
-arithmetic for them), and the fused chains compiled as they are on a GPU (engine/fused.py). Run it at two revisions (PYTHONPATH=a checkout) to compare.
+arithmetic for them), and the fused chains compiled as they are on a GPU (engine/fused.py). `--drafter`
+counts a drafted round's drafter work instead: the fixture dflash-9b drafter's (`tiny` preset, bf16) absorbing
+of a window's 16 tap rows and its block pass for 15 drafts, a stream at a device length (as a drafted round
+queued ahead runs them, lanes.py), with `mx.fast.rms_norm` and `mx.fast.rope` as one node each, as they are on a
+GPU (on a CPU MLX composes them from several). Run it at two revisions (PYTHONPATH=a checkout) to compare.
 """
 
 from __future__ import annotations
@@ -82,9 +86,47 @@ class Launch:
         return [y]
 
 
+def drafter_ops(target, root: Path, streams: list[int]) -> None:
+    """Operations of the drafter's absorb and block pass (module docstring), each stream at a device length."""
+    from dflash_bench.engine.drafters.dflash import Proposal, load_drafter
+    from dflash_bench.engine.sampling import SamplingParams
+
+    drafter = load_drafter(write_big("dflash-9b", root / "drafter", "tiny"), target, dtype=mx.bfloat16)
+    drafter.kernel_attention = True  # as on a CUDA GPU (dense.kernel_runs_here)
+    # one node each, as on a GPU (`Depends` only ties an array offset in, and is not counted)
+    mx.fast.rms_norm = lambda x, w, eps: mx.abs(x) if w is None else x * w
+    mx.fast.rope = lambda x, dims, **kw: (mx.depends([x * 1.5], [kw["offset"]])[0] if isinstance(kw.get("offset"), mx.array)
+                                          else x * 1.5)
+    taps = mx.zeros((16, len(drafter.taps) * target.config.hidden_size), dtype=mx.bfloat16)
+    for n in streams:
+        states = [drafter.new_state() for _ in range(n)]
+        drafter.absorb([(st, taps) for st in states])
+        mx.eval([st.arrays() for st in states])
+        for st in states:
+            st.keep_at(mx.array(10, dtype=mx.int32), 16, 1)
+        graph = []
+        absorb = drafter.absorb
+        drafter.absorb = lambda items: absorb(items) or graph.extend(a for st, _ in items for a in st.arrays())
+        drafter.absorb([(st, taps) for st in states])
+        drafter.absorb = absorb
+        counts = census(graph)
+        print(f"{n} stream(s), drafter absorbing 16 rows: {ops(counts)} operations that are not views", flush=True)
+        mx.eval(graph)
+        drafts = drafter.propose_queued([Proposal(st, mx.array(5, dtype=mx.int32), 15, SamplingParams(0.0)) for st in states])
+        counts = census(drafts)
+        print(f"{n} stream(s), drafter block pass for 15 drafts: {ops(counts)} operations that are not views "
+              f"({dict((k, c) for k, c in counts.most_common() if k not in VIEWS and k != 'Depends')})", flush=True)
+
+
+def ops(counts: collections.Counter) -> int:
+    """The operations of a census that launch work: not views, not `Depends` (drafter_ops's rope stand-in)."""
+    return sum(c for k, c in counts.items() if k not in VIEWS and k != "Depends")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--streams", default="1,4")
+    parser.add_argument("--drafter", action="store_true", help="count the drafter's absorb and block pass")
     args = parser.parse_args()
     dense.kernel_runs_here = lambda heads, device, cuda: attention_kernel.fits(*heads)
     qwen3_5.decode_recurrence = lambda heads, device, cuda: "delta_kernel" if delta_kernel.fits(*heads) else "gated_delta_ops"
@@ -117,6 +159,11 @@ def main() -> None:
         qwen3_5.gated, dense.sigmoid_gate = mx.compile(fused._gated), mx.compile(fused._sigmoid_gate)
     except ImportError:
         pass
+    if args.drafter:
+        attention_kernel.decode_attention = lambda segs, scale, meta=None, causal=True, window=None: mx.depends(
+            [mx.abs(mx.concatenate([s[0] for s in segs]))], [meta, *(a for s in segs for a in s[1:3])])[0]
+        drafter_ops(target, root, [int(s) for s in args.streams.split(",")])
+        return
     for streams in (int(s) for s in args.streams.split(",")):
         states = [target.new_state() for _ in range(streams)]
         for st in states:

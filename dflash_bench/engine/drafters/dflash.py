@@ -174,8 +174,18 @@ class DFlashDrafter:
                     causal=c.causal[i],
                 )
             )
+        # whether every product and attention of a pass takes any row count (the row kernel and the attention
+        # kernel, on a CUDA GPU): then its rows are not padded to whole ROW_TILEs, a zero block and a
+        # concatenation the host would build and encode for each layer's attention and the pass's embedding
+        weights = [self.fc] + [w for layer in self.layers for v in layer.values()
+                               for w in (v.weights if isinstance(v, Stacked) else (v,) if isinstance(v, Weight) else ())]
+        self.any_rows = self.kernel_attention and all(w.kernel for w in weights)
         mx.eval(self.parameters())  # materialize now: later memory readings must not see lazy weights land
         self.nbytes = sum(a.nbytes for a in self.parameters())
+
+    def padded(self, x: mx.array) -> mx.array:
+        """Rows padded to whole ROW_TILEs where a product of the pass runs in row tiles (`any_rows`)."""
+        return x if self.any_rows else pad_rows(x)
 
     def parameters(self) -> list[mx.array]:
         """Every array the drafter holds (quantized copies included)."""
@@ -205,7 +215,8 @@ class DFlashDrafter:
         for _, taps in items:
             spans.append((rows, rows + taps.shape[0]))
             rows += taps.shape[0]
-        fused = mx.fast.rms_norm(linear(pad_rows(mx.concatenate([t for _, t in items])), self.fc), self.hidden_norm, self.eps)
+        taps = mx.concatenate([t for _, t in items]) if len(items) > 1 else items[0][1]
+        fused = mx.fast.rms_norm(linear(self.padded(taps), self.fc), self.hidden_norm, self.eps)
         # read once: writing layer 0 advances them; at a device length, the rows' positions for every layer
         starts = [(state.length, state.start, None if isinstance(state.start, int)
                    else mx.arange(b - a, dtype=mx.int32) + state.start) for (state, _), (a, b) in zip(items, spans)]
@@ -263,7 +274,7 @@ class DFlashDrafter:
         blocks = [[p.last] + [mask] * (self.block_rows(p.count) - 1) for p in items]
         ends = list(accumulate(len(b) for b in blocks))
         spans = list(zip([0, *ends[:-1]], ends))
-        h = pad_rows(self.target.embed_rows(block_ids(blocks)))
+        h = self.padded(self.target.embed_rows(block_ids(blocks)))
         masks = BlockMasks()
         for li, layer in enumerate(self.layers):
             h = self.layer(li, layer, h, items, spans, masks)
@@ -281,7 +292,8 @@ class DFlashDrafter:
                   masks: BlockMasks) -> mx.array:
         q, (k, v) = linear(x, layer["q"]), layer["kv"](x)
         if self.kernel_attention:
-            return linear(pad_rows(self.attend_launch(li, layer, q, k, v, items, spans, masks), x.shape[0]), layer["o"])
+            o = self.attend_launch(li, layer, q, k, v, items, spans, masks)
+            return linear(o if o.shape[0] == x.shape[0] else pad_rows(o, x.shape[0]), layer["o"])
         outs = [self.attend(layer, li, p.state, q[a:b], k[a:b], v[a:b], masks.of(i))
                 for i, (p, (a, b)) in enumerate(zip(items, spans))]
         return linear(repack(outs, x.shape[0]), layer["o"])
@@ -300,7 +312,8 @@ class DFlashDrafter:
     def logits(self, x: mx.array) -> mx.array:
         """Float32 logits of normed block rows through the target's lm_head (with the config's
         output multiplier and soft cap, where it sets them)."""
-        out = linear(pad_rows(x), self.target.lm_head)[: x.shape[0]].astype(mx.float32)
+        head = self.target.lm_head  # on the row kernel it takes any row count
+        out = linear(x if head.kernel else pad_rows(x), head)[: x.shape[0]].astype(mx.float32)
         c = self.config
         if c.output_multiplier != 1.0:
             out = out * c.output_multiplier

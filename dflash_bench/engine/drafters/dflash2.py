@@ -46,6 +46,7 @@ class DFlash2Drafter(DFlashDrafter):
         self.hidden_projection = Weight(weights[f"{s}.hidden_projection.weight"], bits=bits)
         self.predecessor = weights[f"{s}.predecessor_codebook"]
         self.successor = weights[f"{s}.successor_codebook"]
+        self.any_rows = False  # the convs' projections and the selector's run in row tiles (tiles.linear)
         mx.eval(self.parameters())
         self.nbytes = sum(a.nbytes for a in self.parameters())
 
