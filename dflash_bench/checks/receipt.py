@@ -13,6 +13,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -113,7 +114,24 @@ def _git(*args: str) -> str | None:
     return out.stdout.strip() if out.returncode == 0 else None
 
 
+def named_revision() -> dict | None:
+    """The revision DFLASH_BENCH_COMMIT names ("SHA" or "SHA+dirty"), or None where it is unset: a copy of
+    the tree whose `.git` is not its own (the GPU machine's, tools/gpu_receipts.sh) names its revision so
+    that a stale `.git` does not speak for it. The CLI reads it before a command runs, so a malformed
+    value stops the command in one line before anything is lost."""
+    named = os.environ.get("DFLASH_BENCH_COMMIT")
+    if not named:
+        return None
+    sha, _, mark = named.partition("+")
+    if not re.fullmatch(r"[0-9a-f]{7,40}", sha) or mark not in ("", "dirty"):
+        raise ValueError(f"DFLASH_BENCH_COMMIT={named!r} is not a commit SHA with an optional '+dirty'")
+    return {"commit": sha, "dirty": mark == "dirty"}
+
+
 def git_revision() -> dict:
+    """The checkout's commit and whether tracked files differ from it (`named_revision` first)."""
+    if named := named_revision():
+        return named
     head = _git("rev-parse", "HEAD")
     dirty = _git("status", "--porcelain", "--untracked-files=no")
     return {"commit": head, "dirty": bool(dirty) if dirty is not None else None}

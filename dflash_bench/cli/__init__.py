@@ -8,6 +8,7 @@ from __future__ import annotations
 import typer
 
 import dflash_bench  # noqa: F401  (loads OpenBLAS before any mlx import)
+from dflash_bench.checks.receipt import named_revision
 
 app = typer.Typer(
     name="dflash-bench",
@@ -20,6 +21,11 @@ app = typer.Typer(
 @app.callback()
 def _root() -> None:
     """Exactness checks and benchmarks for DFlash speculative decoding, with a bundled MLX engine."""
+    try:
+        named_revision()
+    except ValueError as e:
+        typer.echo(f"dflash-bench: {e}", err=True)
+        raise typer.Exit(1) from None
 
 
 # Each command module registers its commands on `app` when imported.
