@@ -353,7 +353,6 @@ class DFlashDrafter:
         o = attention(pad_queries(qs), keys[:, first:], values[:, first:], seen, scale=self.scale)[:, :n]
         return o.transpose(1, 0, 2).reshape(n, self.heads * self.head_dim)
 
-
     def attend_launch(self, li: int, layer: dict, q: mx.array, k: mx.array, v: mx.array, items: list[Proposal],
                       spans: list[tuple[int, int]], masks: BlockMasks) -> mx.array:
         """Every stream's block over its context plus the block, in one launch of attention_kernel.py with
