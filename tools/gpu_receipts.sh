@@ -51,8 +51,10 @@ step pytest-gpu 540 python3 -m pytest -p no:cacheprovider -m gpu --ignore tests/
 } &
 wait
 # Then the timed runs, one at a time and alone on the machine.
+# the drafter in bf16 and as 4-bit copies: its bf16 products were ~1.9 ms of a 9B drafted round's device time
+# (docs/gpu-round-profile.md), so a 4-bit drafter is the serving choice to weigh against the bar (job A's pair decided nothing)
 run engine-speed-9b 540 engine-speed /root/f9/t --drafter /root/f9/d --levels 1,4 --tokens 128 --reps 2 \
-  --drafter-bits 0 --backend gpu --out "$out/engine-speed-qwen3.5-9b-4bit-gpu-h200.json"
+  --drafter-bits 0,4 --backend gpu --out "$out/engine-speed-qwen3.5-9b-4bit-gpu-h200.json"
 # where a drafted round's time goes against a plain one's, in one process (docs/profiles/round-split-h200.txt)
 step round-split-9b 300 python3 tools/round_split.py /root/f9/t --backend gpu --drafter /root/f9/d --tokens 64
 # the same two rounds' kernels, each timed alone by Nsight Compute (docs/profiles/round-kernels-h200.txt)
