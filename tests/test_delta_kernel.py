@@ -16,6 +16,7 @@ fixture in gpu mode drafts exactly what it decodes plainly, alone and beside ano
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import shutil
 
@@ -31,8 +32,8 @@ from dflash_bench.engine import selfcheck
 from dflash_bench.engine.cache import LinearCache
 from dflash_bench.engine.engine import Engine, Settings
 from dflash_bench.engine.request import Request
-from dflash_bench.engine.targets import Segment
-from dflash_bench.engine.targets.delta_kernel import delta_prefix, delta_windows
+from dflash_bench.engine.targets import Segment, delta_kernel
+from dflash_bench.engine.targets.delta_kernel import delta_prefix, delta_windows, separate
 from dflash_bench.engine.targets.qwen3_5 import RECURRENCES, GatedDeltaNet, decode_recurrence, per_window_ops
 from dflash_bench.fixtures.big import write_big
 
@@ -190,11 +191,38 @@ def test_the_kernel_source_launched_to_a_device_count_leaves_the_state_of_that_m
     cuda_emulator.install_delta(monkeypatch)
     q, k, v, g, beta, state0 = window(HEADS["small"], 6, seed=70)
     for m in range(7):
-        got = delta_prefix(q, k, v, g, beta, state0, mx.array(m, dtype=mx.int32))
+        got = delta_prefix(separate(q, k, v), g, beta, state0, mx.array(m, dtype=mx.int32))
         want = state0
         if m:
             [(_, want)] = delta_windows([(q[:m], k[:m], v[:m], g[:m], beta[:m], state0)])
         assert same(got, want), f"kept {m}"
+
+
+@cuda_emulator.needs_gxx
+def test_the_kernel_source_reads_q_k_and_v_in_place_as_it_reads_them_apart(monkeypatch) -> None:
+    """What the forward hands the kernel (qwen3_5.py's `decode`, delta_kernel.py's `in_place`): its normed
+    qk and the conv's rows as they are, read at each row's stride and offset. Through the kernel's
+    source, windows packed in one launch and every prefix a rollback launches (`delta_prefix`) give the
+    bits the same q, k and v copied apart give; a layout that reads k where q lies does not."""
+    cuda_emulator.install_delta(monkeypatch)
+    hk, hv, dk, dv = HEADS["small"]
+    rows, starts = 7, (0, 1, 4, 7)
+    parts = [window(HEADS["small"], rows, seed=80 + i) for i in range(3)]
+    q, k, v, g, beta, _ = parts[0]
+    states = [p[5] for p in parts]
+    qk = mx.concatenate([q, k], axis=1)  # (rows, 2 * hk, dk): q heads, then k heads
+    mixed = mx.concatenate([mx.random.normal((rows, 2 * hk * dk), key=mx.random.key(9)), v.reshape(rows, hv * dv)], axis=1)
+    read = delta_kernel.in_place(qk, mixed, 2 * hk * dk, hv, dv)
+    assert all(same(a, b) for a, b in zip(read.views(), (q, k, v)))
+    y, got = delta_kernel.delta_packed(read, g, beta, states, starts)
+    y_apart, want = delta_kernel.delta_packed(separate(q, k, v), g, beta, states, starts)
+    assert same(y, y_apart) and all(same(a, b) for a, b in zip(got, want))
+    for m in range(4):
+        kept = delta_prefix(read[1:4], g[1:4], beta[1:4], states[1], mx.array(m, dtype=mx.int32))
+        assert same(kept, delta_prefix(separate(q[1:4], k[1:4], v[1:4]), g[1:4], beta[1:4], states[1],
+                                       mx.array(m, dtype=mx.int32))), f"kept {m}"
+    misread = dataclasses.replace(read, layout=(*read.layout[:3], 0, *read.layout[4:]))  # k read at q's offset
+    assert not same(delta_kernel.delta_packed(misread, g, beta, states, starts)[0], y_apart)
 
 
 # -- on a CUDA GPU: the engine with it -----------------------------------------------------------------
@@ -218,8 +246,9 @@ def test_rollback_to_every_acceptance_length_equals_the_kept_rows_one_at_a_time(
     inputs = mx.random.normal((span + n, m.conv_dim), key=next(keys))
     a, b = mx.random.normal((n, m.hv), key=next(keys)), mx.random.normal((n, m.hv), key=next(keys))
     state0 = mx.random.normal((m.hv, m.dv, m.dk), key=next(keys)) * 0.1
-    q, k, v = m.mix(inputs, n)  # the window's rows, as its forward computes them
-    redo = m.redo_fn(inputs[:span], state0, inputs, (q, k, v, compute_g(m.A_log, a, m.dt_bias), mx.sigmoid(b)))
+    # the window's rows, as its forward computes them
+    redo = m.redo_fn(inputs[:span], state0, inputs, m.window_rows(m.conv(inputs, n), compute_g(m.A_log, a, m.dt_bias),
+                                                                   mx.sigmoid(b)))
     s = state0
     for t in range(n):
         q, k, v = m.mix(inputs[t : t + span + 1], 1)

@@ -147,7 +147,7 @@ def test_the_recurrence_kernels_states_are_views(monkeypatch) -> None:
     cuda_emulator.install_delta(monkeypatch)
     windows = [window((1, 2, 32, 16), n, seed=70 + i) for i, n in enumerate((1, 2))]
     q, k, v, g, beta = (mx.concatenate([w[i] for w in windows]) for i in range(5))
-    y, states = delta_kernel.delta_packed(q, k, v, g, beta, [w[5] for w in windows], (0, 1, 3))
+    y, states = delta_kernel.delta_packed(delta_kernel.separate(q, k, v), g, beta, [w[5] for w in windows], (0, 1, 3))
     ops = census([y, *states])
     assert ops["Gather"] == 0 and ops["Slice"] >= 2, ops
 
@@ -187,6 +187,22 @@ def test_a_rollback_to_a_device_length_launches_the_kernel_to_it_with_no_mask(mo
     state.keep_at(mx.array(6, dtype=mx.int32), 8, 6)
     ops = census([layer.state for layer in state.layers if not hasattr(layer, "k")])
     assert ops["Depends"] == len(linear) and ops["Select"] == ops["Arange"] == ops["Less"] == 0, ops
+
+
+def test_a_window_on_the_kernel_hands_it_q_k_and_v_where_they_lie(monkeypatch) -> None:
+    """Over a window's rows q, k and v are strided views of the normed qk and the conv's rows; the
+    kernel reads them in place (delta_kernel.py's `in_place`), so a window's forward makes no more
+    copies than a one-row step's (those of the stand-in product's parts), three a linear layer before."""
+
+    def launch(inputs, output_shapes, output_dtypes, **_):
+        return [mx.depends([mx.zeros(shape, dtype=dtype)], inputs)[0] for shape, dtype in zip(output_shapes, output_dtypes)]
+
+    monkeypatch.setattr(delta_kernel, "_kernel", lambda: launch)
+    target = kernel_target("qwen3_5", monkeypatch, each_row_alone)
+    for m in target.mixer_layers():
+        if isinstance(m, GatedDeltaNet):
+            monkeypatch.setattr(m, "recurrence", "delta_kernel")
+    assert decode_census(target, rows=3)["Contiguous"] == decode_census(target, rows=1)["Contiguous"]
 
 
 def test_a_window_at_a_device_length_scatters_its_keys_along_positions_built_once(monkeypatch) -> None:

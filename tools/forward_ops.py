@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import functools
 import re
 import statistics
 import tempfile
@@ -57,7 +56,8 @@ def reference_attention(segments, scale, meta=None):
     return mx.concatenate(outs).astype(segments[0][0].dtype)
 
 
-def reference_packed(q, k, v, g, beta, states, starts):
+def reference_packed(qkv, g, beta, states, starts):
+    q, k, v = qkv.views()
     res = qwen3_5.per_window_ops([(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], s)
                                   for s, a, b in zip(states, starts, starts[1:])])
     return mx.concatenate([y for y, _ in res]), [s for _, s in res]
@@ -137,7 +137,8 @@ def main() -> None:
     if hasattr(delta_kernel, "delta_packed"):
         delta_kernel.delta_packed = reference_packed
     if hasattr(delta_kernel, "delta_prefix"):  # a rollback to a device length (qwen3_5.py's redo_fn)
-        delta_kernel.delta_prefix = functools.partial(qwen3_5.prefix_by_rerun, qwen3_5.per_window_ops)
+        delta_kernel.delta_prefix = lambda qkv, g, beta, state, m: qwen3_5.prefix_by_rerun(
+            qwen3_5.per_window_ops, *qkv.views(), g, beta, state, m)
     root = Path(tempfile.mkdtemp())
     target = Engine(write_big("qwen3_5-9b-4bit", root / "target", "tiny"), None,
                     Settings(parallel=4, context=256, chunk=32, backend="gpu")).target
@@ -145,10 +146,10 @@ def main() -> None:
     matmul_kernel._kernel = lambda: stand_in
     attention_kernel.decode_attention = lambda segs, scale, meta=None: mx.abs(mx.concatenate([s[0] for s in segs]))
     if hasattr(delta_kernel, "delta_packed"):
-        delta_kernel.delta_packed = lambda q, k, v, g, beta, states, starts: (
-            mx.depends([mx.abs(v).astype(mx.float32)], [q, k, g, beta])[0], [mx.abs(s) for s in states])
+        delta_kernel.delta_packed = lambda qkv, g, beta, states, starts: (
+            mx.depends([mx.abs(qkv.views()[2]).astype(mx.float32)], [*qkv.arrays, g, beta])[0], [mx.abs(s) for s in states])
     if hasattr(delta_kernel, "delta_prefix"):
-        delta_kernel.delta_prefix = lambda q, k, v, g, beta, state, m: mx.depends([mx.abs(state)], [q, k, v, g, beta, m])[0]
+        delta_kernel.delta_prefix = lambda qkv, g, beta, state, m: mx.depends([mx.abs(state)], [*qkv.arrays, g, beta, m])[0]
     # one node for the recurrence, depending on all of its inputs as the kernel does
     qwen3_5.RECURRENCES["delta_kernel"] = lambda ws: [
         tuple(mx.depends([mx.abs(w[2]).astype(mx.float32), mx.abs(w[5])], list(w[:5]))) for w in ws]

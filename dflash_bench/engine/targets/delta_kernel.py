@@ -30,14 +30,19 @@ Launch geometry: LANES = min(32, Dk) lanes per dv-row (Dk a multiple of 32, or a
 32 with 32 // Dk dv-rows sharing a warp), EPL = Dk // LANES; the grid (in threads, as MLX's
 `cuda_kernel` takes it) is (Dv * LANES, Hv, windows) and a block gcd(Dv * LANES, 256) threads, so
 there are no partial blocks or warps: no bounds check, and full-mask shuffles are valid. Inputs are
-row-contiguous: q, k (rows, Hk, Dk), v and y (rows, Hv, Dv), g and beta (rows, Hv), states
-(windows, Hv, Dv, Dk), and int32 offsets (windows + 1): window w owns rows offsets[w] .. offsets[w+1]-1.
+row-contiguous: y (rows, Hv, Dv), g and beta (rows, Hv), states (windows, Hv, Dv, Dk), and int32 offsets
+(windows + 1): window w owns rows offsets[w] .. offsets[w+1]-1. q, k and v are read where they lie
+(`QKV`): row r's q heads (Hk x Dk, one after another) start at element r * qs + qo of the array q, its k
+heads at r * ks + ko of k, its v heads (Hv x Dv) at r * vs + vo of v, the six from the int32 input
+`layout`. So the forward hands over its normalized qk and the conv's rows as they are (`in_place`), where
+over a verify window's rows q, k and v are strided views that a row-contiguous launch copied first.
 Value head hv reads key head hv // (Hv / Hk), what `mx.repeat(q, Hv // Hk, -2)` gives.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from itertools import accumulate
 
@@ -64,6 +69,7 @@ _SOURCE = r"""
 
   const int lo = offsets[seg];
   const int hi = offsets[seg + 1];
+  const long long qs = layout[0], qo = layout[1], ks = layout[2], ko = layout[3], vs = layout[4], vo = layout[5];
 
   const long long sbase = (((long long)seg * Hv + hv) * Dv + dv) * Dk + lane * EPL;
   float s[EPL];
@@ -73,17 +79,19 @@ _SOURCE = r"""
   }
 
   for (int r = lo; r < hi; ++r) {
-    const long long qk = ((long long)r * Hk + hk) * Dk + lane * EPL;
+    const long long head = (long long)hk * Dk + lane * EPL;
+    const long long qa = r * qs + qo + head;
+    const long long ka = r * ks + ko + head;
     const long long gb = (long long)r * Hv + hv;
     const float gt = cvt_to_f(g[gb]);
     const float bt = cvt_to_f(beta[gb]);
-    const float vt = cvt_to_f(v[gb * Dv + dv]);
+    const float vt = cvt_to_f(v[r * vs + vo + (long long)hv * Dv + dv]);
     float kk[EPL];
     float qq[EPL];
 #pragma unroll
     for (int i = 0; i < EPL; ++i) {
-      kk[i] = cvt_to_f(k[qk + i]);
-      qq[i] = cvt_to_f(q[qk + i]);
+      kk[i] = cvt_to_f(k[ka + i]);
+      qq[i] = cvt_to_f(q[qa + i]);
     }
 
     // decay, then kv = state . k
@@ -140,7 +148,7 @@ def fits(hk: int, hv: int, dk: int, dv: int) -> bool:
 def _kernel():
     return mx.fast.cuda_kernel(
         name="dflash_delta_window",
-        input_names=["q", "k", "v", "g", "beta", "state_in", "offsets"],
+        input_names=["q", "k", "v", "g", "beta", "state_in", "offsets", "layout"],
         output_names=["y", "state_out"],
         source=_SOURCE,
         header=_HEADER,
@@ -157,6 +165,52 @@ def _offsets(starts: tuple[int, ...]) -> mx.array:
     return mx.array(starts, dtype=mx.int32)
 
 
+@dataclass(frozen=True)
+class QKV:
+    """A launch's q, k and v where they lie (module docstring): the arrays the kernel reads them from
+    (one array may serve twice), each row's element stride and offset in them, and the heads."""
+
+    arrays: tuple[mx.array, mx.array, mx.array]
+    layout: tuple[int, int, int, int, int, int]  # qs, qo, ks, ko, vs, vo
+    heads: tuple[int, int, int, int]  # Hk, Dk, Hv, Dv
+
+    @property
+    def rows(self) -> int:
+        return self.arrays[0].shape[0]
+
+    def __getitem__(self, rows: slice) -> QKV:
+        """A row range (a row range of a row-contiguous array is one, so the layout holds), an array that
+        serves twice sliced once: what q[a:b], k[a:b] and v[a:b] would be."""
+        taken: dict[int, mx.array] = {}
+        return replace(self, arrays=tuple(taken.setdefault(id(x), x[rows]) for x in self.arrays))
+
+    def views(self) -> tuple[mx.array, mx.array, mx.array]:
+        """q, k (rows, Hk, Dk) and v (rows, Hv, Dv) in their own shapes, as mlx-lm's ops take them (views of
+        `arrays`: each is row-contiguous with its layout's stride a row)."""
+        hk, dk, hv, dv = self.heads
+        qs, qo, ks, ko, vs, vo = self.layout
+
+        def at(x: mx.array, stride: int, offset: int, h: int, d: int) -> mx.array:
+            return x.reshape(x.shape[0], stride)[:, offset : offset + h * d].reshape(x.shape[0], h, d)
+
+        q, k, v = self.arrays
+        return at(q, qs, qo, hk, dk), at(k, ks, ko, hk, dk), at(v, vs, vo, hv, dv)
+
+
+def separate(q: mx.array, k: mx.array, v: mx.array) -> QKV:
+    """q, k (rows, Hk, Dk) and v (rows, Hv, Dv), each its own row-contiguous array."""
+    (_, hk, dk), (hv, dv) = q.shape, v.shape[1:]
+    return QKV((q, k, v), (hk * dk, 0, hk * dk, 0, hv * dv, 0), (hk, dk, hv, dv))
+
+
+def in_place(qk: mx.array, mixed: mx.array, v_at: int, hv: int, dv: int) -> QKV:
+    """qwen3_5.py's decode rows as its forward leaves them: `qk` (rows, 2 * Hk, Dk), the normalized q heads
+    then k heads, and `mixed` (rows, C), the conv's rows, whose columns from `v_at` are v's Hv x Dv heads."""
+    _, two_hk, dk = qk.shape
+    hk = two_hk // 2
+    return QKV((qk, qk, mixed), (two_hk * dk, 0, two_hk * dk, hk * dk, mixed.shape[1], v_at), (hk, dk, hv, dv))
+
+
 def delta_windows(windows: list[Window]) -> list[tuple[mx.array, mx.array]]:
     """Each window's (y, state after its last row), in one launch.
 
@@ -167,49 +221,54 @@ def delta_windows(windows: list[Window]) -> list[tuple[mx.array, mx.array]]:
     starts = (0, *accumulate(w[0].shape[0] for w in windows))
     q, k, v, g, beta = (mx.concatenate([w[i] for w in windows]) if len(windows) > 1 else windows[0][i]
                         for i in range(5))
-    y, states = delta_packed(q, k, v, g, beta, [w[5] for w in windows], starts)
+    y, states = delta_packed(separate(q, k, v), g, beta, [w[5] for w in windows], starts)
     return [(y[a:b], st) for st, (a, b) in zip(states, zip(starts, starts[1:]))]
 
 
-def delta_packed(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, states: list[mx.array],
+def delta_packed(qkv: QKV, g: mx.array, beta: mx.array, states: list[mx.array],
                  starts: tuple[int, ...]) -> tuple[mx.array, list[mx.array]]:
     """`delta_windows` for windows already packed one after another: window i is rows
     starts[i] .. starts[i + 1] - 1 of q, k, v, g and beta, from states[i]. Returns every row's y and
     each window's new state (a forward's decode segments pass their rows as they lie)."""
-    assert states and len(starts) == len(states) + 1 and starts[0] == 0 and starts[-1] == q.shape[0]
+    assert states and len(starts) == len(states) + 1 and starts[0] == 0 and starts[-1] == qkv.rows
     assert all(a < b for a, b in zip(starts, starts[1:])), f"every window needs a row: {starts}"
-    (_, hk, dk), (hv, dv) = q.shape, v.shape[1:]
+    hk, dk, hv, dv = qkv.heads
     assert fits(hk, hv, dk, dv), f"no launch for {hk}/{hv} heads of {dk}/{dv}"
     stacked = mx.stack(states) if len(states) > 1 else states[0][None]
-    y, new_states = _launch(q, k, v, g, beta, stacked, _offsets(tuple(starts)))
+    y, new_states = _launch(qkv, g, beta, stacked, _offsets(tuple(starts)))
     # slices, not `new_states[i]`: an integer index is a Gather, a copy launched per stream and layer
     return y, [new_states[i : i + 1].squeeze(0) for i in range(len(states))]
 
 
-def delta_prefix(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, state: mx.array,
-                 m: mx.array) -> mx.array:
+def delta_prefix(qkv: QKV, g: mx.array, beta: mx.array, state: mx.array, m: mx.array) -> mx.array:
     """The state after the first `m` rows of one window (m an int32 device scalar, 0 <= m <= rows): the
     window launched with its end at m, so the kernel walks rows 0 .. m - 1 exactly as a launch of
     those rows alone does (module docstring) and leaves the state as it is at m = 0. What a rollback
     to a length the host has not read needs (qwen3_5.py's `redo_fn`) in one launch whatever m is,
     with no mask over the rows; y past row m is left unwritten and is not returned."""
-    _, new_state = _launch(q, k, v, g, beta, state[None], m.astype(mx.int32) * _TO_M)
+    _, new_state = _launch(qkv, g, beta, state[None], m.astype(mx.int32) * _TO_M)
     return new_state.squeeze(0)
 
 
-def _launch(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, states: mx.array,
-            offsets: mx.array) -> tuple[mx.array, mx.array]:
+@lru_cache(maxsize=64)
+def _layout(layout: tuple[int, ...]) -> mx.array:
+    """The kernel's copy of a QKV layout, made once per layout."""
+    return mx.array(layout, dtype=mx.int32)
+
+
+def _launch(qkv: QKV, g: mx.array, beta: mx.array, states: mx.array, offsets: mx.array) -> tuple[mx.array, mx.array]:
     """One launch over windows `offsets` (windows + 1 row bounds, int32) of the packed rows, from the
     stacked `states`: every row's y (rows of no window left unwritten) and the new states, stacked."""
-    (rows, hk, dk), (hv, dv) = q.shape, v.shape[1:]
+    hk, dk, hv, dv = qkv.heads
+    rows, dtype = qkv.rows, qkv.arrays[0].dtype
     lanes = _lanes(dk)
     windows = states.shape[0]
     y, new_states = _kernel()(
-        inputs=[q, k, v, g, beta, states, offsets],
-        template=[("Dk", dk), ("Dv", dv), ("Hk", hk), ("Hv", hv), ("LANES", lanes), ("YT", q.dtype)],
+        inputs=[*qkv.arrays, g, beta, states, offsets, _layout(qkv.layout)],
+        template=[("Dk", dk), ("Dv", dv), ("Hk", hk), ("Hv", hv), ("LANES", lanes), ("YT", dtype)],
         grid=(dv * lanes, hv, windows),
         threadgroup=(math.gcd(dv * lanes, 256), 1, 1),
         output_shapes=[(rows, hv, dv), (windows, hv, dv, dk)],
-        output_dtypes=[q.dtype, mx.float32],
+        output_dtypes=[dtype, mx.float32],
     )
     return y, new_states

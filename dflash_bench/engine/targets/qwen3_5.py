@@ -171,17 +171,15 @@ class GatedDeltaNet:
         mixed = self.conv(inputs, inputs.shape[0] - span)
         if len(decoding) > 1:  # slices, not a row gather (26 us a layer on an H200: docs/profiles/ncu-forward-h200.txt)
             mixed = mx.concatenate([mixed[st : st + hi - lo] for st, (lo, hi) in zip(starts, spans)])
-        q, k, v = self.heads(mixed)
-        if self.recurrence == "delta_kernel" and rows > 1:
-            # the kernel takes row-contiguous rows: copied once here (q and k are head slices, v a column
-            # slice), not once by its launch and again by a rollback's (`redo_fn`)
-            q, k, v = mx.contiguous(q), mx.contiguous(k), mx.contiguous(v)
-        g, beta = compute_g(self.A_log, a[:rows], self.dt_bias), mx.sigmoid(b[:rows])
-        y, states = self.recur(q, k, v, g, beta, [c.state for c in caches], spans)
+        window = self.window_rows(mixed, compute_g(self.A_log, a[:rows], self.dt_bias), mx.sigmoid(b[:rows]))
+        if self.recurrence == "delta_kernel":
+            y, states = delta_kernel.delta_packed(*window, [c.state for c in caches], (0, *(hi for _, hi in spans)))
+        else:
+            y, states = self.recur(*window, [c.state for c in caches], spans)
         for (seg, (lo, hi)), c, st, state in zip(decoding, caches, starts, states):
             n = hi - lo
             c.redo = self.redo_fn(c.conv, c.state, inputs[st : st + span + n],
-                                  (q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi])) if n > 1 else None
+                                  tuple(r[lo:hi] for r in window)) if n > 1 else None
             # a view: it pins this round's few decode input rows, where a copy is a launch per stream and layer
             c.conv, c.state = inputs[st + n : st + n + span], state
             c.window_start, c.window_at, c.length = seg.start, seg.at, seg.start + n
@@ -189,11 +187,9 @@ class GatedDeltaNet:
 
     def recur(self, q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array, states: list[mx.array],
               spans: list[tuple[int, int]]) -> tuple[mx.array, list[mx.array]]:
-        """The recurrence over every decode segment's rows (`spans` of the packed q .. beta) from its
-        stream's state: all rows' y, and each segment's new state. The kernel takes the packed rows as
-        they are; mlx-lm's ops take one window at a time."""
-        if self.recurrence == "delta_kernel":
-            return delta_kernel.delta_packed(q, k, v, g, beta, states, (0, *(hi for _, hi in spans)))
+        """The recurrence by mlx-lm's ops over every decode segment's rows (`spans` of the packed q ..
+        beta), one window at a time from its stream's state: all rows' y, and each segment's new state
+        (the kernel takes the packed rows in one launch: `decode`)."""
         windows = [(q[lo:hi], k[lo:hi], v[lo:hi], g[lo:hi], beta[lo:hi], st) for st, (lo, hi) in zip(states, spans)]
         results = RECURRENCES[self.recurrence](windows)
         y = mx.concatenate([y for y, _ in results]) if len(results) > 1 else results[0][0]
@@ -203,26 +199,38 @@ class GatedDeltaNet:
         """The causal conv's rows 0..n-1 (row t sees inputs t .. t + kernel - 1, summed in tap order), then silu."""
         return conv_silu(*self.taps, *(inputs[j : j + n] for j in range(self.kernel)))
 
-    def heads(self, mixed: mx.array) -> tuple[mx.array, mx.array, mx.array]:
-        """The conv's rows split into normalized q and k heads and v heads."""
+    def normed_qk(self, mixed: mx.array) -> mx.array:
+        """The conv's rows' q heads then k heads, normalized: (rows, 2 * hk, dk)."""
         n = mixed.shape[0]
         qk = mx.fast.rms_norm(mixed[:, : 2 * self.key_dim].reshape(n, 2 * self.hk, self.dk), None, self.qk_eps)
-        qk = qk * self.qk_scale  # each row normed on its own, then scaled: normalize_qk's bits, half its launches
-        v = mixed[:, 2 * self.key_dim :].reshape(n, self.hv, self.dv)
+        return qk * self.qk_scale  # each row normed on its own, then scaled: normalize_qk's bits, half its launches
+
+    def heads(self, mixed: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        """The conv's rows split into normalized q and k heads and v heads."""
+        qk = self.normed_qk(mixed)
+        v = mixed[:, 2 * self.key_dim :].reshape(mixed.shape[0], self.hv, self.dv)
         return qk[:, : self.hk], qk[:, self.hk :], v
+
+    def window_rows(self, mixed: mx.array, g: mx.array, beta: mx.array) -> tuple:
+        """What the layer's recurrence reads of decode rows: q, k, v, g and beta for mlx-lm's ops; for the
+        kernel q, k and v where they lie (delta_kernel.py's `in_place`: over a verify window's rows they
+        are strided views of qk and the conv's rows, which a row-contiguous launch would copy first, three
+        copies a layer), g and beta. Either slices by rows as its parts do (a rollback's window)."""
+        if self.recurrence == "delta_kernel":
+            return delta_kernel.in_place(self.normed_qk(mixed), mixed, 2 * self.key_dim, self.hv, self.dv), g, beta
+        return (*self.heads(mixed), g, beta)
 
     def mix(self, inputs: mx.array, n: int) -> tuple[mx.array, mx.array, mx.array]:
         """Conv (row t sees inputs t .. t + kernel - 1, summed in tap order), silu, normalized q/k, v."""
         return self.heads(self.conv(inputs, n))
 
-    def redo_fn(self, prev_conv: mx.array, prev_state: mx.array, inputs: mx.array,
-                rows: tuple[mx.array, mx.array, mx.array, mx.array, mx.array]):
+    def redo_fn(self, prev_conv: mx.array, prev_state: mx.array, inputs: mx.array, rows: tuple):
         """The (conv, state) after the first m rows of this window, from the state before it.
 
-        `rows` are the window's q, k, v, g and beta as its forward computed them, so the recurrence
-        over their first m is the layer's own (`recurrence`) on the same inputs: the window's state
-        after m rows. `inputs` are the window's conv inputs (the conv tail it started from, then its
-        rows); the conv after m rows keeps the `kernel - 1` ending at row m, a view of them.
+        `rows` are the window's rows as its forward computed them (`window_rows`), so the recurrence over their first m is the layer's own
+        (`recurrence`) on the same inputs: the window's state after m rows. `inputs` are the window's
+        conv inputs (the conv tail it started from, then its rows); the conv after m rows keeps the
+        `kernel - 1` ending at row m, a view of them.
         """
         span = self.kernel - 1
 
@@ -231,7 +239,10 @@ class GatedDeltaNet:
                 return masked(m)
             if m == 0:
                 return prev_conv, prev_state
-            [(_, state)] = RECURRENCES[self.recurrence]([(*(r[:m] for r in rows), prev_state)])
+            if self.recurrence == "delta_kernel":
+                _, [state] = delta_kernel.delta_packed(*(r[:m] for r in rows), [prev_state], (0, m))
+            else:
+                [(_, state)] = RECURRENCES[self.recurrence]([(*(r[:m] for r in rows), prev_state)])
             return inputs[m : m + span], state
 
         def masked(m: mx.array) -> tuple[mx.array, mx.array]:
