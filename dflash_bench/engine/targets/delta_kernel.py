@@ -160,9 +160,10 @@ _TO_M = mx.array([0, 1], dtype=mx.int32)  # m times it: the offsets (0, m) of on
 
 
 @lru_cache(maxsize=256)
-def _offsets(starts: tuple[int, ...]) -> mx.array:
-    """The kernel's copy of each window's first row and the end, made once per layout of windows."""
-    return mx.array(starts, dtype=mx.int32)
+def _int32s(values: tuple[int, ...]) -> mx.array:
+    """The kernel's copy of a launch's small int32 input (each window's first row and the end; a QKV
+    layout), made once per value."""
+    return mx.array(values, dtype=mx.int32)
 
 
 @dataclass(frozen=True)
@@ -235,7 +236,7 @@ def delta_packed(qkv: QKV, g: mx.array, beta: mx.array, states: list[mx.array],
     hk, dk, hv, dv = qkv.heads
     assert fits(hk, hv, dk, dv), f"no launch for {hk}/{hv} heads of {dk}/{dv}"
     stacked = mx.stack(states) if len(states) > 1 else states[0][None]
-    y, new_states = _launch(qkv, g, beta, stacked, _offsets(tuple(starts)))
+    y, new_states = _launch(qkv, g, beta, stacked, _int32s(tuple(starts)))
     # slices, not `new_states[i]`: an integer index is a Gather, a copy launched per stream and layer
     return y, [new_states[i : i + 1].squeeze(0) for i in range(len(states))]
 
@@ -250,12 +251,6 @@ def delta_prefix(qkv: QKV, g: mx.array, beta: mx.array, state: mx.array, m: mx.a
     return new_state.squeeze(0)
 
 
-@lru_cache(maxsize=64)
-def _layout(layout: tuple[int, ...]) -> mx.array:
-    """The kernel's copy of a QKV layout, made once per layout."""
-    return mx.array(layout, dtype=mx.int32)
-
-
 def _launch(qkv: QKV, g: mx.array, beta: mx.array, states: mx.array, offsets: mx.array) -> tuple[mx.array, mx.array]:
     """One launch over windows `offsets` (windows + 1 row bounds, int32) of the packed rows, from the
     stacked `states`: every row's y (rows of no window left unwritten) and the new states, stacked."""
@@ -264,7 +259,7 @@ def _launch(qkv: QKV, g: mx.array, beta: mx.array, states: mx.array, offsets: mx
     lanes = _lanes(dk)
     windows = states.shape[0]
     y, new_states = _kernel()(
-        inputs=[*qkv.arrays, g, beta, states, offsets, _layout(qkv.layout)],
+        inputs=[*qkv.arrays, g, beta, states, offsets, _int32s(qkv.layout)],
         template=[("Dk", dk), ("Dv", dv), ("Hk", hk), ("Hv", hv), ("LANES", lanes), ("YT", dtype)],
         grid=(dv * lanes, hv, windows),
         threadgroup=(math.gcd(dv * lanes, 256), 1, 1),

@@ -227,10 +227,10 @@ class GatedDeltaNet:
     def redo_fn(self, prev_conv: mx.array, prev_state: mx.array, inputs: mx.array, rows: tuple):
         """The (conv, state) after the first m rows of this window, from the state before it.
 
-        `rows` are the window's rows as its forward computed them (`window_rows`), so the recurrence over their first m is the layer's own
-        (`recurrence`) on the same inputs: the window's state after m rows. `inputs` are the window's
-        conv inputs (the conv tail it started from, then its rows); the conv after m rows keeps the
-        `kernel - 1` ending at row m, a view of them.
+        `rows` are the window's rows as its forward computed them (`window_rows`), so the recurrence
+        over their first m is the layer's own (`recurrence`) on the same inputs: the window's state
+        after m rows. `inputs` are the window's conv inputs (the conv tail it started from, then its
+        rows); the conv after m rows keeps the `kernel - 1` ending at row m, a view of them.
         """
         span = self.kernel - 1
 
