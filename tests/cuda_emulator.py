@@ -232,8 +232,7 @@ def install_delta(monkeypatch) -> None:
     """Route delta_kernel.py's launch through the emulator for one test."""
     from dflash_bench.engine.targets import delta_kernel as dk
 
-    monkeypatch.setattr(dk, "_kernel", lambda: Emu("dflash_delta_window", ["q", "k", "v", "g", "beta", "state_in", "offsets", "layout"],
-                                                   ["y", "state_out"], dk._SOURCE, dk._HEADER))
+    monkeypatch.setattr(dk, "_kernel", lambda: Emu("dflash_delta_window", dk.INPUTS, dk.OUTPUTS, dk._SOURCE, dk._HEADER))
 
 
 def install(monkeypatch) -> None:

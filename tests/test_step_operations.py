@@ -167,8 +167,10 @@ def test_positions_are_built_once_a_forward() -> None:
 
 
 def test_a_rollback_to_a_device_length_launches_the_kernel_to_it_with_no_mask(monkeypatch) -> None:
-    """`keep_at` with the kernel (qwen3_5.py's `redo_fn`) launches it with the window's end at the kept
-    count (delta_kernel.py's `delta_prefix`): no positions, comparisons or selects a layer. The
+    """`keep_at` with the kernel (qwen3_5.py's `redo_fn`) launches it to walk the kept count of the
+    window's rows (delta_kernel.py's `delta_prefix`): no positions, comparisons or selects a layer, and
+    the count is one subtraction for the stream, taken by each launch as it is (cache.py's
+    `TargetState.keep_at`): a layer adds its launch and its conv tail's slice, nothing else. The
     kernel is stood in for by a node on all of its inputs (its rows are tested through its source in
     tests/test_delta_kernel.py)."""
 
@@ -185,8 +187,10 @@ def test_a_rollback_to_a_device_length_launches_the_kernel_to_it_with_no_mask(mo
     state.keep(5)
     mx.eval(target.forward([Segment([9, 2, 6], 5, state, [0, 1, 2])])[0].logits, state.arrays())
     state.keep_at(mx.array(6, dtype=mx.int32), 8, 6)
-    ops = census([layer.state for layer in state.layers if not hasattr(layer, "k")])
-    assert ops["Depends"] == len(linear) and ops["Select"] == ops["Arange"] == ops["Less"] == 0, ops
+    ops = census([a for layer in state.layers if not hasattr(layer, "k") for a in (layer.conv, layer.state)])
+    assert len(linear) > 1 and ops["Depends"] == ops["DynamicSlice"] == len(linear), ops
+    assert ops["Select"] == ops["Arange"] == ops["Less"] == 0, ops
+    assert ops["Subtract"] == 1 and ops["Multiply"] == 0, ops
 
 
 def test_a_window_on_the_kernel_hands_it_q_k_and_v_where_they_lie(monkeypatch) -> None:

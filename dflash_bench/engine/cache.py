@@ -131,13 +131,17 @@ class LinearCache:
             self.length = length
         self.redo = None
 
-    def keep_at(self, kept: mx.array, bound: int, low: int) -> None:
-        """Keep the window's first `kept - start` rows, a device value: one recurrence over all of its rows
-        whatever the count, a whole window's too, since the host does not know it (qwen3_5.py's `redo_fn`)."""
+    def keep_at(self, kept: mx.array, bound: int, low: int, rows: mx.array | None = None) -> None:
+        """Keep the window's first `kept - start` rows, a device value (`rows`, where the caller made it:
+        TargetState.keep_at): one recurrence over the kept rows whatever their count, since the host does
+        not know it (qwen3_5.py's `redo_fn`)."""
         if self.redo is not None:
-            start = self.window_start if self.window_at is None else self.window_at
-            self.conv, self.state = self.redo(kept - start)
+            self.conv, self.state = self.redo(self.kept_rows(kept) if rows is None else rows)
         self.redo, self.window_at, self.length = None, None, bound
+
+    def kept_rows(self, kept: mx.array) -> mx.array:
+        """How many of the window's rows a kept length `kept` (a device value) keeps."""
+        return kept - (self.window_start if self.window_at is None else self.window_at)
 
     def settle(self, length: int) -> None:
         self.length = length
@@ -175,9 +179,16 @@ class TargetState:
             layer.keep(length)
 
     def keep_at(self, kept: mx.array, bound: int, low: int) -> None:
-        """Keep `kept` positions, a device value the host knows only as low <= kept <= bound."""
+        """Keep `kept` positions, a device value the host knows only as low <= kept <= bound. The
+        GatedDeltaNet layers' windows all start where the stream's forward did, so how many rows they
+        keep is one subtraction a stream, not one a layer (24 on a Qwen3.5-9B)."""
+        rows = next((layer.kept_rows(kept) for layer in self.layers
+                     if isinstance(layer, LinearCache) and layer.redo is not None), None)
         for layer in self.layers:
-            layer.keep_at(kept, bound, low)
+            if isinstance(layer, LinearCache):
+                layer.keep_at(kept, bound, low, rows)
+            else:
+                layer.keep_at(kept, bound, low)
 
     def settle(self, length: int) -> None:
         """The host has read the kept length: it is `length` (no array changes)."""

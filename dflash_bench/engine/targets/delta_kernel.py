@@ -31,7 +31,9 @@ Launch geometry: LANES = min(32, Dk) lanes per dv-row (Dk a multiple of 32, or a
 `cuda_kernel` takes it) is (Dv * LANES, Hv, windows) and a block gcd(Dv * LANES, 256) threads, so
 there are no partial blocks or warps: no bounds check, and full-mask shuffles are valid. Inputs are
 row-contiguous: y (rows, Hv, Dv), g and beta (rows, Hv), states (windows, Hv, Dv, Dk), and int32 offsets
-(windows + 1): window w owns rows offsets[w] .. offsets[w+1]-1. q, k and v are read where they lie
+(windows + 1) and limits (windows): window w owns rows offsets[w] .. offsets[w+1]-1 and walks the first
+limits[w] of them (all of them in a forward; a rollback's kept count, a device value: `delta_prefix`),
+so the rows it walks are those of a launch of them alone. q, k and v are read where they lie
 (`QKV`): row r's q heads (Hk x Dk, one after another) start at element r * qs + qo of the array q, its k
 heads at r * ks + ko of k, its v heads (Hv x Dv) at r * vs + vo of v, the six from the int32 input
 `layout`. So the forward hands over its normalized qk and the conv's rows as they are (`in_place`), where
@@ -68,7 +70,7 @@ _SOURCE = r"""
   const int hk = hv / RF;
 
   const int lo = offsets[seg];
-  const int hi = offsets[seg + 1];
+  const int hi = min(offsets[seg + 1], lo + limits[seg]);
   const long long qs = layout[0], qo = layout[1], ks = layout[2], ko = layout[3], vs = layout[4], vo = layout[5];
 
   const long long sbase = (((long long)seg * Hv + hv) * Dv + dv) * Dk + lane * EPL;
@@ -144,26 +146,38 @@ def fits(hk: int, hv: int, dk: int, dv: int) -> bool:
     return hv % hk == 0 and lanes is not None and (dv * lanes) % 32 == 0
 
 
+INPUTS = ["q", "k", "v", "g", "beta", "state_in", "offsets", "limits", "layout"]  # `_launch`'s order
+OUTPUTS = ["y", "state_out"]
+
+
 @lru_cache(maxsize=1)
 def _kernel():
     return mx.fast.cuda_kernel(
         name="dflash_delta_window",
-        input_names=["q", "k", "v", "g", "beta", "state_in", "offsets", "layout"],
-        output_names=["y", "state_out"],
+        input_names=INPUTS,
+        output_names=OUTPUTS,
         source=_SOURCE,
         header=_HEADER,
         ensure_row_contiguous=True,
     )
 
 
-_TO_M = mx.array([0, 1], dtype=mx.int32)  # m times it: the offsets (0, m) of one window, one operation
+@lru_cache(maxsize=256)
+def _int32s(values: tuple[int, ...]) -> mx.array:
+    """The kernel's copy of a launch's small int32 input (each window's first row and the end; the rows
+    each window walks; a QKV layout), made once per value."""
+    return mx.array(values, dtype=mx.int32)
 
 
 @lru_cache(maxsize=256)
-def _int32s(values: tuple[int, ...]) -> mx.array:
-    """The kernel's copy of a launch's small int32 input (each window's first row and the end; a QKV
-    layout), made once per value."""
-    return mx.array(values, dtype=mx.int32)
+def _options(heads: tuple[int, int, int, int], rows: int, windows: int, dtype: mx.Dtype) -> dict:
+    """A launch's template, geometry and outputs (module docstring), a function of its shapes alone, built
+    once: a 9B round launches the kernel 24 times and a rollback 24 more, and their Python is the host's."""
+    hk, dk, hv, dv = heads
+    lanes = _lanes(dk)
+    return dict(template=[("Dk", dk), ("Dv", dv), ("Hk", hk), ("Hv", hv), ("LANES", lanes), ("YT", dtype)],
+                grid=(dv * lanes, hv, windows), threadgroup=(math.gcd(dv * lanes, 256), 1, 1),
+                output_shapes=[(rows, hv, dv), (windows, hv, dv, dk)], output_dtypes=[dtype, mx.float32])
 
 
 @dataclass(frozen=True)
@@ -236,34 +250,27 @@ def delta_packed(qkv: QKV, g: mx.array, beta: mx.array, states: list[mx.array],
     hk, dk, hv, dv = qkv.heads
     assert fits(hk, hv, dk, dv), f"no launch for {hk}/{hv} heads of {dk}/{dv}"
     stacked = mx.stack(states) if len(states) > 1 else states[0][None]
-    y, new_states = _launch(qkv, g, beta, stacked, _int32s(tuple(starts)))
+    y, new_states = _launch(qkv, g, beta, stacked, _int32s(tuple(starts)), _int32s((qkv.rows,) * len(states)))
     # slices, not `new_states[i]`: an integer index is a Gather, a copy launched per stream and layer
     return y, [new_states[i : i + 1].squeeze(0) for i in range(len(states))]
 
 
 def delta_prefix(qkv: QKV, g: mx.array, beta: mx.array, state: mx.array, m: mx.array) -> mx.array:
     """The state after the first `m` rows of one window (m an int32 device scalar, 0 <= m <= rows): the
-    window launched with its end at m, so the kernel walks rows 0 .. m - 1 exactly as a launch of
-    those rows alone does (module docstring) and leaves the state as it is at m = 0. What a rollback
-    to a length the host has not read needs (qwen3_5.py's `redo_fn`) in one launch whatever m is,
-    with no mask over the rows; y past row m is left unwritten and is not returned."""
-    _, new_state = _launch(qkv, g, beta, state[None], m.astype(mx.int32) * _TO_M)
+    window launched to walk m of its rows (`limits`), so the kernel steps rows 0 .. m - 1 exactly as a
+    launch of those rows alone does (module docstring) and leaves the state as it is at m = 0. What a
+    rollback to a length the host has not read needs (qwen3_5.py's `redo_fn`) in one launch whatever m
+    is, with no mask over the rows and no operation beside the launch; y past row m is left unwritten
+    and is not returned."""
+    _, new_state = _launch(qkv, g, beta, state[None], _int32s((0, qkv.rows)), mx.reshape(m, (1,)).astype(mx.int32))
     return new_state.squeeze(0)
 
 
-def _launch(qkv: QKV, g: mx.array, beta: mx.array, states: mx.array, offsets: mx.array) -> tuple[mx.array, mx.array]:
-    """One launch over windows `offsets` (windows + 1 row bounds, int32) of the packed rows, from the
-    stacked `states`: every row's y (rows of no window left unwritten) and the new states, stacked."""
-    hk, dk, hv, dv = qkv.heads
-    rows, dtype = qkv.rows, qkv.arrays[0].dtype
-    lanes = _lanes(dk)
-    windows = states.shape[0]
-    y, new_states = _kernel()(
-        inputs=[*qkv.arrays, g, beta, states, offsets, _int32s(qkv.layout)],
-        template=[("Dk", dk), ("Dv", dv), ("Hk", hk), ("Hv", hv), ("LANES", lanes), ("YT", dtype)],
-        grid=(dv * lanes, hv, windows),
-        threadgroup=(math.gcd(dv * lanes, 256), 1, 1),
-        output_shapes=[(rows, hv, dv), (windows, hv, dv, dk)],
-        output_dtypes=[dtype, mx.float32],
-    )
+def _launch(qkv: QKV, g: mx.array, beta: mx.array, states: mx.array, offsets: mx.array,
+            limits: mx.array) -> tuple[mx.array, mx.array]:
+    """One launch over windows `offsets` (windows + 1 row bounds, int32) of the packed rows, each walking
+    its first `limits` rows (int32, one a window), from the stacked `states`: every row's y (rows no
+    window walks left unwritten) and the new states, stacked."""
+    options = _options(qkv.heads, qkv.rows, states.shape[0], qkv.arrays[0].dtype)
+    y, new_states = _kernel()(inputs=[*qkv.arrays, g, beta, states, offsets, limits, _int32s(qkv.layout)], **options)
     return y, new_states
