@@ -12,6 +12,8 @@
 # and the next one runs. The whole job takes about 30 minutes on a fresh machine (NVRTC compiles every
 # kernel at its first use: minutes).
 # Poll back to back: the machine is handed back 30 s after a call ends, and the job dies with it.
+# A machine can also be taken back mid-job (a call then lands on a fresh one, its `warm` false): a poll that finds
+# no OUT_DIR/progress should stop at once, not wait out its limit (session 29 lost 500 s of device time so).
 # (Already packed MLX alone? `split -b 21000000` of the GGUF carries it as raw parts instead, one call
 # each; `cat` them to /tmp/site/extra/SmolLM2-135M-Instruct.Q4_1.gguf before starting the job.)
 set -u
