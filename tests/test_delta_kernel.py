@@ -29,12 +29,13 @@ import mlx.core as mx
 from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
 from dflash_bench.engine import selfcheck
-from dflash_bench.engine.cache import LinearCache
+from dflash_bench.engine.cache import LinearCache, keep_windows
 from dflash_bench.engine.engine import Engine, Settings
 from dflash_bench.engine.request import Request
 from dflash_bench.engine.targets import Segment, delta_kernel
 from dflash_bench.engine.targets.delta_kernel import delta_prefix, delta_windows, separate
-from dflash_bench.engine.targets.qwen3_5 import RECURRENCES, GatedDeltaNet, decode_recurrence, per_window_ops
+from dflash_bench.engine.targets.qwen3_5 import (RECURRENCES, GatedDeltaNet, PackedRedo, decode_recurrence,
+                                                 per_window_ops)
 from dflash_bench.fixtures.big import write_big
 
 # (key heads, value heads, key dim, value dim): the tiny targets', a Dv unlike Dk, Qwen3.5-9B's
@@ -223,6 +224,60 @@ def test_the_kernel_source_reads_q_k_and_v_in_place_as_it_reads_them_apart(monke
                                        mx.array(m, dtype=mx.int32))), f"kept {m}"
     misread = dataclasses.replace(read, layout=(*read.layout[:3], 0, *read.layout[4:]))  # k read at q's offset
     assert not same(delta_kernel.delta_packed(misread, g, beta, states, starts)[0], y_apart)
+
+
+@cuda_emulator.needs_gxx
+def test_windows_one_forward_ran_together_roll_back_in_one_launch_to_each_ones_own_state(monkeypatch) -> None:
+    """cache.py's `keep_windows`: three streams' windows that one forward's kernel launch ran, kept at
+    different device counts, leave through the kernel's source the conv and state each stream's own
+    `keep_at` leaves, bit for bit, with one launch a layer for the three instead of one a stream."""
+    cuda_emulator.install_delta(monkeypatch)
+    target, _ = tiny_target("qwen3_5", "smol", layers=2, seed=31)
+    layers = linear_layers(target)
+    for m in layers:
+        monkeypatch.setattr(m, "recurrence", "delta_kernel")
+    launches = []
+    monkeypatch.setattr(delta_kernel, "_launch",
+                        lambda *a, run=delta_kernel._launch: (launches.append(a[3].shape[0]), run(*a))[1])
+
+    def windows_run() -> list:
+        states = [target.new_state() for _ in range(3)]
+        for i, st in enumerate(states):
+            mx.eval(target.forward([Segment(list(range(3 + i, 9 + i)), 0, st, [5], prefill=True)])[0].logits, st.arrays())
+        outs = target.forward([Segment([11 + i, 12, 13, 14], 6, st, [0, 1, 2, 3]) for i, st in enumerate(states)])
+        mx.eval([o.logits for o in outs], [st.arrays() for st in states])
+        return states
+
+    kept = [1, 4, 2]
+    together, alone = windows_run(), windows_run()
+    launches.clear()
+    keep_windows([(st, (mx.array(6 + m, dtype=mx.int32), 10, 7)) for st, m in zip(together, kept)])
+    assert launches == [3] * len(layers)  # one launch a layer, for the three windows
+    launches.clear()
+    for st, m in zip(alone, kept):
+        st.keep_at(mx.array(6 + m, dtype=mx.int32), 10, 7)
+    assert launches == [1] * (3 * len(layers))
+    for a, b in zip(together, alone):
+        pairs = [(x, y) for x, y in zip(a.layers, b.layers) if isinstance(x, LinearCache)]
+        assert len(pairs) == len(layers) and all(same(x.state, y.state) and same(x.conv, y.conv) for x, y in pairs)
+        assert all(x.redo is None and x.together is None and x.length == 10 for x, _ in pairs)
+
+
+@cuda_emulator.needs_gxx
+def test_the_self_check_fails_windows_kept_together_that_trade_their_counts(monkeypatch) -> None:
+    """The model check keeps two streams' packed windows together at device lengths (cache.py's
+    `keep_windows`, one rollback launch a layer) and compares the rows after each with single steps:
+    with the kernel's source as the layers' recurrence it passes; a rollback that hands each window the
+    other's kept count fails it."""
+    cuda_emulator.install_delta(monkeypatch)
+    target, _ = tiny_target("qwen3_5", "small", layers=2, seed=22)
+    for m in linear_layers(target):
+        monkeypatch.setattr(m, "recurrence", "delta_kernel")
+    assert selfcheck.model_faults(target) == []
+    call = PackedRedo.__call__
+    monkeypatch.setattr(PackedRedo, "__call__", lambda self, counts, kept: call(self, counts[::-1], kept))
+    faults = selfcheck.model_faults(target)
+    assert any("kept together" in f for f in faults), faults
 
 
 # -- on a CUDA GPU: the engine with it -----------------------------------------------------------------

@@ -156,13 +156,15 @@ def test_a_nondeterministic_kernel_fails_the_check_and_the_engine_serves_without
 @pytest.mark.parametrize("family", ("llama", "qwen3_5"))
 def test_a_kept_length_placed_wrong_on_the_device_fails_the_model_check(family: str, monkeypatch) -> None:
     """The model check places a window at a length kept as a device value (cache.py's keep_at), as a
-    drafted round queued ahead does: with the kept length off by one, it names that window."""
+    drafted round queued ahead does, and two streams' windows kept together so (keep_windows): with the
+    kept length off by one, it names both."""
     target, _ = tiny_target(family, "small", layers=2, seed=13)
     assert selfcheck.model_faults(target) == []
     keep_at = AttentionCache.keep_at
     monkeypatch.setattr(AttentionCache, "keep_at", lambda self, kept, bound, low: keep_at(self, kept + 1, bound, low))
     faults = selfcheck.model_faults(target)
-    assert len(faults) == 1 and faults[0].startswith("a window at a kept length on the device"), faults
+    assert len(faults) == 2 and faults[0].startswith("a window at a kept length on the device"), faults
+    assert faults[1].startswith("two streams' windows kept together at lengths on the device"), faults
 
 
 def test_a_count_dependent_kernel_passes_because_every_call_has_the_same_rows(monkeypatch) -> None:

@@ -4,7 +4,8 @@ usage: python3 tools/forward_ops.py [--streams 1,4] [--drafter]
 
 On a GPU a decode forward pays per launch (docs/gpu-round-profile.md), so the number of operations
 that are not views, and the Python time to build them, are what a change to the forward should cut.
-It counts them, and those of rolling a 16-row window back to its first row (`keep`), on any machine:
+It counts them, and those of rolling a 16-row window back to its first row (`keep`, and at a device length
+as a drafted round keeps every stream's window: cache.py's `keep_windows`), on any machine:
 the 9B-shaped `tiny` preset (fixture qwen3_5-9b-4bit's layer pattern, 8 layers) in the gpu mode,
 each of our three CUDA kernels stood in for by one node (the self-check runs first on reference
 arithmetic for them), and the fused chains compiled as they are on a GPU (engine/fused.py). `--drafter`
@@ -28,7 +29,7 @@ import dflash_bench  # noqa: F401  (loads the BLAS before mlx.core)
 import mlx.core as mx
 
 from dflash_bench.engine import matmul_kernel, tiles
-from dflash_bench.engine.cache import tiles_for
+from dflash_bench.engine.cache import keep_windows, tiles_for
 from dflash_bench.engine.engine import Engine, Settings
 from dflash_bench.engine.targets import attention_kernel, base, delta_kernel, dense, qwen3_5
 from dflash_bench.engine.targets.base import Segment
@@ -150,6 +151,9 @@ def main() -> None:
             mx.depends([mx.abs(qkv.views()[2]).astype(mx.float32)], [*qkv.arrays, g, beta])[0], [mx.abs(s) for s in states])
     if hasattr(delta_kernel, "delta_prefix"):
         delta_kernel.delta_prefix = lambda qkv, g, beta, state, m: mx.depends([mx.abs(state)], [*qkv.arrays, g, beta, m])[0]
+    if hasattr(delta_kernel, "delta_prefixes"):  # several streams' windows rolled back in one launch (keep_windows)
+        delta_kernel.delta_prefixes = lambda qkv, g, beta, states, starts, counts: delta_kernel._unstacked(
+            mx.depends([mx.abs(delta_kernel._stacked(states))], [*qkv.arrays, g, beta, counts])[0])
     # one node for the recurrence, depending on all of its inputs as the kernel does
     qwen3_5.RECURRENCES["delta_kernel"] = lambda ws: [
         tuple(mx.depends([mx.abs(w[2]).astype(mx.float32), mx.abs(w[5])], list(w[:5]))) for w in ws]
@@ -194,6 +198,15 @@ def main() -> None:
         ops = sum(n for name, n in counts.items() if name not in VIEWS)
         print(f"{streams} stream(s), a 16-row window kept to its first row: {ops} operations that are not views",
               flush=True)
+        # the same at a device length, as a drafted round keeps its windows (lanes.py's round, cache.py's keep_windows)
+        mx.eval([st.arrays() for st in states])
+        outs = target.forward([Segment([5] * 16, st.length, st, list(range(16))) for st in states])
+        mx.eval([o.logits for o in outs], [st.arrays() for st in states])
+        keep_windows([(st, (mx.array(st.length - 15, dtype=mx.int32), st.length, st.length - 15)) for st in states])
+        counts = census([a for st in states for a in st.arrays()])
+        ops = sum(n for name, n in counts.items() if name not in VIEWS)
+        print(f"{streams} stream(s), 16-row windows kept to their first row at a device length: {ops} operations "
+              "that are not views", flush=True)
 
 
 if __name__ == "__main__":

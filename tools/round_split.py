@@ -31,6 +31,7 @@ import time
 import dflash_bench  # noqa: F401  (loads the BLAS before mlx.core)
 import mlx.core as mx
 
+from dflash_bench.engine import lanes
 from dflash_bench.engine.engine import Engine, Settings
 from dflash_bench.engine.cache import TargetState
 from dflash_bench.engine.request import Request
@@ -51,7 +52,7 @@ def split(engine: Engine, prompt: list[int], streams: int, tokens: int, draft: b
     accepted: list[int] = []
     forward, async_eval, evaluate, keep = engine.target.forward, mx.async_eval, mx.eval, TargetState.keep
     read = type(engine.lanes).read
-    keep_at = TargetState.keep_at  # a drafted round keeps a device length (lanes.py's verify)
+    keep_windows = lanes.keep_windows  # a drafted round keeps its windows at device lengths (lanes.py's round)
     drafter = engine.lanes.drafter
     absorb, propose = (drafter.absorb, drafter.propose_queued) if drafter is not None else (None, None)
 
@@ -66,7 +67,7 @@ def split(engine: Engine, prompt: list[int], streams: int, tokens: int, draft: b
 
     engine.target.forward = timer(forward, build)
     mx.async_eval, mx.eval = timer(async_eval, queue), timer(evaluate, queue)
-    TargetState.keep, TargetState.keep_at = timer(keep, kept), timer(keep_at, kept)
+    TargetState.keep, lanes.keep_windows = timer(keep, kept), timer(keep_windows, kept)
     if drafter is not None:
         drafter.absorb, drafter.propose_queued = timer(absorb, drafting), timer(propose, drafting)
 
@@ -92,7 +93,7 @@ def split(engine: Engine, prompt: list[int], streams: int, tokens: int, draft: b
     finally:
         type(engine.lanes).read = read
         engine.target.forward, mx.async_eval, mx.eval, TargetState.keep = forward, async_eval, evaluate, keep
-        TargetState.keep_at = keep_at
+        lanes.keep_windows = keep_windows
         if drafter is not None:
             drafter.absorb, drafter.propose_queued = absorb, propose
     decode = rounds[2:]  # the prompt's round and the first queued one

@@ -17,7 +17,7 @@ before it (not of single steps), which is why snapshots are taken only at chunk 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 import mlx.core as mx
 
@@ -107,12 +107,24 @@ class AttentionCache:
         return self.k.nbytes + self.v.nbytes
 
 
+class Together(Protocol):
+    """The rollback of the windows one launch ran for several streams (qwen3_5.py's `PackedRedo`)."""
+
+    windows: int  # how many windows the launch ran
+
+    def __call__(self, counts: mx.array, kept: dict[int, mx.array]) -> dict[int, tuple[mx.array, mx.array]]:
+        """Window w's (conv, state) after its first kept[w] rows, for each w of `kept`, in one launch;
+        `counts` holds every window's count (0 for those not kept here) as the launch takes them."""
+
+
 @dataclass
 class LinearCache:
     """One GatedDeltaNet layer's state: the conv's last inputs and the recurrent state.
 
     A window's forward leaves `redo`: a function that recomputes the state after its first m rows,
     which `keep` calls when only part of the window is accepted, and `keep_at` with m a device value.
+    Where one launch ran several streams' windows, it also leaves `together`: the rollback of all of
+    them in one launch (`Together`) and this one's window in it, which `keep_windows` uses.
     The state holds no positions, so a window's rows never need the device length, only the kept count.
     """
 
@@ -122,6 +134,7 @@ class LinearCache:
     redo: Callable[[int | mx.array], tuple[mx.array, mx.array]] | None = field(default=None, repr=False)
     window_start: int = 0
     window_at: mx.array | None = field(default=None, repr=False)  # the window's start as a device value
+    together: tuple[Together, int] | None = field(default=None, repr=False)
 
     def keep(self, length: int) -> None:
         if length != self.length:
@@ -129,7 +142,7 @@ class LinearCache:
                 raise ValueError(f"cannot roll a linear-attention state from {self.length} back to {length}")
             self.conv, self.state = self.redo(length - self.window_start)
             self.length = length
-        self.redo = None
+        self.redo = self.together = None
 
     def keep_at(self, kept: mx.array, bound: int, low: int, rows: mx.array | None = None) -> None:
         """Keep the window's first `kept - start` rows, a device value (`rows`, where the caller made it:
@@ -137,7 +150,7 @@ class LinearCache:
         not know it (qwen3_5.py's `redo_fn`)."""
         if self.redo is not None:
             self.conv, self.state = self.redo(self.kept_rows(kept) if rows is None else rows)
-        self.redo, self.window_at, self.length = None, None, bound
+        self.redo, self.together, self.window_at, self.length = None, None, None, bound
 
     def kept_rows(self, kept: mx.array) -> mx.array:
         """How many of the window's rows a kept length `kept` (a device value) keeps."""
@@ -182,13 +195,18 @@ class TargetState:
         """Keep `kept` positions, a device value the host knows only as low <= kept <= bound. The
         GatedDeltaNet layers' windows all start where the stream's forward did, so how many rows they
         keep is one subtraction a stream, not one a layer (24 on a Qwen3.5-9B)."""
-        rows = next((layer.kept_rows(kept) for layer in self.layers
-                     if isinstance(layer, LinearCache) and layer.redo is not None), None)
+        rows = self.kept_rows(kept)
         for layer in self.layers:
             if isinstance(layer, LinearCache):
                 layer.keep_at(kept, bound, low, rows)
             else:
                 layer.keep_at(kept, bound, low)
+
+    def kept_rows(self, kept: mx.array) -> mx.array | None:
+        """How many rows of its window a kept length keeps in the GatedDeltaNet layers that have one to
+        roll back (None where none has): their windows start where the stream's forward did."""
+        return next((layer.kept_rows(kept) for layer in self.layers
+                     if isinstance(layer, LinearCache) and layer.redo is not None), None)
 
     def settle(self, length: int) -> None:
         """The host has read the kept length: it is `length` (no array changes)."""
@@ -226,3 +244,36 @@ class TargetState:
     @property
     def nbytes(self) -> int:
         return sum(layer.nbytes for layer in self.layers)
+
+
+def keep_windows(kept: list[tuple[TargetState, tuple[mx.array, int, int]]]) -> None:
+    """Each stream's `keep_at(*keep)`, for streams whose windows one forward ran: where a GatedDeltaNet
+    layer's launch ran several of them (`LinearCache.together`), their rollback is one launch too, not
+    one a stream (lanes.py keeps a round's chain windows so). Each window still walks its own kept rows
+    from its own state (delta_kernel.py's `delta_prefixes`), so every state is the one `keep_at` leaves."""
+    rows = [state.kept_rows(keep[0]) for state, keep in kept]
+    counts: dict[tuple, mx.array] = {}  # the launch's counts, once a round: every layer's windows lie alike
+    for i, layer in enumerate(kept[0][0].layers if len(kept) > 1 else []):
+        if not (isinstance(layer, LinearCache) and layer.together):
+            continue
+        group = layer.together[0]
+        members = [(c, c.together[1], m) for c, m in ((state.layers[i], m) for (state, _), m in zip(kept, rows))
+                   if c.together is not None and c.together[0] is group]
+        if len(members) < 2:
+            continue
+        by_window = {w: m for _, w, m in members}
+        key = (group.windows, *((w, id(m)) for w, m in sorted(by_window.items())))
+        if key not in counts:
+            zero = mx.zeros((1,), dtype=mx.int32)
+            counts[key] = mx.concatenate([mx.reshape(by_window[w], (1,)) if w in by_window else zero
+                                          for w in range(group.windows)])
+        done = group(counts[key], by_window)
+        for c, w, _ in members:
+            c.conv, c.state = done[w]
+            c.redo = c.together = None
+    for (state, keep), m in zip(kept, rows):
+        for layer in state.layers:
+            if isinstance(layer, LinearCache):
+                layer.keep_at(*keep, m)
+            else:
+                layer.keep_at(*keep)

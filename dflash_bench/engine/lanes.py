@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from dflash_bench.engine.budget import Acceptance, Budget
+from dflash_bench.engine.cache import keep_windows
 from dflash_bench.engine.constants import CHUNK
 from dflash_bench.engine.drafters.dflash import DFlashDrafter, Proposal
 from dflash_bench.engine.prompt_cache import Entry, PromptCache, last_boundary
@@ -237,6 +238,8 @@ class Lanes:
                 windows.append(s)
             if s.drafting and kept_taps is not None:
                 absorb.append((s.drafter_state, kept_taps))
+        # a GatedDeltaNet layer rolls back the windows its forward launched together in one launch too
+        keep_windows([(s.segment_state, s.verdict.keep) for s in windows])
         if windows:  # queued on their own: reading them then waits for nothing queued after them
             mx.async_eval([s.verdict.values for s in windows])
         if self.drafter is not None:
@@ -310,9 +313,10 @@ class Lanes:
 
     def verify(self, s: Stream, seg: Segment, out: SegmentOut) -> mx.array | None:
         """A chain window's keyed choices and its accepted count k, as device values: the state keeps the
-        pending token and the k drafts equal to the choices before them (cache.py's `keep_at`), the
-        drafter absorbs every row and keeps as many, the next pass starts from the choice after them
-        (`anchor`), and `read` reads them later. Returns the window's taps, every row."""
+        pending token and the k drafts equal to the choices before them (cache.py's `keep_at`, which
+        `round` runs for all of its windows at once: `keep_windows`), the drafter absorbs every row and
+        keeps as many, the next pass starts from the choice after them (`anchor`), and `read` reads them
+        later. Returns the window's taps, every row."""
         n = len(seg.tokens)
         chosen = choose(out.logits, seg.positions() + 1, s.params).astype(mx.int32)
         drafts = s.draft_ids if s.draft_ids is not None else mx.array(s.drafts, dtype=mx.int32)
@@ -321,7 +325,6 @@ class Lanes:
         keep = (seg.origin + k + 1, s.known + n, s.known + 1)
         s.verdict = Verdict(mx.concatenate([k.reshape(1), chosen]), keep,
                             list(seg.tokens) if seg.ids is None else [], s.lattice)
-        s.segment_state.keep_at(*keep)
         s.drafts, s.draft_ids, s.lattice = (), None, None
         return out.taps
 

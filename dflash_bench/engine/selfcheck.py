@@ -23,8 +23,10 @@ target, on the device and dtype that will serve:
 - the model itself with those choices: a window of 16 tokens equals 16 single steps (logits and
   the state after keeping all of it, or part of it; and the window after keeping part of it as a
   device value, placed at that length: cache.py's keep_at), and a window packed beside another stream's
-  step equals each alone; on a dense target, every node of a 15-node draft tree equals its path's
-  single steps, and keeping a path leaves their state (tree_attention.py).
+  equals each alone, and so do the rows after both are kept together at lengths on the device
+  (cache.py's keep_windows, one rollback launch a GatedDeltaNet layer on a GPU); on a dense target,
+  every node of a 15-node draft tree equals its path's single steps, and keeping a path leaves their
+  state (tree_attention.py).
 
 A failure with no passing alternative makes the verdict fail, and the engine then serves without
 drafting (engine.py). A passing verdict is cached on disk, keyed by everything it depends on
@@ -47,7 +49,7 @@ import mlx.core as mx
 from mlx_lm.models.gated_delta import compute_g
 
 from dflash_bench.engine import blas, matmul_kernel
-from dflash_bench.engine.cache import TargetState, tiles_for
+from dflash_bench.engine.cache import TargetState, keep_windows, tiles_for
 from dflash_bench.engine.targets import attention_kernel
 from dflash_bench.engine.targets.base import Segment, Target
 from dflash_bench.engine.targets.dense import DecodePath, SelfAttention
@@ -329,7 +331,8 @@ def _same_state(a: TargetState, b: TargetState) -> bool:
 
 def model_faults(target: Target, seed: int = 0) -> list[str]:
     """The target with the chosen tiles and paths: window == single steps (logits, the state after keeping
-    all of it and after keeping half), and a window packed beside another stream's step == each alone."""
+    all of it and after keeping half), a window packed beside another stream's == each alone, and the two
+    kept together at device lengths (cache.py's keep_windows) == single steps after them."""
     vocab = target.config.vocab_size
 
     def tokens(n: int, s: int) -> list[int]:
@@ -353,15 +356,24 @@ def model_faults(target: Target, seed: int = 0) -> list[str]:
     # (cache.py), and all of them held at once took more than a serving round does (plan --check
     # measures the load too)
     faults, window = window_faults(base, window_tokens, logits)
-    other, other_token = prefilled(tokens(9, 3)), tokens(1, 4)
-    alone_step = logits(other.snapshot(9), other_token)
-    packed_window_state, packed_step_state = base.snapshot(PROMPT), other.snapshot(9)
-    outs = target.forward([Segment(other_token, 9, packed_step_state, [0]),
+    other, other_tokens = prefilled(tokens(9, 3)), tokens(4, 4)
+    alone = logits(other.snapshot(9), other_tokens)
+    packed_window_state, packed_other_state = base.snapshot(PROMPT), other.snapshot(9)
+    outs = target.forward([Segment(other_tokens, 9, packed_other_state, list(range(4))),
                            Segment(window_tokens, PROMPT, packed_window_state, list(range(WINDOW)))])
     mx.eval([o.logits for o in outs])
-    if _differing(outs[0].logits, alone_step) or _differing(outs[1].logits, window):
+    if _differing(outs[0].logits, alone) or _differing(outs[1].logits, window):
         faults.append("rows packed with another stream's differ from the same rows alone")
-    del other, packed_window_state, packed_step_state, outs
+    # both kept at lengths on the device, together, as a drafted round of several streams keeps them
+    # (cache.py's keep_windows: one rollback launch a GatedDeltaNet layer); the rows after each kept
+    # length equal the single steps there (window == steps above)
+    keep_windows([(packed_other_state, (mx.array(10, dtype=mx.int32), 13, 10)),
+                  (packed_window_state, (mx.array(PROMPT + WINDOW // 2, dtype=mx.int32), PROMPT + WINDOW, PROMPT + 1))])
+    if (_differing(logits(packed_other_state, other_tokens[1:]), alone[1:])
+            or _differing(logits(packed_window_state, window_tokens[WINDOW // 2 :]), window[WINDOW // 2 :])):
+        faults.append("two streams' windows kept together at lengths on the device: the rows after them differ "
+                      "from single steps")
+    del other, packed_window_state, packed_other_state, outs
     if target.supports_trees:
         faults += tree_faults(target, base, window_tokens, logits)
     return faults

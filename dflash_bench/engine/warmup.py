@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from dflash_bench.engine.cache import TargetState
+from dflash_bench.engine.cache import TargetState, keep_windows
 from dflash_bench.engine.drafters.dflash import DFlashDrafter, Proposal
 from dflash_bench.engine.lanes import accepted
 from dflash_bench.engine.sampling import SamplingParams, choose
@@ -113,8 +113,9 @@ def run(target: Target, drafter: DFlashDrafter | None, parallel: int, plan: list
             segments.append(prompt_chunk(target, shape.prompt, shape.after, bool(taps)))
         outs = target.forward(segments, taps)
         sample(segments, outs)
-        for seg in segments[: len(shape.windows)]:
-            seg.state.keep_at(mx.array(1, dtype=mx.int32) + seg.origin, seg.start + len(seg.tokens), seg.start + 1)
+        # kept together, as lanes.py keeps a round's windows (several streams' in one rollback launch)
+        keep_windows([(seg.state, (mx.array(1, dtype=mx.int32) + seg.origin, seg.start + len(seg.tokens),
+                                   seg.start + 1)) for seg in segments[: len(shape.windows)]])
         if drafter is not None and shape.draft:
             propose(drafter, outs[: len(shape.windows)])
             passes += 1

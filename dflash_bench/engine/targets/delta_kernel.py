@@ -249,10 +249,19 @@ def delta_packed(qkv: QKV, g: mx.array, beta: mx.array, states: list[mx.array],
     assert all(a < b for a, b in zip(starts, starts[1:])), f"every window needs a row: {starts}"
     hk, dk, hv, dv = qkv.heads
     assert fits(hk, hv, dk, dv), f"no launch for {hk}/{hv} heads of {dk}/{dv}"
-    stacked = mx.stack(states) if len(states) > 1 else states[0][None]
-    y, new_states = _launch(qkv, g, beta, stacked, _int32s(tuple(starts)), _int32s((qkv.rows,) * len(states)))
-    # slices, not `new_states[i]`: an integer index is a Gather, a copy launched per stream and layer
-    return y, [new_states[i : i + 1].squeeze(0) for i in range(len(states))]
+    y, new_states = _launch(qkv, g, beta, _stacked(states), _int32s(tuple(starts)), _int32s((qkv.rows,) * len(states)))
+    return y, _unstacked(new_states)
+
+
+def _stacked(states: list[mx.array]) -> mx.array:
+    """A launch's input states (windows, Hv, Dv, Dk): one window's is a view of its state."""
+    return mx.stack(states) if len(states) > 1 else states[0][None]
+
+
+def _unstacked(states: mx.array) -> list[mx.array]:
+    """Each window's state of a launch's output, as slices: an integer index is a Gather, a copy
+    launched per stream and layer."""
+    return [states[i : i + 1].squeeze(0) for i in range(states.shape[0])]
 
 
 def delta_prefix(qkv: QKV, g: mx.array, beta: mx.array, state: mx.array, m: mx.array) -> mx.array:
@@ -262,8 +271,17 @@ def delta_prefix(qkv: QKV, g: mx.array, beta: mx.array, state: mx.array, m: mx.a
     rollback to a length the host has not read needs (qwen3_5.py's `redo_fn`) in one launch whatever m
     is, with no mask over the rows and no operation beside the launch; y past row m is left unwritten
     and is not returned."""
-    _, new_state = _launch(qkv, g, beta, state[None], _int32s((0, qkv.rows)), mx.reshape(m, (1,)).astype(mx.int32))
-    return new_state.squeeze(0)
+    return delta_prefixes(qkv, g, beta, [state], (0, qkv.rows), mx.reshape(m, (1,)))[0]
+
+
+def delta_prefixes(qkv: QKV, g: mx.array, beta: mx.array, states: list[mx.array], starts: tuple[int, ...],
+                   counts: mx.array) -> list[mx.array]:
+    """`delta_prefix` for windows packed as `delta_packed` takes them, in one launch: window i's state
+    after its first counts[i] rows (`counts` int32 on the device, one a window). Each window walks its
+    rows as a launch of it alone does, so this is the rollback of several streams' windows that one
+    forward launched together (qwen3_5.py's `PackedRedo`) at one launch a layer, not one a stream."""
+    _, new_states = _launch(qkv, g, beta, _stacked(states), _int32s(tuple(starts)), counts.astype(mx.int32))
+    return _unstacked(new_states)
 
 
 def _launch(qkv: QKV, g: mx.array, beta: mx.array, states: mx.array, offsets: mx.array,

@@ -148,7 +148,7 @@ class GatedDeltaNet:
         inputs = mx.concatenate([cache.conv, qkv])  # (kernel - 1 + n, conv_dim)
         q, k, v = self.mix(inputs, n)
         y, cache.state = chunked_gated_delta(q, k, v, log_gate(self.A_log, a, self.dt_bias), mx.sigmoid(b), cache.state)
-        cache.redo = None
+        cache.redo = cache.together = None
         cache.conv = mx.contiguous(inputs[n:])  # a copy: a view would pin the chunk
         cache.window_start, cache.length = seg.start, seg.start + n
         return self.gated_norm(y, z.reshape(n, self.hv, self.dv)).reshape(n, -1)
@@ -172,14 +172,19 @@ class GatedDeltaNet:
         if len(decoding) > 1:  # slices, not a row gather (26 us a layer on an H200: docs/profiles/ncu-forward-h200.txt)
             mixed = mx.concatenate([mixed[st : st + hi - lo] for st, (lo, hi) in zip(starts, spans)])
         window = self.window_rows(mixed, compute_g(self.A_log, a[:rows], self.dt_bias), mx.sigmoid(b[:rows]))
+        bounds, before = (0, *(hi for _, hi in spans)), [c.state for c in caches]
         if self.recurrence == "delta_kernel":
-            y, states = delta_kernel.delta_packed(*window, [c.state for c in caches], (0, *(hi for _, hi in spans)))
+            y, states = delta_kernel.delta_packed(*window, before, bounds)
         else:
-            y, states = self.recur(*window, [c.state for c in caches], spans)
-        for (seg, (lo, hi)), c, st, state in zip(decoding, caches, starts, states):
+            y, states = self.recur(*window, before, spans)
+        tails = [inputs[st : st + span + hi - lo] for st, (lo, hi) in zip(starts, spans)]
+        windows = sum(hi - lo > 1 for lo, hi in spans)  # what a round may roll back
+        together = (PackedRedo(window, before, bounds, tails, span)
+                    if self.recurrence == "delta_kernel" and windows > 1 else None)
+        for w, ((seg, (lo, hi)), c, st, state) in enumerate(zip(decoding, caches, starts, states)):
             n = hi - lo
-            c.redo = self.redo_fn(c.conv, c.state, inputs[st : st + span + n],
-                                  tuple(r[lo:hi] for r in window)) if n > 1 else None
+            c.redo = self.redo_fn(c.conv, c.state, tails[w], tuple(r[lo:hi] for r in window)) if n > 1 else None
+            c.together = (together, w) if together is not None and n > 1 else None
             # a view: it pins this round's few decode input rows, where a copy is a launch per stream and layer
             c.conv, c.state = inputs[st + n : st + n + span], state
             c.window_start, c.window_at, c.length = seg.start, seg.at, seg.start + n
@@ -254,8 +259,7 @@ class GatedDeltaNet:
                 state = delta_kernel.delta_prefix(*rows, prev_state, m)
             else:
                 state = prefix_by_rerun(RECURRENCES[self.recurrence], *rows, prev_state, m)
-            conv = mx.slice(inputs, mx.reshape(m, (1,)).astype(mx.int32), (0,), (span, inputs.shape[1]))
-            return conv, state
+            return conv_tail(inputs, m, span), state
 
         return redo
 
@@ -297,3 +301,24 @@ class HybridTarget(Target):
         pre, post = self.norms[i]
         x = x + self.mixers[i](mx.fast.rms_norm(x, pre, self.eps), segments, layout, i)
         return x + self.mlp(mx.fast.rms_norm(x, post, self.eps), layout, *self.mlps[i])
+
+
+class PackedRedo:
+    """The rollback of a forward's decode windows that one kernel launch ran (`GatedDeltaNet.decode`),
+    as one launch a layer (cache.py's `keep_windows`): each window's kept rows walked from the state it
+    started from (delta_kernel.py's `delta_prefixes`), its conv tail the `kernel - 1` inputs ending at
+    its row m, what each window's own `redo_fn` gives at the same count."""
+
+    def __init__(self, rows: tuple, states: list[mx.array], bounds: tuple[int, ...], tails: list[mx.array], span: int):
+        self.rows, self.states, self.bounds, self.tails, self.span = rows, states, bounds, tails, span
+        self.windows = len(states)
+
+    def __call__(self, counts: mx.array, kept: dict[int, mx.array]) -> dict[int, tuple[mx.array, mx.array]]:
+        states = delta_kernel.delta_prefixes(*self.rows, self.states, self.bounds, counts)
+        return {w: (conv_tail(self.tails[w], m, self.span), states[w]) for w, m in kept.items()}
+
+
+def conv_tail(inputs: mx.array, m: mx.array, span: int) -> mx.array:
+    """A window's conv inputs (its starting tail, then its rows) after its first m rows, m a device value:
+    the `span` inputs ending at row m, one slice at a device offset."""
+    return mx.slice(inputs, mx.reshape(m, (1,)).astype(mx.int32), (0,), (span, inputs.shape[1]))
