@@ -67,25 +67,21 @@ def unbroken(server, few_prompts, tmp_path_factory):
 
 
 def keep_one_row_too_many(monkeypatch) -> None:
-    """verify, broken: when a window's drafts are not all accepted (kept length short of the window's
+    """lanes.py, broken: when a window's drafts are not all accepted (kept length short of the window's
     end), keep one more row than the accepted ones plus the pending token (a device value, as the
-    engine's own keep: cache.py's keep_at)."""
-    original = lanes.Lanes.verify
+    engine's own keep: cache.py's keep_windows, which a round runs for its windows after `verify`)."""
+    ends: dict[int, mx.array] = {}
+    verify, keep_windows = lanes.Lanes.verify, lanes.keep_windows
 
-    def broken(self, s, seg, out):
-        state, keep_at = s.segment_state, s.segment_state.keep_at
-        end = seg.origin + len(seg.tokens)
+    def noting(self, s, seg, out):
+        ends[id(s.segment_state)] = seg.origin + len(seg.tokens)
+        return verify(self, s, seg, out)
 
-        def off_by_one(kept: mx.array, bound: int, low: int) -> None:
-            keep_at(mx.where(kept < end, kept + 1, kept), bound, low)
+    def off_by_one(kept: list) -> None:
+        keep_windows([(state, (mx.where(k < ends[id(state)], k + 1, k), bound, low)) for state, (k, bound, low) in kept])
 
-        state.keep_at = off_by_one
-        try:
-            return original(self, s, seg, out)
-        finally:
-            del state.keep_at
-
-    monkeypatch.setattr(lanes.Lanes, "verify", broken)
+    monkeypatch.setattr(lanes.Lanes, "verify", noting)
+    monkeypatch.setattr(lanes, "keep_windows", off_by_one)
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:

@@ -140,6 +140,10 @@ def main() -> None:
     if hasattr(delta_kernel, "delta_prefix"):  # a rollback to a device length (qwen3_5.py's redo_fn)
         delta_kernel.delta_prefix = lambda qkv, g, beta, state, m: qwen3_5.prefix_by_rerun(
             qwen3_5.per_window_ops, *qkv.views(), g, beta, state, m)
+    if hasattr(delta_kernel, "delta_prefixes"):  # several streams' windows at once (cache.py's keep_windows)
+        delta_kernel.delta_prefixes = lambda qkv, g, beta, states, starts, counts: [
+            qwen3_5.prefix_by_rerun(qwen3_5.per_window_ops, *qkv[a:b].views(), g[a:b], beta[a:b], state, counts[i])
+            for i, (state, a, b) in enumerate(zip(states, starts, starts[1:]))]
     root = Path(tempfile.mkdtemp())
     target = Engine(write_big("qwen3_5-9b-4bit", root / "target", "tiny"), None,
                     Settings(parallel=4, context=256, chunk=32, backend="gpu")).target

@@ -251,13 +251,14 @@ def keep_windows(kept: list[tuple[TargetState, tuple[mx.array, int, int]]]) -> N
     layer's launch ran several of them (`LinearCache.together`), their rollback is one launch too, not
     one a stream (lanes.py keeps a round's chain windows so). Each window still walks its own kept rows
     from its own state (delta_kernel.py's `delta_prefixes`), so every state is the one `keep_at` leaves."""
-    rows = [state.kept_rows(keep[0]) for state, keep in kept]
+    targets = [(state, keep) for state, keep in kept if isinstance(state, TargetState)]
+    rows = [state.kept_rows(keep[0]) for state, keep in targets] if len(targets) > 1 else []
     counts: dict[tuple, mx.array] = {}  # the launch's counts, once a round: every layer's windows lie alike
-    for i, layer in enumerate(kept[0][0].layers if len(kept) > 1 else []):
+    for i, layer in enumerate(targets[0][0].layers if rows else []):
         if not (isinstance(layer, LinearCache) and layer.together):
             continue
         group = layer.together[0]
-        members = [(c, c.together[1], m) for c, m in ((state.layers[i], m) for (state, _), m in zip(kept, rows))
+        members = [(c, c.together[1], m) for c, m in ((state.layers[i], m) for (state, _), m in zip(targets, rows))
                    if c.together is not None and c.together[0] is group]
         if len(members) < 2:
             continue
@@ -271,9 +272,5 @@ def keep_windows(kept: list[tuple[TargetState, tuple[mx.array, int, int]]]) -> N
         for c, w, _ in members:
             c.conv, c.state = done[w]
             c.redo = c.together = None
-    for (state, keep), m in zip(kept, rows):
-        for layer in state.layers:
-            if isinstance(layer, LinearCache):
-                layer.keep_at(*keep, m)
-            else:
-                layer.keep_at(*keep)
+    for state, keep in kept:  # the rest of each state: attention layers, and windows rolled back alone
+        state.keep_at(*keep)
