@@ -59,6 +59,8 @@ run engine-speed-9b 540 engine-speed /root/f9/t --drafter /root/f9/d --levels 1,
   --drafter-bits 0,4 --backend gpu --out "$out/engine-speed-qwen3.5-9b-4bit-gpu-h200.json"
 # where a drafted round's time goes against a plain one's, in one process (docs/profiles/round-split-h200.txt)
 step round-split-9b 300 python3 tools/round_split.py /root/f9/t --backend gpu --drafter /root/f9/d --tokens 64
+# and at 4 streams, where a drafted round rolls back every stream's window in one launch a layer (cache.py's keep_windows)
+step round-split-9b-4 300 python3 tools/round_split.py /root/f9/t --backend gpu --drafter /root/f9/d --tokens 64 --streams 4
 # the same two rounds' kernels, each timed alone by Nsight Compute (docs/profiles/round-kernels-h200.txt)
 ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 if [ -n "$ncu" ]; then
