@@ -230,7 +230,8 @@ def test_the_kernel_source_reads_q_k_and_v_in_place_as_it_reads_them_apart(monke
 def test_windows_one_forward_ran_together_roll_back_in_one_launch_to_each_ones_own_state(monkeypatch) -> None:
     """cache.py's `keep_windows`: three streams' windows that one forward's kernel launch ran, kept at
     different device counts, leave through the kernel's source the conv and state each stream's own
-    `keep_at` leaves, bit for bit, with one launch a layer for the three instead of one a stream."""
+    `keep_at` leaves, bit for bit, with one launch a layer for the three instead of one a stream; a
+    one-row step packed first (a stream that does not draft) neither joins the rollback nor stops it."""
     cuda_emulator.install_delta(monkeypatch)
     target, _ = tiny_target("qwen3_5", "smol", layers=2, seed=31)
     layers = linear_layers(target)
@@ -241,26 +242,27 @@ def test_windows_one_forward_ran_together_roll_back_in_one_launch_to_each_ones_o
                         lambda *a, run=delta_kernel._launch: (launches.append(a[3].shape[0]), run(*a))[1])
 
     def windows_run() -> list:
-        states = [target.new_state() for _ in range(3)]
+        states = [target.new_state() for _ in range(4)]
         for i, st in enumerate(states):
             mx.eval(target.forward([Segment(list(range(3 + i, 9 + i)), 0, st, [5], prefill=True)])[0].logits, st.arrays())
-        outs = target.forward([Segment([11 + i, 12, 13, 14], 6, st, [0, 1, 2, 3]) for i, st in enumerate(states)])
+        outs = target.forward([Segment([10], 6, states[0], [0])]
+                              + [Segment([11 + i, 12, 13, 14], 6, st, [0, 1, 2, 3]) for i, st in enumerate(states[1:])])
         mx.eval([o.logits for o in outs], [st.arrays() for st in states])
         return states
 
-    kept = [1, 4, 2]
+    kept, bounds = [1, 1, 4, 2], [7, 10, 10, 10]
     together, alone = windows_run(), windows_run()
     launches.clear()
-    keep_windows([(st, (mx.array(6 + m, dtype=mx.int32), 10, 7)) for st, m in zip(together, kept)])
-    assert launches == [3] * len(layers)  # one launch a layer, for the three windows
+    keep_windows([(st, (mx.array(6 + m, dtype=mx.int32), b, 7)) for st, m, b in zip(together, kept, bounds)])
+    assert launches == [4] * len(layers)  # one launch a layer, over the forward's four windows
     launches.clear()
-    for st, m in zip(alone, kept):
-        st.keep_at(mx.array(6 + m, dtype=mx.int32), 10, 7)
+    for st, m, b in zip(alone, kept, bounds):
+        st.keep_at(mx.array(6 + m, dtype=mx.int32), b, 7)
     assert launches == [1] * (3 * len(layers))
     for a, b in zip(together, alone):
         pairs = [(x, y) for x, y in zip(a.layers, b.layers) if isinstance(x, LinearCache)]
         assert len(pairs) == len(layers) and all(same(x.state, y.state) and same(x.conv, y.conv) for x, y in pairs)
-        assert all(x.redo is None and x.together is None and x.length == 10 for x, _ in pairs)
+        assert all(x.redo is None and x.together is None and x.length == y.length for x, y in pairs)
 
 
 @cuda_emulator.needs_gxx

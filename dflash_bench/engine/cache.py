@@ -252,25 +252,27 @@ def keep_windows(kept: list[tuple[TargetState, tuple[mx.array, int, int]]]) -> N
     one a stream (lanes.py keeps a round's chain windows so). Each window still walks its own kept rows
     from its own state (delta_kernel.py's `delta_prefixes`), so every state is the one `keep_at` leaves."""
     targets = [(state, keep) for state, keep in kept if isinstance(state, TargetState)]
-    rows = [state.kept_rows(keep[0]) for state, keep in targets] if len(targets) > 1 else []
+    rows: dict[int, mx.array] = {}  # a stream's kept rows, made once and only where a shared launch needs them
     counts: dict[tuple, mx.array] = {}  # the launch's counts, once a round: every layer's windows lie alike
-    for i, layer in enumerate(targets[0][0].layers if rows else []):
-        if not (isinstance(layer, LinearCache) and layer.together):
-            continue
-        group = layer.together[0]
-        members = [(c, c.together[1], m) for c, m in ((state.layers[i], m) for (state, _), m in zip(targets, rows))
-                   if c.together is not None and c.together[0] is group]
+    for i in range(len(targets[0][0].layers) if len(targets) > 1 else 0):
+        shared = [(j, c) for j, c in enumerate(state.layers[i] for state, _ in targets)
+                  if isinstance(c, LinearCache) and c.together is not None]
+        group = shared[0][1].together[0] if shared else None
+        members = [(j, c) for j, c in shared if c.together[0] is group]
         if len(members) < 2:
             continue
-        by_window = {w: m for _, w, m in members}
+        for j, _ in members:
+            if j not in rows:
+                rows[j] = targets[j][0].kept_rows(targets[j][1][0])
+        by_window = {c.together[1]: rows[j] for j, c in members}
         key = (group.windows, *((w, id(m)) for w, m in sorted(by_window.items())))
         if key not in counts:
             zero = mx.zeros((1,), dtype=mx.int32)
             counts[key] = mx.concatenate([mx.reshape(by_window[w], (1,)) if w in by_window else zero
                                           for w in range(group.windows)])
         done = group(counts[key], by_window)
-        for c, w, _ in members:
-            c.conv, c.state = done[w]
+        for _, c in members:
+            c.conv, c.state = done[c.together[1]]
             c.redo = c.together = None
     for state, keep in kept:  # the rest of each state: attention layers, and windows rolled back alone
         state.keep_at(*keep)
