@@ -1,0 +1,111 @@
+"""What one call of our row kernel costs the host, and which part of the call it is.
+
+usage (on the GPU machine, from the repo root): PYTHONPATH=/tmp/site:$PWD python3 tools/kernel_call_probe.py
+
+docs/profiles/qmv-probe-h200.txt: building one call of our kernel costs 9-12 us of Python against 2-3 us
+for MLX's own `quantized_matmul`, and a 9B forward makes 129 of them, so about 1 ms of a plain step that
+mlx-lm does not pay. `mx.fast.cuda_kernel` does two things on every call that MLX's kernels do not: it
+turns the template arguments into C++ (nanobind, then `fmt` for the kernel's name and its constants),
+and it writes the kernel's whole source (~10 KB: engine/matmul_kernel.py's header and body) into a new
+string, which the evaluation then hashes to find the compiled module. This times, per call in 200
+independent calls, the build and the evaluation of four launches of the same compiled code:
+- `engine`: `matmul_kernel.rows_matmul` as the engine runs it (template arguments, the whole source);
+- `baked`: one kernel object per shape with the constants written into its source, no template arguments;
+- `included`: the body as a `__device__` function in a header file that the source `#include`s by its
+  absolute path (NVRTC reads it from disk), so the source is a few hundred bytes; template arguments;
+- `included+baked`: both.
+Each must give the engine's bits (they run the same code); a failing NVRTC include is printed, not raised.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+import dflash_bench  # noqa: F401  (loads the BLAS before mlx.core)
+import mlx.core as mx
+
+from dflash_bench.engine import matmul_kernel
+from dflash_bench.engine.matmul_kernel import launch, rows_matmul
+
+NAMES = ("K", "N", "BITS", "G", "NT", "SPLITK", "MT", "PIPE", "P1", "P2", "P3")
+
+
+def header_file(folder: Path) -> Path:
+    """The kernel's header and body as one templated device function, in a file NVRTC can include."""
+    path = folder / "dflash_rows_probe.cuh"
+    params = ", ".join(f"int {n}" for n in NAMES)
+    path.write_text(
+        "#pragma once\n" + matmul_kernel._HEADER
+        + f"\ntemplate <{params}, typename WT>\n__device__ __forceinline__ void dflash_rows_body("
+        "const __nv_bfloat16* x, const WT* w, const __nv_bfloat16* scales, const __nv_bfloat16* biases, "
+        "const int32_t* rows, __nv_bfloat16* y) {\n" + matmul_kernel._SOURCE + "\n}\n")
+    return path
+
+
+def variant(name: str, header: str, body: str, baked: bool):
+    """A call `f(x, q, s, b, bits, gs)` of one launch variant, and its source's length in bytes."""
+    kernels: dict = {}
+
+    def f(x, q, s, b, bits, gs):
+        m, k = x.shape
+        call = launch(m, k, q.shape[0], bits, gs, ())
+        options = call.options
+        key = tuple(options["template"]) if baked else ()
+        if key not in kernels:
+            constants = "".join(f"  constexpr int {n} = {v};\n" for n, v in options["template"]) if baked else ""
+            kernels[key] = mx.fast.cuda_kernel(
+                name=f"dflash_probe_{name.replace('+', '_')}" + "".join(f"_{v}" for _, v in key),
+                input_names=["x", "w", "scales", "biases", "rows"], output_names=["y"],
+                source=constants + body, header=header, ensure_row_contiguous=True)
+        if baked:
+            options = {o: v for o, v in options.items() if o != "template"}
+        return kernels[key](inputs=[x, q, s, b, call.rows], **options)[0]
+
+    return f, len(header) + len(body)
+
+
+def per_op(f, args, n: int = 200) -> tuple[float, float]:
+    """Microseconds a call to build, then to evaluate, over n independent calls (the second of two runs)."""
+    for _ in range(2):
+        mx.synchronize()
+        t0 = time.perf_counter()
+        ys = [f(*args) for _ in range(n)]
+        t1 = time.perf_counter()
+        mx.eval(ys)
+        mx.synchronize()
+        t2 = time.perf_counter()
+    return 1e6 * (t1 - t0) / n, 1e6 * (t2 - t1) / n
+
+
+def main() -> None:
+    folder = Path(tempfile.mkdtemp())
+    include = f'#include "{header_file(folder)}"\n'
+    call = f"  dflash_rows_body<{', '.join(NAMES)}>(x, w, scales, biases, rows, y);\n"
+    paths = {"engine": (lambda x, q, s, b, bits, gs: rows_matmul(x, q, s, b, bits, gs),
+                        len(matmul_kernel._HEADER) + len(matmul_kernel._SOURCE)),
+             "baked": variant("baked", matmul_kernel._HEADER, matmul_kernel._SOURCE, True),
+             "included": variant("included", include, call, False),
+             "included+baked": variant("included+baked", include, call, True)}
+    for k, n in [(4096, 4096), (4096, 24576)]:
+        w = mx.random.normal((n, k)).astype(mx.bfloat16) * 0.02
+        q, s, b = mx.quantize(w, group_size=64, bits=4)
+        x16 = mx.random.normal((16, k)).astype(mx.bfloat16)
+        mx.eval(q, s, b, x16)
+        for m in (1, 16):
+            args = (x16[:m], q, s, b, 4, 64)
+            want = rows_matmul(*args)
+            for name, (f, size) in paths.items():
+                try:
+                    same = bool(mx.array_equal(f(*args), want).item())
+                except (RuntimeError, ValueError) as e:  # NVRTC could not compile it: say so, go on
+                    print(f"K{k} N{n} M{m} {name:15s} failed: {str(e).splitlines()[0][:300]}", flush=True)
+                    continue
+                build, evaluate = per_op(f, args)
+                print(f"K{k} N{n} M{m} {name:15s} source {size:6d} B  bits {'same' if same else 'DIFFER'}  "
+                      f"build {build:5.1f} us  eval {evaluate:6.1f} us per call", flush=True)
+
+
+if __name__ == "__main__":
+    main()
