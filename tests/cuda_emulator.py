@@ -135,9 +135,9 @@ class Emu:
         self.name, self.input_names, self.output_names = name, input_names, output_names
         self.source, self.header = source, header
 
-    def __call__(self, inputs: list[mx.array], template: list[tuple[str, int | mx.Dtype]], grid: tuple[int, int, int],
-                 threadgroup: tuple[int, int, int], output_shapes: list[tuple[int, ...]],
-                 output_dtypes: list[mx.Dtype]) -> list[mx.array]:
+    def __call__(self, inputs: list[mx.array], grid: tuple[int, int, int], threadgroup: tuple[int, int, int],
+                 output_shapes: list[tuple[int, ...]], output_dtypes: list[mx.Dtype],
+                 template: list[tuple[str, int | mx.Dtype]] = ()) -> list[mx.array]:
         consts = "".join(f"  using {n} = {CT[v]};\n" if isinstance(v, mx.Dtype) else f"  constexpr int {n} = {int(v)};\n"
                          for n, v in template)
         params = [f"const {CT[a.dtype]}* {n}" for n, a in zip(self.input_names, inputs)]
@@ -218,14 +218,28 @@ inline void mm_mma(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
 """
 
 
+def emulated(header: str) -> str:
+    """A kernel's header as the emulator compiles it: matmul_kernel.py's inline-PTX MMA (its last
+    definition) replaced by EMULATED_MMA; any other header as it is."""
+    at = header.find("__device__ __forceinline__ void mm_mma")
+    return header if at < 0 else header[:at] + EMULATED_MMA
+
+
 def install_matmul(monkeypatch) -> None:
-    """Route matmul_kernel.py's launch through the emulator for one test, its inline-PTX MMA replaced by
-    EMULATED_MMA."""
+    """Route matmul_kernel.py's launch through the emulator for one test, its template arguments passed
+    as MLX's `cuda_kernel` takes them."""
     from dflash_bench.engine import matmul_kernel as mk
 
-    header = mk._HEADER[: mk._HEADER.index("__device__ __forceinline__ void mm_mma")] + EMULATED_MMA
     monkeypatch.setattr(mk, "_kernel", lambda: Emu("dflash_rows_matmul", ["x", "w", "scales", "biases", "rows"], ["y"],
-                                                   mk._SOURCE, header))
+                                                   mk._SOURCE, emulated(mk._HEADER)))
+
+
+def install_cuda_kernel(monkeypatch) -> None:
+    """Stand the emulator in for `mx.fast.cuda_kernel` itself for one test, so the engine's own launch
+    objects (engine/baked_kernel.py's, their constants written into each source) run on the CPU. The
+    caller clears the kernel modules' cached launch objects before and after (they would hold emulators)."""
+    monkeypatch.setattr(mx.fast, "cuda_kernel", lambda name, input_names, output_names, source, header="",
+                        ensure_row_contiguous=True: Emu(name, input_names, output_names, source, emulated(header)))
 
 
 def install_delta(monkeypatch) -> None:

@@ -19,7 +19,8 @@ import dflash_bench
 import mlx.core as mx
 import cuda_emulator
 kernel = cuda_emulator.Emu("shifted", ["x"], ["y"], "  const int i = threadIdx.x; y[i + {offset}] = x[i] * 2.0f;", "")
-(y,) = kernel([mx.arange(33, dtype=mx.float32)], [], (32, 1, 1), (32, 1, 1), [(32 + {grow},)], [mx.float32])
+(y,) = kernel(inputs=[mx.arange(33, dtype=mx.float32)], grid=(32, 1, 1), threadgroup=(32, 1, 1), output_shapes=[(32 + {grow},)],
+              output_dtypes=[mx.float32])
 print(y[1:33].sum().item())
 """
 

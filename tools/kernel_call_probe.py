@@ -8,13 +8,16 @@ mlx-lm does not pay. `mx.fast.cuda_kernel` does two things on every call that ML
 turns the template arguments into C++ (nanobind, then `fmt` for the kernel's name and its constants),
 and it writes the kernel's whole source (~10 KB: engine/matmul_kernel.py's header and body) into a new
 string, which the evaluation then hashes to find the compiled module. This times, per call in 200
-independent calls, the build and the evaluation of four launches of the same compiled code:
-- `engine`: `matmul_kernel.rows_matmul` as the engine runs it (template arguments, the whole source);
+independent calls, the build and the evaluation of launches of the same compiled code:
+- `templated`: one kernel object for every shape, the constants passed as template arguments (the
+  engine's launch before engine/baked_kernel.py);
 - `baked`: one kernel object per shape with the constants written into its source, no template arguments;
+- `engine`: `matmul_kernel.rows_matmul` as the engine runs it now (baked, through `BakedKernel`);
 - `included`: the body as a `__device__` function in a header file that the source `#include`s by its
   absolute path (NVRTC reads it from disk), so the source is a few hundred bytes; template arguments;
 - `included+baked`: both.
 Each must give the engine's bits (they run the same code); a failing NVRTC include is printed, not raised.
+(docs/profiles/kernel-call-probe-h200.txt's run predates `BakedKernel`: its `engine` is `templated` here.)
 """
 
 from __future__ import annotations
@@ -83,9 +86,10 @@ def main() -> None:
     folder = Path(tempfile.mkdtemp())
     include = f'#include "{header_file(folder)}"\n'
     call = f"  dflash_rows_body<{', '.join(NAMES)}>(x, w, scales, biases, rows, y);\n"
-    paths = {"engine": (lambda x, q, s, b, bits, gs: rows_matmul(x, q, s, b, bits, gs),
-                        len(matmul_kernel._HEADER) + len(matmul_kernel._SOURCE)),
+    paths = {"templated": variant("templated", matmul_kernel._HEADER, matmul_kernel._SOURCE, False),
              "baked": variant("baked", matmul_kernel._HEADER, matmul_kernel._SOURCE, True),
+             "engine": (lambda x, q, s, b, bits, gs: rows_matmul(x, q, s, b, bits, gs),
+                        len(matmul_kernel._HEADER) + len(matmul_kernel._SOURCE)),
              "included": variant("included", include, call, False),
              "included+baked": variant("included+baked", include, call, True)}
     for k, n in [(4096, 4096), (4096, 24576)]:

@@ -50,6 +50,7 @@ from itertools import accumulate
 import mlx.core as mx
 
 from dflash_bench.engine.backend import on_cuda
+from dflash_bench.engine.baked_kernel import BakedKernel
 
 MMA_ROWS = 16  # rows of one tensor-core tile
 MAX_TILES = 4  # row tiles a block carries (64 rows read the weights once)
@@ -288,14 +289,7 @@ def look_ahead(in_features: int, bits: int, split_k: int, tiles: int) -> int:
 
 @lru_cache(maxsize=1)
 def _kernel():
-    return mx.fast.cuda_kernel(
-        name="dflash_rows_matmul",
-        input_names=["x", "w", "scales", "biases", "rows"],
-        output_names=["y"],
-        source=_SOURCE,
-        header=_HEADER,
-        ensure_row_contiguous=True,
-    )
+    return BakedKernel("dflash_rows_matmul", ["x", "w", "scales", "biases", "rows"], ["y"], _SOURCE, _HEADER)
 
 
 def splits_output(widths: tuple[int, ...]) -> bool:
@@ -336,9 +330,9 @@ def launch(m: int, k: int, n: int, bits: int, group_size: int, parts: tuple[int,
     nt = tiles_a_warp(m, k, n, bits)
     tiles = min(MAX_TILES, -(-m // MMA_ROWS))
     starts = list(accumulate(parts[:-1])) if parts else []
-    template = [("K", k), ("N", n), ("BITS", bits), ("G", group_size if bits != 16 else 1),
+    template = (("K", k), ("N", n), ("BITS", bits), ("G", group_size if bits != 16 else 1),
                 ("NT", nt), ("SPLITK", g.split_k), ("MT", tiles), ("PIPE", look_ahead(k, bits, g.split_k, tiles)),
-                *zip(("P1", "P2", "P3"), starts + [n] * (MAX_PARTS - 1 - len(starts)))]
+                *zip(("P1", "P2", "P3"), starts + [n] * (MAX_PARTS - 1 - len(starts))))
     options = dict(template=template, grid=(n // (8 * nt) * 32 * g.split_k, -(-m // (MMA_ROWS * tiles)), 1),
                    threadgroup=(32 * g.split_k, 1, 1), output_shapes=[(m * n,) if parts else (m, n)],
                    output_dtypes=[mx.bfloat16])

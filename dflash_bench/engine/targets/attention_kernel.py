@@ -60,6 +60,7 @@ from itertools import accumulate
 
 import mlx.core as mx
 
+from dflash_bench.engine.baked_kernel import BakedKernel
 from dflash_bench.engine.cuda_source import CONVERSIONS
 
 PARTITION = 128  # keys per pass-1 block, at absolute positions (a multiple of CHUNK)
@@ -317,28 +318,15 @@ def partial_source(segments: int) -> str:
 
 @lru_cache(maxsize=16)
 def _partial_kernel(segments: int):
-    """Pass 1 for `segments` caches, under its own name: MLX keys compiled kernels by name and template."""
-    return mx.fast.cuda_kernel(
-        name=f"dflash_attention_partial_{segments}",
-        input_names=partial_inputs(segments),
-        output_names=["ml", "part_out"],
-        source=partial_source(segments),
-        header=_HEADER,
-        ensure_row_contiguous=True,
-    )
+    """Pass 1 for `segments` caches, under its own name (the source differs by segment count)."""
+    return BakedKernel(f"dflash_attention_partial_{segments}", partial_inputs(segments), ["ml", "part_out"],
+                       partial_source(segments), _HEADER)
 
 
 @lru_cache(maxsize=1)
 def _combine_kernel():
     """Pass 2: one source for every launch (its templates differ by dtype and head dim alone)."""
-    return mx.fast.cuda_kernel(
-        name="dflash_attention_combine",
-        input_names=["meta", "ml", "part_out"],
-        output_names=["out"],
-        source=_COMBINE,
-        header=_HEADER,
-        ensure_row_contiguous=True,
-    )
+    return BakedKernel("dflash_attention_combine", ["meta", "ml", "part_out"], ["out"], _COMBINE, _HEADER)
 
 
 @lru_cache(maxsize=64)

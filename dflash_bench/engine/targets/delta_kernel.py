@@ -50,6 +50,7 @@ from itertools import accumulate
 
 import mlx.core as mx
 
+from dflash_bench.engine.baked_kernel import BakedKernel
 from dflash_bench.engine.cuda_source import CONVERSIONS
 
 Window = tuple[mx.array, mx.array, mx.array, mx.array, mx.array, mx.array]  # q, k, v, g, beta, state
@@ -152,14 +153,7 @@ OUTPUTS = ["y", "state_out"]
 
 @lru_cache(maxsize=1)
 def _kernel():
-    return mx.fast.cuda_kernel(
-        name="dflash_delta_window",
-        input_names=INPUTS,
-        output_names=OUTPUTS,
-        source=_SOURCE,
-        header=_HEADER,
-        ensure_row_contiguous=True,
-    )
+    return BakedKernel("dflash_delta_window", INPUTS, OUTPUTS, _SOURCE, _HEADER)
 
 
 @lru_cache(maxsize=256)
@@ -175,7 +169,7 @@ def _options(heads: tuple[int, int, int, int], rows: int, windows: int, dtype: m
     once: a 9B round launches the kernel 24 times and a rollback 24 more, and their Python is the host's."""
     hk, dk, hv, dv = heads
     lanes = _lanes(dk)
-    return dict(template=[("Dk", dk), ("Dv", dv), ("Hk", hk), ("Hv", hv), ("LANES", lanes), ("YT", dtype)],
+    return dict(template=(("Dk", dk), ("Dv", dv), ("Hk", hk), ("Hv", hv), ("LANES", lanes), ("YT", dtype)),
                 grid=(dv * lanes, hv, windows), threadgroup=(math.gcd(dv * lanes, 256), 1, 1),
                 output_shapes=[(rows, hv, dv), (windows, hv, dv, dk)], output_dtypes=[dtype, mx.float32])
 
