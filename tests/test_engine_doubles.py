@@ -118,7 +118,7 @@ def test_eos_and_max_tokens_end_a_stream():
 
 
 def test_a_window_past_the_context_is_refused():
-    from dflash_bench.engine.lanes import ContextExceeded
+    from dflash_bench.engine.errors import ContextExceeded
 
     with pytest.raises(ContextExceeded):
         engine(context=64).submit(Request([5] * 60, max_tokens=10))

@@ -28,3 +28,14 @@ class NotStockDFlash2(DFlashBenchError):
 
 class CheckpointError(DFlashBenchError):
     """A checkpoint's files are missing, unreadable, or hold tensors that do not match the config."""
+
+
+class ContextExceeded(ValueError):
+    """A prompt plus max_tokens past the window: refused before it takes a lane."""
+
+    def __init__(self, prompt_tokens: int, max_tokens: int, context: int):
+        self.prompt_tokens, self.max_tokens, self.context = prompt_tokens, max_tokens, context
+        super().__init__(
+            f"prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) is {prompt_tokens + max_tokens}, "
+            f"past the context window of {context}"
+        )

@@ -53,20 +53,10 @@ from dflash_bench.engine.constants import CHUNK
 from dflash_bench.engine.drafters.dflash import DFlashDrafter, Proposal
 from dflash_bench.engine.prompt_cache import Entry, PromptCache, last_boundary
 from dflash_bench.engine.request import Event, Handle, Stats
-from dflash_bench.engine.sampling import SamplingParams, choose, seed_from_prompt
+from dflash_bench.engine.errors import ContextExceeded
+from dflash_bench.engine.sampling import SamplingParams, accepted, choose, seed_from_prompt
 from dflash_bench.engine.targets.base import Segment, SegmentOut, Target
 from dflash_bench.engine.tree import Lattice, Tree, choice_ranks
-
-
-class ContextExceeded(ValueError):
-    """A prompt plus max_tokens past the window: refused before it takes a lane."""
-
-    def __init__(self, prompt_tokens: int, max_tokens: int, context: int):
-        self.prompt_tokens, self.max_tokens, self.context = prompt_tokens, max_tokens, context
-        super().__init__(
-            f"prompt ({prompt_tokens} tokens) plus max_tokens ({max_tokens}) is {prompt_tokens + max_tokens}, "
-            f"past the context window of {context}"
-        )
 
 
 @dataclass
@@ -101,17 +91,6 @@ class Stream:
     @property
     def prompt(self) -> list[int]:
         return self.handle.request.prompt
-
-
-def accepted(drafts: mx.array, chosen: mx.array) -> mx.array:
-    """How many drafts a window keeps, as a device value: the first draft unequal to the choice before
-    it (the choice at the row of the draft's parent), or all of them. An elementwise compare and a
-    minimum, kernels every round runs anyway (the warm-up runs this too)."""
-    n = drafts.shape[0]
-    if n == 0:
-        return mx.array(0, dtype=mx.int32)
-    rows = mx.arange(n, dtype=mx.int32)
-    return mx.min(mx.where(drafts != chosen[:n], rows, mx.array(n, dtype=mx.int32)))
 
 
 @dataclass

@@ -4,7 +4,8 @@ A token at temperature T is argmax(logits / T + g) over the tokens that top-k an
 Gumbel noise g = -log(-log(u)) and u a hash of (seed, position, id): the Gumbel-max trick, so the
 choice is a sample of the filtered softmax. Because the noise is a pure function of the key, the
 target's choice at a position is the same whether that row was drafted, plain, alone or among
-other streams, and a draft is kept only when it equals that choice (the same rule as greedy).
+other streams, and a draft is kept only when it equals that choice (the same rule as greedy):
+`accepted`, as a device value a round reads once (lanes.py's verify).
 """
 
 from __future__ import annotations
@@ -72,3 +73,14 @@ def choose(logits: mx.array, positions: mx.array, params: SamplingParams) -> mx.
         return mx.argmax(logits, axis=-1)
     scores = filtered(logits.astype(mx.float32) / params.temperature, params.top_k, params.top_p)
     return mx.argmax(scores + gumbel(params.seed, positions, logits.shape[-1]), axis=-1)
+
+
+def accepted(drafts: mx.array, chosen: mx.array) -> mx.array:
+    """How many drafts a window keeps, as a device value: the first draft unequal to the choice before
+    it (the choice at the row of the draft's parent), or all of them. An elementwise compare and a
+    minimum, kernels every round runs anyway (the warm-up runs this too)."""
+    n = drafts.shape[0]
+    if n == 0:
+        return mx.array(0, dtype=mx.int32)
+    rows = mx.arange(n, dtype=mx.int32)
+    return mx.min(mx.where(drafts != chosen[:n], rows, mx.array(n, dtype=mx.int32)))

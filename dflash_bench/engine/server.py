@@ -40,7 +40,7 @@ from dflash_bench.engine.http_guard import (
     error_body,
     read_body,
 )
-from dflash_bench.engine.lanes import ContextExceeded
+from dflash_bench.engine.errors import ContextExceeded
 from dflash_bench.engine.openai_schema import (
     BadRequest,
     Body,

@@ -33,8 +33,7 @@ import mlx.core as mx
 
 from dflash_bench.engine.cache import TargetState, keep_windows
 from dflash_bench.engine.drafters.dflash import DFlashDrafter, Proposal
-from dflash_bench.engine.lanes import accepted
-from dflash_bench.engine.sampling import SamplingParams, choose
+from dflash_bench.engine.sampling import SamplingParams, accepted, choose
 from dflash_bench.engine.targets.base import Segment, SegmentOut, Target
 
 PROMPT_ROWS = (1, 16)  # short prompt chunks beside the full one
