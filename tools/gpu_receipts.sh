@@ -14,6 +14,9 @@
 # Poll back to back: the machine is handed back 30 s after a call ends, and the job dies with it.
 # A machine can also be taken back mid-job (a call then lands on a fresh one, its `warm` false): a poll that finds
 # no OUT_DIR/progress should stop at once, not wait out its limit (session 29 lost 500 s of device time so).
+# Thinking between polls also hands the machine back: issue the next poll as soon as one returns (session 30 lost a
+# job's first 300 s so). A session's 1,800 s of device time covers the uploads, the first phase and about three
+# timed steps: the steps run in the order the open bars need them.
 # (Already packed MLX alone? `split -b 21000000` of the GGUF carries it as raw parts instead, one call
 # each; `cat` them to /tmp/site/extra/SmolLM2-135M-Instruct.Q4_1.gguf before starting the job.)
 set -u
@@ -41,9 +44,11 @@ fi
 log start "${DFLASH_BENCH_COMMIT:-no DFLASH_BENCH_COMMIT, so receipts name the commit of the copy .git}"
 # Correctness first, in parallel (no speed is read from these): every GPU test, and beside it the 9B
 # fixtures and the default model's exactness. A step's limit stops it and lets the rest go on.
-# (the two server files import `openai`, which the GPU machine's Python lacks; CI runs them)
-step pytest-gpu 540 python3 -m pytest -p no:cacheprovider -m gpu --ignore tests/test_server_default.py \
-  --ignore tests/test_server_guard.py &
+# The GPU tests' files in the order the engine's changes need them (a fresh machine's NVRTC compiles took job I's
+# run past 560 s, 110 of 118 tests in): the kernels the engine launches, gpu mode's contracts, then the attention
+# kernel's 82. (The two server files import `openai`, which the GPU machine's Python lacks; CI runs them.)
+step pytest-gpu 600 python3 -m pytest -p no:cacheprovider -m gpu tests/test_matmul_kernel.py tests/test_delta_kernel.py \
+  tests/test_gpu_mode.py tests/test_attention_kernel.py &
 {
   run fixture-9b 120 fixture qwen3_5-9b-4bit /root/f9/t
   run fixture-9b-drafter 120 fixture dflash-9b /root/f9/d
@@ -52,15 +57,29 @@ step pytest-gpu 540 python3 -m pytest -p no:cacheprovider -m gpu --ignore tests/
   fi
 } &
 wait
-# Then the timed runs, one at a time and alone on the machine.
+# Then the timed runs, one at a time and alone on the machine, the receipts the README quotes first.
 # the drafter in bf16 and as 4-bit copies: its bf16 products were ~1.9 ms of a 9B drafted round's device time
 # (docs/gpu-round-profile.md), so a 4-bit drafter is the serving choice to weigh against the bar (job A's pair decided nothing)
 run engine-speed-9b 540 engine-speed /root/f9/t --drafter /root/f9/d --levels 1,4 --tokens 128 --reps 2 \
   --drafter-bits 0,4 --backend gpu --out "$out/engine-speed-qwen3.5-9b-4bit-gpu-h200.json"
+if [ -f "$gguf" ]; then
+  run engine-speed-default 540 engine-speed default --levels 1,4 --tokens 256 --reps 2 --drafter-bits 0 \
+    --backend gpu --out "$out/engine-speed-default-gpu-h200.json"
+  run concurrent-default 420 concurrent --levels 1,4 --temperatures 0,0.7 --backend gpu \
+    --out "$out/concurrent-default-gpu-h200.json"
+else
+  log "default model skipped: no $gguf (pack it with prepare-mlx-cuda.sh)"
+fi
+# what a kernel call costs the host, templated against baked (engine/baked_kernel.py), alone on the machine this time
+step kernel-call-probe 200 python3 tools/kernel_call_probe.py
 # where a drafted round's time goes against a plain one's, in one process (docs/profiles/round-split-h200.txt)
 step round-split-9b 300 python3 tools/round_split.py /root/f9/t --backend gpu --drafter /root/f9/d --tokens 64
 # and at 4 streams, where a drafted round rolls back every stream's window in one launch a layer (cache.py's keep_windows)
 step round-split-9b-4 300 python3 tools/round_split.py /root/f9/t --backend gpu --drafter /root/f9/d --tokens 64 --streams 4
+if [ -f "$gguf" ]; then
+  step round-split-default 300 python3 tools/round_split.py default --backend gpu \
+    --drafter dflash_bench/drafters/smollm2-135m-dflash --tokens 128
+fi
 # the same two rounds' kernels, each timed alone by Nsight Compute (docs/profiles/round-kernels-h200.txt)
 ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 if [ -n "$ncu" ]; then
@@ -68,15 +87,5 @@ if [ -n "$ncu" ]; then
     --metrics gpu__time_duration.sum --csv --log-file "$out/round-kernels-9b.csv" \
     python3 tools/round_kernels.py /root/f9/t --drafter /root/f9/d
   step round-kernels-9b-report 60 python3 tools/round_kernels.py --report "$out/round-kernels-9b.csv"
-fi
-if [ -f "$gguf" ]; then
-  run concurrent-default 420 concurrent --levels 1,4 --temperatures 0,0.7 --backend gpu \
-    --out "$out/concurrent-default-gpu-h200.json"
-  step round-split-default 300 python3 tools/round_split.py default --backend gpu \
-    --drafter dflash_bench/drafters/smollm2-135m-dflash --tokens 128
-  run engine-speed-default 540 engine-speed default --levels 1,4 --tokens 256 --reps 2 --drafter-bits 0 \
-    --backend gpu --out "$out/engine-speed-default-gpu-h200.json"
-else
-  log "default model skipped: no $gguf (pack it with prepare-mlx-cuda.sh)"
 fi
 log done
