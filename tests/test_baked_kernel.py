@@ -1,15 +1,16 @@
 """Our kernels' launch objects with their constants written into the source (engine/baked_kernel.py).
 
 Everywhere: the lines written are the ones MLX's `cuda_kernel` writes for template arguments, and a set of
-constants makes one kernel object, called after that without template arguments. Where g++ is: the row
-kernel and the recurrence kernel launched that way run, through tests/cuda_emulator.py, to the same bits
-as the same source launched with template arguments, and constants written wrong (a different K) do not.
+constants makes one kernel object, called after that without template arguments. Where g++ is: the row,
+recurrence and attention kernels launched that way run, through tests/cuda_emulator.py, to the same bits
+as the same sources launched with template arguments, and constants written wrong (a different K) do not.
 """
 
 from __future__ import annotations
 
 import cuda_emulator
 import pytest
+from test_attention_kernel import inputs
 from test_delta_kernel import HEADS, window
 
 import mlx.core as mx
@@ -96,3 +97,17 @@ def test_the_recurrence_kernel_baked_gives_the_templated_bits(monkeypatch, fresh
     assert isinstance(delta_kernel._kernel(), BakedKernel)
     for (y_want, s_want), (y, s) in zip(templated, delta_kernel.delta_windows(windows)):
         assert mx.array_equal(y_want, y).item() and mx.array_equal(s_want, s).item()
+
+
+@cuda_emulator.needs_gxx
+def test_the_attention_kernels_baked_give_the_templated_bits(monkeypatch, fresh_launches) -> None:
+    """Both passes of attention_kernel.py (a dtype, ints, the causal flag) over segments of 4 and 1 rows, one
+    across a partition: equal, bit for bit, to the same sources launched with template arguments."""
+    segments = inputs((4, 2, 64), [4, 1], [attention_kernel.PARTITION - 2, 9], mx.bfloat16, seed=5)
+    with monkeypatch.context() as patch:
+        cuda_emulator.install(patch)
+        templated = attention_kernel.decode_attention(segments, 64**-0.5)
+    cuda_emulator.install_cuda_kernel(monkeypatch)
+    assert isinstance(attention_kernel._partial_kernel(2), BakedKernel)
+    got = attention_kernel.decode_attention(segments, 64**-0.5)
+    assert mx.all(mx.isfinite(got)).item() and mx.array_equal(templated, got).item()
