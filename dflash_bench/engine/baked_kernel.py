@@ -7,8 +7,9 @@ kernel), and their Python is the host's share of a round (docs/gpu-round-profile
 the same call but writes each distinct set of constants into a source once, as the very lines MLX would
 write, and keeps one kernel object for it that is then called without template arguments: the kernel
 that runs is the same code, so its bits are the same. On the H200 (tools/kernel_call_probe.py,
-docs/profiles/kernel-call-probe-h200.txt) building a row-kernel call cost 1.5-4.9 us less that way at
-four shapes, with the bits equal to the templated call's at each.
+docs/profiles/kernel-call-probe-h200.txt, a run beside other work) building a row-kernel call cost
+1.5-4.9 us less that way at four shapes, with the bits equal to the templated call's at each; the
+engine's rounds with it are not yet timed there.
 """
 
 from __future__ import annotations
