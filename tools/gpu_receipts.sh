@@ -74,6 +74,8 @@ fi
 step kernel-call-probe 200 python3 tools/kernel_call_probe.py
 # where a drafted round's time goes against a plain one's, in one process (docs/profiles/round-split-h200.txt)
 step round-split-9b 300 python3 tools/round_split.py /root/f9/t --backend gpu --drafter /root/f9/d --tokens 64
+# the same with our kernels launched as before engine/baked_kernel.py (template arguments): what baking saves a round
+step round-split-9b-templated 300 python3 tools/round_split.py /root/f9/t --backend gpu --drafter /root/f9/d --tokens 64 --templated
 # and at 4 streams, where a drafted round rolls back every stream's window in one launch a layer (cache.py's keep_windows)
 step round-split-9b-4 300 python3 tools/round_split.py /root/f9/t --backend gpu --drafter /root/f9/d --tokens 64 --streams 4
 if [ -f "$gguf" ]; then

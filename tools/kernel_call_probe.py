@@ -62,8 +62,9 @@ def variant(name: str, header: str, body: str, baked: bool):
                 name=f"dflash_probe_{name.replace('+', '_')}" + "".join(f"_{v}" for _, v in key),
                 input_names=["x", "w", "scales", "biases", "rows"], output_names=["y"],
                 source=constants + body, header=header, ensure_row_contiguous=True)
-        if baked:
-            options = {o: v for o, v in options.items() if o != "template"}
+        options = {o: v for o, v in options.items() if o != "template"}
+        if not baked:
+            options["template"] = list(call.options["template"])
         return kernels[key](inputs=[x, q, s, b, call.rows], **options)[0]
 
     return f, len(header) + len(body)

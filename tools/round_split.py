@@ -1,7 +1,8 @@
 """Where a decode round's time goes in the engine: the forward's Python, queuing it, and the rest.
 
 usage: python3 tools/round_split.py [TARGET] [--backend auto|cpu|gpu] [--streams N] [--tokens T]
-       [--parallel P] [--no-warm] [--drafter-bits B] [--with-mlx-lm | --layers DRAFTER | --drafter DRAFTER | --probes]
+       [--parallel P] [--no-warm] [--drafter-bits B] [--templated]
+       [--with-mlx-lm | --layers DRAFTER | --drafter DRAFTER | --probes]
 (on the GPU machine: PYTHONPATH=/tmp/site:$PWD python3 tools/round_split.py /root/t9 --backend gpu)
 
 On the H200 a 9B step built and evaluated on its own costs 13.8 ms (tools/build_eval_split.py) but the
@@ -183,6 +184,26 @@ def layers(engine: Engine, drafter_path: str, tokens: int) -> None:
         timed(label)
 
 
+def templated_kernels() -> None:
+    """Our three kernels launched as before engine/baked_kernel.py: one `mx.fast.cuda_kernel` object for every
+    shape, the constants passed as template arguments on each call. The same compiled code, so the same bits:
+    run the split with and without `--templated` to see what baking the constants saves a round."""
+    from functools import lru_cache
+
+    from dflash_bench.engine import matmul_kernel
+    from dflash_bench.engine.targets import attention_kernel, delta_kernel
+
+    def templated(baked):
+        kernel = mx.fast.cuda_kernel(name=baked.name, input_names=baked.input_names, output_names=baked.output_names,
+                                     source=baked.source, header=baked.header, ensure_row_contiguous=True)
+        return lambda inputs, template, **launch: kernel(inputs=inputs, template=list(template), **launch)
+
+    for module, name in ((matmul_kernel, "_kernel"), (delta_kernel, "_kernel"), (attention_kernel, "_combine_kernel")):
+        setattr(module, name, lru_cache(maxsize=1)(lambda baked=getattr(module, name)(): templated(baked)))
+    partial = attention_kernel._partial_kernel
+    attention_kernel._partial_kernel = lru_cache(maxsize=16)(lambda segments: templated(partial(segments)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("target", nargs="?", default="default")
@@ -192,6 +213,8 @@ def main() -> None:
     parser.add_argument("--parallel", type=int, default=0, help="the engine's lanes (default: --streams)")
     parser.add_argument("--no-warm", action="store_true", help="skip the engine's warm-up (the first split warms)")
     parser.add_argument("--drafter-bits", type=int, default=0, help="with --drafter: its precision (0 = float, 4 = 4-bit)")
+    parser.add_argument("--templated", action="store_true",
+                        help="launch our kernels with template arguments, as before engine/baked_kernel.py")
     modes = parser.add_mutually_exclusive_group()  # --layers loads mlx-lm's model itself, as one of its steps
     modes.add_argument("--with-mlx-lm", action="store_true",
                        help="hold mlx-lm's model of TARGET in the process too, as engine-speed does")
@@ -200,6 +223,8 @@ def main() -> None:
     modes.add_argument("--drafter", help="serve with this drafter: split drafted rounds beside plain ones")
     modes.add_argument("--probes", action="store_true", help="time engine-speed's probes' plain rounds by quarter")
     args = parser.parse_args()
+    if args.templated:
+        templated_kernels()
     engine = Engine(args.target, args.drafter, Settings(parallel=args.parallel or args.streams, context=4096,
                                                         warm=not args.no_warm, drafter_bits=args.drafter_bits,
                                                         backend=None if args.backend == "auto" else args.backend))
