@@ -19,8 +19,7 @@ import mlx.core as mx
 TemplateArg = int | bool | mx.Dtype
 
 # The C++ type MLX's `cuda_kernel` writes for a dtype template argument (its dtype_to_cuda_type).
-CUDA_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.int32: "int32_t",
-              mx.uint32: "uint32_t", mx.uint8: "uint8_t"}
+CUDA_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16"}
 
 
 def constants(template: tuple[tuple[str, TemplateArg], ...]) -> str:
