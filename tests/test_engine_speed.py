@@ -138,3 +138,29 @@ def test_mlx_lms_tokens_are_not_held_to_ours_but_a_drafted_cell_is():
     receipt.records[1]["token_sha"] = ["cc"]
     engine_speed.check_equal(receipt, "code", cells, (1,))
     assert [f["subject"] for f in receipt.failures] == ["code drafted x1"]
+
+
+def test_every_side_decodes_the_timed_length_once_untimed_before_its_reps(files, one_probe, monkeypatch):
+    """A short untimed pass left a side's first timed rep growing its caches (engine_speed.run's docstring):
+    each side's first call at a level is untimed and as long as a rep; only the first request is short."""
+    calls: list[tuple[str, int, int]] = []
+    ours, theirs = engine_speed.run_level, engine_speed.mlx_lm_record
+
+    def run_level(engine, prompt, streams, tokens, draft):
+        calls.append(("drafted" if draft else "plain", streams, tokens))
+        return ours(engine, prompt, streams, tokens, draft)
+
+    def mlx_lm_record(reference, ids, streams, tokens):
+        calls.append((engine_speed.MLX_LM, streams, tokens))
+        return theirs(reference, ids, streams, tokens)
+
+    monkeypatch.setattr(engine_speed, "run_level", run_level)
+    monkeypatch.setattr(engine_speed, "mlx_lm_record", mlx_lm_record)
+    s = engine_speed.SpeedSettings(target=str(files["llama"]), drafter=str(files["dflash"]), levels=(1, 2),
+                                   tokens=7, reps=1, backend="gpu")
+    receipt = Receipt.new("engine-speed", ["test"], s.__dict__)
+    engine_speed.run(s, receipt)
+    sides = ["plain", "drafted", engine_speed.MLX_LM]
+    assert calls == [("plain", 1, engine_speed.FIRST_TOKENS)] + [
+        (mode, n, 7) for n in (1, 2) for _ in ("untimed", "rep 0") for mode in sides]
+    assert len(receipt.records) == 2 * len(sides) and receipt.aggregates["first_request_seconds"] > 0
