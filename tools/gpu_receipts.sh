@@ -60,22 +60,22 @@ wait
 # Then the timed runs, one at a time and alone on the machine, the receipts the README quotes first.
 # the drafter in bf16 and as 4-bit copies: its bf16 products were ~1.9 ms of a 9B drafted round's device time
 # (docs/gpu-round-profile.md), so a 4-bit drafter is the serving choice to weigh against the bar (job A's pair decided nothing)
-run engine-speed-9b 540 engine-speed /root/f9/t --drafter /root/f9/d --levels 1,4 --tokens 128 --reps 2 \
+run engine-speed-9b 540 engine-speed /root/f9/t --drafter /root/f9/d --levels 1,4 --tokens 128 --reps 3 \
   --drafter-bits 0,4 --backend gpu --out "$out/engine-speed-qwen3.5-9b-4bit-gpu-h200.json"
 if [ -f "$gguf" ]; then
-  run engine-speed-default 540 engine-speed default --levels 1,4 --tokens 256 --reps 2 --drafter-bits 0 \
+  run engine-speed-default 540 engine-speed default --levels 1,4 --tokens 256 --reps 3 --drafter-bits 0 \
     --backend gpu --out "$out/engine-speed-default-gpu-h200.json"
   run concurrent-default 420 concurrent --levels 1,4 --temperatures 0,0.7 --backend gpu \
     --out "$out/concurrent-default-gpu-h200.json"
 else
   log "default model skipped: no $gguf (pack it with prepare-mlx-cuda.sh)"
 fi
-# what a kernel call costs the host, templated against baked (engine/baked_kernel.py), alone on the machine this time
-step kernel-call-probe 200 python3 tools/kernel_call_probe.py
 # where a drafted round's time goes against a plain one's, in one process (docs/profiles/round-split-h200.txt)
 step round-split-9b 300 python3 tools/round_split.py /root/f9/t --backend gpu --drafter /root/f9/d --tokens 64
 # the same with our kernels launched as before engine/baked_kernel.py (template arguments): what baking saves a round
 step round-split-9b-templated 300 python3 tools/round_split.py /root/f9/t --backend gpu --drafter /root/f9/d --tokens 64 --templated
+# what a kernel call costs the host, templated against baked (engine/baked_kernel.py), alone on the machine this time
+step kernel-call-probe 200 python3 tools/kernel_call_probe.py
 # and at 4 streams, where a drafted round rolls back every stream's window in one launch a layer (cache.py's keep_windows)
 step round-split-9b-4 300 python3 tools/round_split.py /root/f9/t --backend gpu --drafter /root/f9/d --tokens 64 --streams 4
 if [ -f "$gguf" ]; then
