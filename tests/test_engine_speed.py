@@ -164,3 +164,25 @@ def test_every_side_decodes_the_timed_length_once_untimed_before_its_reps(files,
     assert calls == [("plain", 1, engine_speed.FIRST_TOKENS)] + [
         (mode, n, 7) for n in (1, 2) for _ in ("untimed", "rep 0") for mode in sides]
     assert len(receipt.records) == 2 * len(sides) and receipt.aggregates["first_request_seconds"] > 0
+
+
+def test_a_run_cut_short_keeps_the_checks_and_ratios_of_the_levels_it_finished(files, one_probe, monkeypatch):
+    """A job's time limit stops engine-speed mid-level (SIGTERM is taken as Ctrl-C): the levels already
+    measured keep their equality verdicts and ratios, the level cut short has no cell."""
+    ours = engine_speed.run_level
+
+    def run_level(engine, prompt, streams, tokens, draft):
+        if streams == 2:
+            raise KeyboardInterrupt("SIGTERM")
+        return ours(engine, prompt, streams, tokens, draft)
+
+    monkeypatch.setattr(engine_speed, "run_level", run_level)
+    s = engine_speed.SpeedSettings(target=str(files["llama"]), drafter=str(files["dflash"]), levels=(1, 2),
+                                   tokens=4, reps=1, backend="gpu")
+    receipt = Receipt.new("engine-speed", ["test"], s.__dict__)
+    with pytest.raises(KeyboardInterrupt):
+        engine_speed.run(s, receipt)
+    cells = receipt.aggregates["code"]
+    assert set(cells["drafted"]) == {"1"} and cells["drafted"]["1"]["equals_plain"] is True
+    assert cells["drafted"]["1"]["round_over_plain"] > 0 and cells["plain"]["1"]["over_mlx_lm"] > 0
+    assert not receipt.failures

@@ -142,8 +142,10 @@ def run(s: SpeedSettings, receipt: Receipt, progress: Callable[[str], None] = la
     """Each probe and level: every side (our modes, then mlx-lm) once untimed at the timed length, then the
     reps taken in turns (ours, mlx-lm, ours, ...). A shorter untimed pass left each side's first timed rep
     to grow its caches: in job I on the H200 (receipts/engine-speed-qwen3.5-9b-4bit-gpu-h200.json at 2fe7321)
-    rep 0 of our plain rows took 13.4 ms a round against rep 1's 10.4, at 4 streams 24.1 against 15.7. A plain GPU round is bound by the host CPU's speed, which drifts on a
-    shared machine (docs/profiles/round-split-h200.txt); in turns, a drift reaches both sides of a ratio."""
+    rep 0 of our plain rows took 13.4 ms a round against rep 1's 10.4, at 4 streams 24.1 against 15.7. A plain
+    GPU round is bound by the host CPU's speed, which drifts on a shared machine
+    (docs/profiles/round-split-h200.txt); in turns, a drift reaches both sides of a ratio. A run cut short
+    (a job's time limit) keeps the equality checks and ratios of every level it finished."""
     loaded, modes = engines(s, receipt)
     reference = None
     if s.mlx_lm:
@@ -157,29 +159,41 @@ def run(s: SpeedSettings, receipt: Receipt, progress: Callable[[str], None] = la
     for name, probe in prompt_sets.probes().items():
         ids = chat_ids(loaded, probe)
         cells: dict[str, dict[str, dict]] = receipt.aggregates.setdefault(name, {})
-        for streams in s.levels:
-            sides: list[tuple[str, Callable[[int], dict]]] = [
-                (mode, lambda n, e=engine, d=draft: run_level(e, ids, streams, n, d)) for mode, engine, draft in modes]
-            if reference is not None:
-                sides.append((MLX_LM, lambda n: mlx_lm_record(reference, ids, streams, n)))
-            if "first_request_seconds" not in receipt.aggregates:
-                receipt.aggregates["first_request_seconds"] = sides[0][1](FIRST_TOKENS)["wall_seconds"]
-            for _, side in sides:  # untimed, at the timed length: every cache size and buffer a rep will use
-                side(s.tokens)
-            reps: dict[str, list[dict]] = {mode: [] for mode, _ in sides}
-            for rep in range(s.reps):
-                for mode, side in sides:
-                    progress(f"{name} {mode} x{streams} rep {rep + 1}/{s.reps}")
-                    reps[mode].append(side(s.tokens))
-                    receipt.records.append({"probe": name, "mode": mode, "rep": rep, **reps[mode][-1]})
-            for mode, got in reps.items():
-                cells.setdefault(mode, {})[str(streams)] = cell(got) if mode != MLX_LM else {
-                    "aggregate_tok_s": summary([r["aggregate_tok_s"] for r in got]),
-                    "stream_tok_s": summary([r["stream_tok_s"] for r in got]),
-                }
-        check_equal(receipt, name, cells, s.levels)
-        derive(cells)
+        done: list[int] = []
+        try:
+            for streams in s.levels:
+                measure_level(s, receipt, name, ids, streams, modes, reference, cells, progress)
+                done.append(streams)
+        finally:  # an interrupted run keeps the checks and ratios of the levels it finished
+            if done:
+                check_equal(receipt, name, cells, tuple(done))
+                derive(cells)
     receipt.aggregates["peak_bytes"] = mx.get_peak_memory()
+
+
+def measure_level(s: SpeedSettings, receipt: Receipt, name: str, ids: list[int], streams: int,
+                  modes: list[tuple[str, Engine, bool]], reference: object | None,
+                  cells: dict[str, dict[str, dict]], progress: Callable[[str], None]) -> None:
+    """One probe at one level: every side untimed once, then the reps in turns, then the level's cells."""
+    sides: list[tuple[str, Callable[[int], dict]]] = [
+        (mode, lambda n, e=engine, d=draft: run_level(e, ids, streams, n, d)) for mode, engine, draft in modes]
+    if reference is not None:
+        sides.append((MLX_LM, lambda n: mlx_lm_record(reference, ids, streams, n)))
+    if "first_request_seconds" not in receipt.aggregates:
+        receipt.aggregates["first_request_seconds"] = sides[0][1](FIRST_TOKENS)["wall_seconds"]
+    for _, side in sides:  # untimed, at the timed length: every cache size and buffer a rep will use
+        side(s.tokens)
+    reps: dict[str, list[dict]] = {mode: [] for mode, _ in sides}
+    for rep in range(s.reps):
+        for mode, side in sides:
+            progress(f"{name} {mode} x{streams} rep {rep + 1}/{s.reps}")
+            reps[mode].append(side(s.tokens))
+            receipt.records.append({"probe": name, "mode": mode, "rep": rep, **reps[mode][-1]})
+    for mode, got in reps.items():
+        cells.setdefault(mode, {})[str(streams)] = cell(got) if mode != MLX_LM else {
+            "aggregate_tok_s": summary([r["aggregate_tok_s"] for r in got]),
+            "stream_tok_s": summary([r["stream_tok_s"] for r in got]),
+        }
 
 
 def check_equal(receipt: Receipt, probe: str, cells: dict[str, dict[str, dict]], levels: tuple[int, ...]) -> None:
