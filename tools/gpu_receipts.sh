@@ -77,6 +77,9 @@ step round-split-9b 300 python3 tools/round_split.py /root/f9/t --backend gpu --
 step round-split-9b-templated 300 python3 tools/round_split.py /root/f9/t --backend gpu --drafter /root/f9/d --tokens 64 --templated
 # what a kernel call costs the host, templated against baked (engine/baked_kernel.py), alone on the machine this time
 step kernel-call-probe 200 python3 tools/kernel_call_probe.py
+# the row kernel beside variants for a verify window's rows (more column tiles a warp, weight loads past L1), each
+# checked for the engine's bits and timed from CUDA graphs (CuPy and nvcc, in the machine's image; needs no MLX)
+step row-kernel-variants 300 python3 tools/row_kernel_variants.py
 # and at 4 streams, where a drafted round rolls back every stream's window in one launch a layer (cache.py's keep_windows)
 step round-split-9b-4 300 python3 tools/round_split.py /root/f9/t --backend gpu --drafter /root/f9/d --tokens 64 --streams 4
 if [ -f "$gguf" ]; then

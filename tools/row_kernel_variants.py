@@ -11,6 +11,12 @@ that overflow the 60 MB L2) at 1, 16 and 64 rows. Each variant says what it keep
 - `rows alone`: another function of the weights (more warps split the sum; float dequantizing), so
   only row independence (every row of a 64-row call equals the row alone) and the error against a
   float32 product are checked.
+The variants asked of a verify window's 16 rows (a 9B drafted round's 16-row products cost 1.3-1.4x its
+one-row ones: docs/gpu-round-profile.md): `t4` and `t8`, 4 or 8 column tiles a warp (the engine takes 4
+for several rows of wide weights: matmul_kernel.tiles_a_warp), and `stream`, whose weight loads skip L1
+(`ld.global.nc.L1::no_allocate`), so the rows of x every warp re-reads for each chunk are not evicted by
+weights read once. Which warp computes a column and where a load is cached never enter a sum, so all
+three must give the engine's bits.
 `--ncu` launches the engine kernel and the float-dequantizing one once each on the 9B's gate/up
 shape, for Nsight Compute to profile.
 docs/gpu-round-profile.md records what the runs found.
@@ -47,27 +53,52 @@ def float_dequant(engine: str) -> str:
     return engine.replace("if constexpr (BITS == 4)", "if constexpr (false)")
 
 
+STREAM_LOAD = r"""
+__device__ __forceinline__ uint4 mm_stream(const uint4* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+  return v;
+}
+"""
+
+
+def streamed(engine: str) -> str:
+    """The engine kernel with its weight words loaded past L1 (`mm_stream`, in STREAM_LOAD): only where
+    a load is cached changes, so its bits must be the engine's."""
+    load = "__ldg(reinterpret_cast<const uint4*>(wq"
+    assert engine.count(load) == 1, "the engine kernel's weight load moved"
+    return engine.replace(load, "mm_stream(reinterpret_cast<const uint4*>(wq")
+
+
 def kernel_name(body: str, consts: tuple[int, ...]) -> str:
     return body + "_" + "_".join(map(str, consts))
 
 
 def module(bodies: dict[str, str], header: str, wanted: list[tuple[str, tuple[int, ...]]]) -> cp.RawModule:
-    """One nvcc module of plain `extern "C"` kernels, one per (body, K N BITS G NT SPLITK MT PIPE)."""
+    """One nvcc module of plain `extern "C"` kernels, one per (body, K N BITS G NT SPLITK MT PIPE), each writing
+    its output whole (the parts' starts P1..P3 at N: matmul_kernel.launch without `parts`)."""
     params = ("const __nv_bfloat16* x, const uint32_t* w, const __nv_bfloat16* scales, "
               "const __nv_bfloat16* biases, const int* rows, __nv_bfloat16* y")
     code = "#include <cuda_bf16.h>\n#include <cstdint>\n" + header
     for body, consts in wanted:
         defs = "".join(f"  constexpr int {n} = {v};\n" for n, v in zip(("K", "N", "BITS", "G", "NT", "SPLITK", "MT", "PIPE"), consts))
+        defs += "".join(f"  constexpr int {p} = N;\n" for p in ("P1", "P2", "P3"))  # one output, not parts
         code += f'extern "C" __global__ void {kernel_name(body, consts)}({params}) {{\n{defs}{bodies[body]}\n}}\n'
     return cp.RawModule(code=code, backend="nvcc", options=("-O3", "-std=c++17", "-arch=sm_90"))
 
 
-def geometry(k: int, n: int, bits: int, target: int) -> tuple[int, int]:
-    """matmul_kernel.geometry with a chosen warp target."""
+def geometry(k: int, n: int, bits: int, target: int, tiles: int = 0) -> tuple[int, int] | None:
+    """matmul_kernel.geometry with a chosen warp target; `tiles` column tiles a warp instead of the
+    geometry's (the split of the input width stays the geometry's, as in matmul_kernel.launch), None
+    where the columns do not divide into them."""
     nt = 2 if n % 16 == 0 else 1
     blocks, chunks, split = n // (8 * nt), k // (128 // bits), 1
     while split < 8 and blocks * split < target and 4 * split * 2 <= chunks:
         split *= 2
+    if tiles:
+        if n % (8 * tiles):
+            return None
+        nt = tiles
     return nt, split
 
 
@@ -156,27 +187,34 @@ def run(kernel: Kernel, w: tuple, x: np.ndarray) -> np.ndarray:
     return cp.asnumpy(y)
 
 
-def plans(bits: int) -> list[tuple[str, str, int, int, str]]:
-    """(label, body, warp target, look-ahead, claim) for one shape: the engine kernel without look-ahead,
-    then with look-aheads (same bits), more warps, and float dequantizing."""
-    out = [("engine", "engine", 2048, 1, "reference")]
-    out += [(f"engine p{p}", "engine", 2048, p, "same bits") for p in (2, 4)]
-    out += [("engine p2 w4096", "engine", 4096, 2, "rows alone")]
+def plans(bits: int) -> list[tuple[str, str, int, int, str, int]]:
+    """(label, body, warp target, look-ahead, claim, column tiles a warp or 0 for the geometry's) for one
+    shape: the engine kernel without look-ahead, then with look-aheads (same bits), more column tiles a
+    warp and weight loads past L1 (same bits), more warps, and float dequantizing."""
+    out = [("engine", "engine", 2048, 1, "reference", 0)]
+    out += [(f"engine p{p}", "engine", 2048, p, "same bits", 0) for p in (2, 4)]
+    out += [(f"engine t{t}", "engine", 2048, 1, "same bits", t) for t in (4, 8)]
+    out += [("stream", "stream", 2048, 1, "same bits", 0), ("stream t4", "stream", 2048, 1, "same bits", 4)]
+    out += [("engine p2 w4096", "engine", 4096, 2, "rows alone", 0)]
     if bits == 4:
-        out += [(f"float p{p}", "float", 2048, p, "rows alone") for p in (1, 2)]
+        out += [(f"float p{p}", "float", 2048, p, "rows alone", 0) for p in (1, 2)]
     return out
 
 
 def main() -> int:
     header, engine = engine_source()
-    bodies = {"engine": engine, "float": float_dequant(engine)}
+    header += STREAM_LOAD
+    bodies = {"engine": engine, "float": float_dequant(engine), "stream": streamed(engine)}
     ncu = "--ncu" in sys.argv
     shapes = SHAPES[:1] if ncu else SHAPES
     kernels = {}
     for name, k, n, bits, group in shapes:
         names, found = [], []
-        for label, body, target, pipe, claim in plans(bits):
-            nt, split = geometry(k, n, bits, target)
+        for label, body, target, pipe, claim, tiles in plans(bits):
+            shape = geometry(k, n, bits, target, tiles)
+            if shape is None:
+                continue
+            nt, split = shape
             if -(-(k // (128 // bits)) // (4 * split)) % pipe:
                 continue
             if any((body, nt, split, pipe) == (f[1], f[2], f[3], f[4]) for f in found):
