@@ -230,7 +230,7 @@ def install_matmul(monkeypatch) -> None:
     as MLX's `cuda_kernel` takes them."""
     from dflash_bench.engine import matmul_kernel as mk
 
-    monkeypatch.setattr(mk, "_kernel", lambda: Emu("dflash_rows_matmul", ["x", "w", "scales", "biases", "rows"], ["y"],
+    monkeypatch.setattr(mk, "_kernel", lambda: Emu("dflash_rows_matmul", mk.INPUTS, ["y"],
                                                    mk._SOURCE, emulated(mk._HEADER)))
 
 

@@ -119,7 +119,7 @@ def test_on_the_row_kernel_a_drafter_layer_runs_k_v_and_gate_up_as_one_launch_ea
                                  stacked.taps)[0].taps
     launches: list[tuple[int, ...]] = []
     rows_matmul = tiles.rows_matmul
-    monkeypatch.setattr(tiles, "rows_matmul", lambda *a: launches.append(a[-1]) or rows_matmul(*a))
+    monkeypatch.setattr(tiles, "rows_matmul", lambda *a, **kw: launches.append(a[-1]) or rows_matmul(*a, **kw))
     logits = []
     for drafter in (separate, stacked):
         state = drafter.new_state()
@@ -156,7 +156,7 @@ def test_where_every_kernel_takes_any_row_count_a_pass_runs_its_rows_unpadded(mo
                                  drafter.taps)[0].taps
     rows: list[int] = []
     rows_matmul = tiles.rows_matmul
-    monkeypatch.setattr(tiles, "rows_matmul", lambda x, *a: rows.append(x.shape[0]) or rows_matmul(x, *a))
+    monkeypatch.setattr(tiles, "rows_matmul", lambda x, *a, **kw: rows.append(x.shape[0]) or rows_matmul(x, *a, **kw))
 
     def run(any_rows: bool) -> tuple[list[int], list[int], list[mx.array]]:
         monkeypatch.setattr(drafter, "any_rows", any_rows)

@@ -138,6 +138,65 @@ def test_the_kernel_source_writes_parts_that_equal_the_columns_of_one_product(mo
             lo += width
 
 
+def residual_case(k: int, n: int, bits: int, group: int) -> tuple[Weight, mx.array, mx.array]:
+    """A weight, 17 rows and a residual for them whose values span several binades, so the add rounds."""
+    w = weight(k, n, bits, group, seed=12)
+    x = mx.random.normal((17, k), key=mx.random.key(13)).astype(mx.bfloat16)
+    scale = mx.power(2.0, mx.random.randint(-6, 6, (17, n), key=mx.random.key(14)).astype(mx.float32))
+    residual = (mx.random.normal((17, n), key=mx.random.key(15)) * scale).astype(mx.bfloat16)
+    return w, x, residual
+
+
+@cuda_emulator.needs_gxx
+@pytest.mark.parametrize("case", [(128, 64, 4, 64), (64, 48, 8, 32), (64, 40, 16, 0)], ids=["q4", "q8", "bf16"])
+def test_the_kernel_source_adds_a_residual_with_the_bits_of_the_product_then_the_add(monkeypatch, case) -> None:
+    """`residual`: a decoder layer's residual add in the product's launch (tiles.linear) equals the
+    product's launch and MLX's bf16 add after it, bit for bit, at 1, 5 and 17 rows: the product rounded to
+    bf16 first, then the sum rounded once. The control adds the residual before the product's rounding
+    (one rounding, not two) and differs somewhere, so the comparison can tell the two apart."""
+    cuda_emulator.install_matmul(monkeypatch)
+    k, n, bits, group = case
+    w, x, residual = residual_case(k, n, bits, group)
+    for m in (1, 5, 17):
+        alone = matmul_kernel.rows_matmul(x[:m], w.w, w.scales, w.biases, bits, group)
+        fused = matmul_kernel.rows_matmul(x[:m], w.w, w.scales, w.biases, bits, group, residual=residual[:m])
+        assert mx.array_equal(fused, residual[:m] + alone).item(), m
+    once = matmul_kernel._HEADER.replace("__nv_bfloat162 y = __floats2bfloat162_rn(a, b);",
+                                         "__nv_bfloat162 y = {__float2bfloat16_rn(a + (RESID ? (float)r[0] : 0.0f)), "
+                                         "__float2bfloat16_rn(b + (RESID ? (float)r[1] : 0.0f))};")
+    once = once.replace("if constexpr (RESID != 0) {", "if constexpr (false) {")
+    assert once.count("(float)r[0]") == 1
+    monkeypatch.setattr(matmul_kernel, "_kernel", lambda: cuda_emulator.Emu(
+        "dflash_rows_matmul", matmul_kernel.INPUTS, ["y"], matmul_kernel._SOURCE, cuda_emulator.emulated(once)))
+    single = matmul_kernel.rows_matmul(x, w.w, w.scales, w.biases, bits, group, residual=residual)
+    alone = matmul_kernel.rows_matmul(x, w.w, w.scales, w.biases, bits, group)
+    assert not mx.array_equal(single, residual + alone).item()
+
+
+def test_a_residual_is_added_to_every_row_a_layout_holds(monkeypatch) -> None:
+    """tiles.linear with `residual`: the decode rows take it into their kernel call, each prompt chunk's
+    block adds it after MLX's product; either way the rows are `residual + x @ W.T` (stand-ins here)."""
+    w = weight(64, 32, 16, 0, seed=2)
+    w.kernel = True
+    calls: list[tuple[int, bool]] = []
+
+    def product(self, x, residual=None):
+        calls.append((x.shape[0], residual is not None))
+        y = x @ self.w.T
+        return y if residual is None else residual + y
+
+    monkeypatch.setattr(Weight, "kernel_product", product)
+    monkeypatch.setattr(Weight, "tile", lambda self, x: x @ self.w.T)
+    layout = Layout.of([1, 16, 40, 5], [False, False, True, False])
+    x = mx.random.normal((layout.rows, 64)).astype(mx.bfloat16)
+    residual = mx.random.normal((layout.rows, 32)).astype(mx.bfloat16)
+    got = linear(x, w, layout, residual)
+    assert calls == [(layout.decode_rows, True)]
+    assert mx.array_equal(got, residual + linear(x, w, layout)).item()
+    w.kernel = False
+    assert mx.array_equal(linear(x[:32], w, residual=residual[:32]), residual[:32] + x[:32] @ w.w.T).item()
+
+
 # -- on a CUDA GPU ----------------------------------------------------------------------------------
 def dequantized(w: Weight, bits: int, group: int) -> mx.array:
     return w.w.astype(mx.float32) if bits == 16 else mx.dequantize(
@@ -243,6 +302,17 @@ def test_parts_equal_the_columns_of_one_product() -> None:
 
 
 @on_cuda
+def test_a_residual_in_the_launch_equals_the_product_then_mlxs_add() -> None:
+    """On the device: the kernel's residual add has the bits of its product then MLX's own bf16 add, at
+    1, 16 and 17 rows of a 4-bit, an 8-bit and a bf16 weight (what the layers' fused adds rely on)."""
+    for k, n, bits, group in (CASES["q4-g64"], CASES["q8-g64"], CASES["bf16"]):
+        w, x, residual = residual_case(k, n, bits, group)
+        for m in (1, 16, 17):
+            fused = w.kernel_product(x[:m], residual=residual[:m])
+            assert mx.array_equal(fused, residual[:m] + w.kernel_product(x[:m])).item(), (bits, m)
+
+
+@on_cuda
 def test_a_changed_row_changes_that_row_alone() -> None:
     """The negative control: the comparison above sees a difference the test makes itself."""
     w = weight(*CASES["q4-g64"], seed=6)
@@ -293,7 +363,7 @@ def test_a_forward_on_the_kernels_parts_equals_one_on_column_slices(monkeypatch,
     assert all(w.kernel for w in target.projections())
     widths = []
     parts = matmul_kernel.rows_matmul
-    monkeypatch.setattr(tiles, "rows_matmul", lambda *a: widths.append(a[-1]) or parts(*a))
+    monkeypatch.setattr(tiles, "rows_matmul", lambda *a, **kw: widths.append(a[-1]) or parts(*a, **kw))
 
     def run() -> list[mx.array]:
         segs = [Segment([7], 32, base.snapshot(32), [0], want_taps=True),

@@ -71,16 +71,20 @@ class Launch:
         self.one_node, self.zeros = one_node, {}
 
     def __call__(self, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
-        x, w, scales, biases, _ = inputs
+        x, w, scales, biases, _, residual = inputs
         t = dict(template)
         if self.one_node:
             key = (t["K"], t["N"])
             if key not in self.zeros:
                 self.zeros[key] = mx.zeros(key, dtype=mx.bfloat16)
+            if t["RESID"]:  # the residual added in the same launch: still one node
+                return [mx.addmm(residual, x, self.zeros[key])]
             return [(x @ self.zeros[key]).reshape(output_shapes[0])]
         y = x @ w.T if t["BITS"] == 16 else mx.quantized_matmul(x, w, scales, biases, transpose=True,
                                                                 group_size=t["G"], bits=t["BITS"])
         y = y.astype(mx.bfloat16)
+        if t["RESID"]:
+            y = residual + y
         if len(output_shapes[0]) == 1:  # a stacked weight's parts, one after another (rows_matmul's `parts`)
             starts = sorted({0, t["P1"], t["P2"], t["P3"], t["N"]})
             y = mx.concatenate([y[:, a:b].reshape(-1) for a, b in zip(starts, starts[1:])])

@@ -72,6 +72,19 @@ __device__ __forceinline__ uint32_t mm_pair4(uint32_t v, __nv_bfloat162 s2, __nv
   return *reinterpret_cast<uint32_t*>(&r);
 }
 
+// Two neighbouring outputs as bf16, rounded once from their float sums; with RESID, each then added to its
+// residual value as MLX adds two bf16 arrays (the float sum of the two, rounded once: exact before rounding
+// for bf16 operands), so `residual + product` in one launch has the bits of the product and an add.
+template <int RESID>
+__device__ __forceinline__ __nv_bfloat162 mm_out(float a, float b, const __nv_bfloat16* r) {
+  __nv_bfloat162 y = __floats2bfloat162_rn(a, b);
+  if constexpr (RESID != 0) {
+    const __nv_bfloat162 x = *reinterpret_cast<const __nv_bfloat162*>(r);
+    y = __floats2bfloat162_rn(__bfloat162float(x.x) + __bfloat162float(y.x), __bfloat162float(x.y) + __bfloat162float(y.y));
+  }
+  return y;
+}
+
 __device__ __forceinline__ void mm_mma(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                        uint32_t b0, uint32_t b1) {
   asm volatile(
@@ -85,8 +98,9 @@ __device__ __forceinline__ void mm_mma(float* d, uint32_t a0, uint32_t a1, uint3
 # Template constants: K, N (the weight's in and out widths), BITS (4, 8, or 16 for bf16 weights),
 # G (group size; unused at 16), NT (8-column MMA tiles a warp), SPLITK (warps a block, splitting K),
 # MT (16-row tiles a block), PIPE (iterations whose weight loads are issued before their math), P1 <=
-# P2 <= P3 (where the output's parts start: `rows_matmul`'s `parts`, N where there are fewer). The
-# source avoids `_shape`, `_strides` and `_ndim` (MLX would add them).
+# P2 <= P3 (where the output's parts start: `rows_matmul`'s `parts`, N where there are fewer), RESID
+# (1: the input `residual`, (M, N), is added to the output: `rows_matmul`'s `residual`). The source
+# avoids `_shape`, `_strides` and `_ndim` (MLX would add them).
 _SOURCE = r"""
   constexpr int PER_WORD = BITS == 16 ? 2 : 32 / BITS;   // values in a uint32
   constexpr int VPT = 4 * PER_WORD;                       // values in a 16-byte chunk
@@ -221,8 +235,8 @@ _SOURCE = r"""
             const int hi = col < P1 ? P1 : col < P2 ? P2 : col < P3 ? P3 : N;
             __nv_bfloat16* part = y + (size_t)M * lo + (col - lo);
             const int r0 = m0 + i * 16 + grp;
-            if (r0 < M) *reinterpret_cast<__nv_bfloat162*>(part + (size_t)r0 * (hi - lo)) = __floats2bfloat162_rn(v[0], v[1]);
-            if (r0 + 8 < M) *reinterpret_cast<__nv_bfloat162*>(part + (size_t)(r0 + 8) * (hi - lo)) = __floats2bfloat162_rn(v[2], v[3]);
+            if (r0 < M) *reinterpret_cast<__nv_bfloat162*>(part + (size_t)r0 * (hi - lo)) = mm_out<RESID>(v[0], v[1], residual + (size_t)r0 * N + col);
+            if (r0 + 8 < M) *reinterpret_cast<__nv_bfloat162*>(part + (size_t)(r0 + 8) * (hi - lo)) = mm_out<RESID>(v[2], v[3], residual + (size_t)(r0 + 8) * N + col);
           }
         }
     }
@@ -287,9 +301,12 @@ def look_ahead(in_features: int, bits: int, split_k: int, tiles: int) -> int:
     return want
 
 
+INPUTS = ["x", "w", "scales", "biases", "rows", "residual"]
+
+
 @lru_cache(maxsize=1)
 def _kernel():
-    return BakedKernel("dflash_rows_matmul", ["x", "w", "scales", "biases", "rows"], ["y"], _SOURCE, _HEADER)
+    return BakedKernel("dflash_rows_matmul", INPUTS, ["y"], _SOURCE, _HEADER)
 
 
 def splits_output(widths: tuple[int, ...]) -> bool:
@@ -324,7 +341,7 @@ def tiles_a_warp(m: int, k: int, n: int, bits: int) -> int:
 
 
 @lru_cache(maxsize=4096)
-def launch(m: int, k: int, n: int, bits: int, group_size: int, parts: tuple[int, ...]) -> KernelCall:
+def launch(m: int, k: int, n: int, bits: int, group_size: int, parts: tuple[int, ...], residual: bool = False) -> KernelCall:
     """The launch of `rows_matmul` for m rows of a (n, k) weight: a function of the shapes alone."""
     g = geometry(k, n, bits)
     nt = tiles_a_warp(m, k, n, bits)
@@ -332,7 +349,7 @@ def launch(m: int, k: int, n: int, bits: int, group_size: int, parts: tuple[int,
     starts = list(accumulate(parts[:-1])) if parts else []
     template = (("K", k), ("N", n), ("BITS", bits), ("G", group_size if bits != 16 else 1),
                 ("NT", nt), ("SPLITK", g.split_k), ("MT", tiles), ("PIPE", look_ahead(k, bits, g.split_k, tiles)),
-                *zip(("P1", "P2", "P3"), starts + [n] * (MAX_PARTS - 1 - len(starts))))
+                *zip(("P1", "P2", "P3"), starts + [n] * (MAX_PARTS - 1 - len(starts))), ("RESID", int(residual)))
     options = dict(template=template, grid=(n // (8 * nt) * 32 * g.split_k, -(-m // (MMA_ROWS * tiles)), 1),
                    threadgroup=(32 * g.split_k, 1, 1), output_shapes=[(m * n,) if parts else (m, n)],
                    output_dtypes=[mx.bfloat16])
@@ -340,17 +357,25 @@ def launch(m: int, k: int, n: int, bits: int, group_size: int, parts: tuple[int,
 
 
 def rows_matmul(x: mx.array, w: mx.array, scales: mx.array | None, biases: mx.array | None, bits: int,
-                group_size: int, parts: tuple[int, ...] = ()) -> mx.array | list[mx.array]:
+                group_size: int, parts: tuple[int, ...] = (), residual: mx.array | None = None) -> mx.array | list[mx.array]:
     """`x @ W.T` for bf16 rows x (M, K): W packed (N, K * bits / 32) uint32 with bf16 scales and
     biases (N, K / group_size), or a bf16 (N, K) matrix with `bits` 16. Returns (M, N) bf16, or with
     `parts` (column widths summing to N, `splits_output`) one row-contiguous (M, width) array a part:
     a stacked weight's products (tiles.Stacked), which a column slice of (M, N) would leave strided
-    for every later reshape and kernel to copy. Where a column is written, never how it is summed."""
+    for every later reshape and kernel to copy. Where a column is written, never how it is summed.
+
+    With `residual` (M, N) bf16, `residual + x @ W.T` in the same launch, bit for bit the product
+    then MLX's add (`mm_out`): a decoder layer's two residual adds, one launch each a layer before
+    (docs/gpu-round-profile.md: a decode forward pays per launch). Elementwise, so a row's bits stay
+    its own."""
     m, k = x.shape
-    call = launch(m, k, w.shape[0], bits, group_size, parts)
+    if residual is not None and parts:
+        raise ValueError("rows_matmul adds a residual to a whole output, not to parts")
+    call = launch(m, k, w.shape[0], bits, group_size, parts, residual is not None)
     if bits == 16:
         scales = biases = w[:1, :1]  # unread: the launch still takes four arrays
-    (y,) = _kernel()(inputs=[x, w, scales, biases, call.rows], **call.options)
+    resid = x if residual is None else residual  # unread where RESID is 0
+    (y,) = _kernel()(inputs=[x, w, scales, biases, call.rows, resid], **call.options)
     if not parts:
         return y
     return [part.reshape(m, width) for part, width in zip(mx.split(y, call.splits), parts)]

@@ -144,10 +144,12 @@ class Weight:
         return (available(dtype) and held.dtype == mx.bfloat16
                 and fits(self.in_features, self.out_features, self.bits or 16, self.group_size))
 
-    def kernel_product(self, x: mx.array, parts: tuple[int, ...] = ()) -> mx.array | list[mx.array]:
+    def kernel_product(self, x: mx.array, parts: tuple[int, ...] = (),
+                       residual: mx.array | None = None) -> mx.array | list[mx.array]:
         """`x @ W.T` for any number of bf16 rows in one call of the row-independent kernel; with `parts`
-        (column widths), one row-contiguous array a part (matmul_kernel.rows_matmul)."""
-        return rows_matmul(x, self.w, self.scales, self.biases, self.bits or 16, self.group_size, parts)
+        (column widths), one row-contiguous array a part; with `residual`, `residual + x @ W.T` in the
+        same launch, the bits of the product then the add (matmul_kernel.rows_matmul)."""
+        return rows_matmul(x, self.w, self.scales, self.biases, self.bits or 16, self.group_size, parts, residual=residual)
 
     def arrays(self) -> list[mx.array]:
         return [a for a in (self.w, self.scales, self.biases) if a is not None]
@@ -264,26 +266,30 @@ class Layout:
         return [(a, a + tile) for a in range(0, self.decode_rows, tile)] + list(self.blocks)
 
 
-def linear(x: mx.array, weight: Weight | mx.array, layout: Layout | None = None) -> mx.array:
+def linear(x: mx.array, weight: Weight | mx.array, layout: Layout | None = None,
+           residual: mx.array | None = None) -> mx.array:
     """`x @ W.T` for `x` of shape (R, in): one call per row tile, or per `layout` (decode tiles, then
     one call per prompt chunk's block). R is a multiple of ROW_TILE, except for the row kernel, which
-    takes any number of decode rows."""
+    takes any number of decode rows. With `residual` (R, out): `residual + x @ W.T`, a decoder layer's
+    residual add, which the row kernel does in its own launch (matmul_kernel.rows_matmul, the same bits)."""
     if not isinstance(weight, Weight):
         weight = Weight(weight)
     rows = x.shape[0]
     if weight.kernel:
+        def kernel(a: int, b: int) -> mx.array:  # rows [a, b) in one kernel call, the residual's in it
+            return weight.kernel_product(x[a:b]) if residual is None else weight.kernel_product(x[a:b], residual=residual[a:b])
+
         if layout is None:
-            return weight.kernel_product(x)
-        parts = [weight.kernel_product(x[: layout.decode_rows])] if layout.decode_rows else []
-        parts += [weight.tile(x[a:b]) for a, b in layout.blocks]
+            return kernel(0, rows)
+        parts = [kernel(0, layout.decode_rows)] if layout.decode_rows else []
+        parts += [weight.tile(x[a:b]) if residual is None else residual[a:b] + weight.tile(x[a:b]) for a, b in layout.blocks]
         return mx.concatenate(parts) if len(parts) > 1 else parts[0]
     if rows % ROW_TILE:
         raise ValueError(f"linear takes a multiple of {ROW_TILE} rows, got {rows}")
     tile = weight.rows_per_call
     calls = layout.calls(tile) if layout is not None else [(a, a + tile) for a in range(0, rows, tile)]
-    if len(calls) == 1:
-        return weight.tile(x)
-    return mx.concatenate([weight.tile(x[a:b]) for a, b in calls])
+    out = weight.tile(x) if len(calls) == 1 else mx.concatenate([weight.tile(x[a:b]) for a, b in calls])
+    return out if residual is None else residual + out
 
 
 def key_mask(
