@@ -57,14 +57,19 @@ def apart(y: mx.array, parts: tuple[int, ...]) -> mx.array | list[mx.array]:
     return [mx.contiguous(c) for c in mx.split(y, list(accumulate(parts[:-1])), axis=-1)]
 
 
-def each_row_alone(self: Weight, x: mx.array, parts: tuple[int, ...] = ()) -> mx.array | list[mx.array]:
-    """The kernel's contract without the kernel: every row through the weight's own product, alone."""
-    return apart(mx.concatenate([self.tile(x[i : i + 1]) for i in range(x.shape[0])]), parts)
+def each_row_alone(self: Weight, x: mx.array, parts: tuple[int, ...] = (),
+                   residual: mx.array | None = None) -> mx.array | list[mx.array]:
+    """The kernel's contract without the kernel: every row through the weight's own product, alone (then
+    the residual added, as the kernel's epilogue does)."""
+    y = mx.concatenate([self.tile(x[i : i + 1]) for i in range(x.shape[0])])
+    return apart(y if residual is None else residual + y, parts)
 
 
-def count_dependent(self: Weight, x: mx.array, parts: tuple[int, ...] = ()) -> mx.array | list[mx.array]:
+def count_dependent(self: Weight, x: mx.array, parts: tuple[int, ...] = (),
+                    residual: mx.array | None = None) -> mx.array | list[mx.array]:
     """A product whose rows depend on the call's row count: what the model check must catch."""
-    return apart(each_row_alone(self, x) + (x.shape[0] - 1) * 1e-2, parts)
+    y = each_row_alone(self, x) + (x.shape[0] - 1) * 1e-2
+    return apart(y if residual is None else residual + y, parts)
 
 
 def kernel_target(family: str, monkeypatch, product) -> Target:
@@ -113,6 +118,29 @@ def test_kernel_rows_go_unpadded_and_windows_still_equal_steps(family: str, monk
     layers = target.config.num_layers
     assert padded["Full"] - unpadded["Full"] >= layers + 1, (padded, unpadded)
     assert padded["Concatenate"] - unpadded["Concatenate"] >= layers + 1, (padded, unpadded)
+
+
+def one_launch(self: Weight, x: mx.array, parts: tuple[int, ...] = (),
+               residual: mx.array | None = None) -> mx.array | list[mx.array]:
+    """The kernel as one node a call, as it is one launch on a GPU, with its residual added inside (for
+    censuses only: its values are zeros)."""
+    zeros = mx.zeros((x.shape[1], self.out_features), dtype=x.dtype)
+    return apart(x @ zeros if residual is None else mx.addmm(residual, x, zeros), parts)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+def test_the_residual_adds_ride_in_the_projections_launches(family: str, monkeypatch) -> None:
+    """A decoder layer's two residual adds happen in its output and down projections' kernel launches
+    (tiles.linear's `residual`): a decode step on the kernel has no separate Add for them, one launch a
+    layer each fewer (on a CPU, without the kernel, the adds stay: the same bits either way, as
+    tests/test_matmul_kernel.py checks the kernel's source)."""
+    target = kernel_target(family, monkeypatch, one_launch)
+    fused = decode_census(target)
+    layers = target.config.num_layers
+    assert fused["AddMM"] == 2 * layers, fused
+    for w in target.projections():
+        w.kernel = False
+    assert decode_census(target)["Add"] - fused["Add"] >= 2 * layers
 
 
 def test_a_row_count_dependent_product_fails_the_model_check(monkeypatch) -> None:

@@ -284,22 +284,25 @@ class DFlashDrafter:
 
     def layer(self, li: int, layer: dict, h: mx.array, items: list[Proposal], spans: list[tuple[int, int]],
               masks: BlockMasks) -> mx.array:
-        """One decoder layer over every stream's block: attention, then the SwiGLU MLP, each residual."""
-        h = h + self.attention(li, layer, mx.fast.rms_norm(h, layer["pre"], self.eps), items, spans, masks)
-        return h + self.mlp(layer, mx.fast.rms_norm(h, layer["post"], self.eps))
+        """One decoder layer over every stream's block: attention, then the SwiGLU MLP, each residual (the adds
+        in the o and down projections' launches on the row kernel: tiles.linear)."""
+        h = self.attention(li, layer, mx.fast.rms_norm(h, layer["pre"], self.eps), items, spans, masks, residual=h)
+        return self.mlp(layer, mx.fast.rms_norm(h, layer["post"], self.eps), residual=h)
 
     def attention(self, li: int, layer: dict, x: mx.array, items: list[Proposal], spans: list[tuple[int, int]],
-                  masks: BlockMasks) -> mx.array:
+                  masks: BlockMasks, residual: mx.array | None = None) -> mx.array:
+        """The attention sublayer's output, plus `residual` where given."""
         q, (k, v) = linear(x, layer["q"]), layer["kv"](x)
         if self.kernel_attention:
             o = self.attend_launch(li, layer, q, k, v, items, spans, masks)
-            return linear(o if o.shape[0] == x.shape[0] else pad_rows(o, x.shape[0]), layer["o"])
+            return linear(o if o.shape[0] == x.shape[0] else pad_rows(o, x.shape[0]), layer["o"], residual=residual)
         outs = [self.attend(layer, li, p.state, q[a:b], k[a:b], v[a:b], masks.of(i))
                 for i, (p, (a, b)) in enumerate(zip(items, spans))]
-        return linear(repack(outs, x.shape[0]), layer["o"])
+        return linear(repack(outs, x.shape[0]), layer["o"], residual=residual)
 
-    def mlp(self, layer: dict, x: mx.array) -> mx.array:
-        return linear(swiglu(*layer["gate_up"](x)), layer["down"])
+    def mlp(self, layer: dict, x: mx.array, residual: mx.array | None = None) -> mx.array:
+        """The SwiGLU MLP of `x`, plus `residual` where given."""
+        return linear(swiglu(*layer["gate_up"](x)), layer["down"], residual=residual)
 
     def drafts(self, x: mx.array, logits: mx.array, items: list[Proposal]) -> list[mx.array]:
         """Each stream's drafts (int32) from its block rows' logits, keyed like the target's own draws."""

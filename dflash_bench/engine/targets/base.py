@@ -227,8 +227,10 @@ class Target:
         h = mx.fast.rms_norm(x[mx.array(rows, dtype=mx.int32)], self.norm, self.eps)
         return linear(pad_rows(h, self.row_tile), self.lm_head)[: len(rows)].astype(mx.float32)
 
-    def mlp(self, x: mx.array, layout: Layout, gate_up: Stacked, down: Weight) -> mx.array:
-        return linear(swiglu(*gate_up(x, layout)), down, layout)
+    def mlp(self, x: mx.array, layout: Layout, gate_up: Stacked, down: Weight, residual: mx.array) -> mx.array:
+        """`residual` plus the SwiGLU MLP of `x`: the add in the down projection's launch where it runs the
+        row kernel (tiles.linear)."""
+        return linear(swiglu(*gate_up(x, layout)), down, layout, residual)
 
 
 def repack(parts: list[mx.array], rows: int) -> mx.array:

@@ -71,15 +71,16 @@ class SelfAttention:
     def projections(self) -> tuple[Weight, ...]:
         return (*self.qkv.weights, self.o)
 
-    def __call__(self, x: mx.array, segments: list[Segment], layout: Layout, layer: int) -> mx.array:
-        """Each segment's rows over its own stream's cache. A prompt chunk takes MLX's SDPA alone; the
-        decode segments share their norms, RoPE and gate (`decode`)."""
+    def __call__(self, x: mx.array, segments: list[Segment], layout: Layout, layer: int, residual: mx.array) -> mx.array:
+        """`residual` plus each segment's rows over its own stream's cache (the add in o_proj's launch on
+        the row kernel: tiles.linear). A prompt chunk takes MLX's SDPA alone; the decode segments share
+        their norms, RoPE and gate (`decode`)."""
         q, k, v = self.qkv(x, layout)
         decoding = [(seg, span) for seg, span in zip(segments, layout.spans) if not seg.prefill]
         decoded = self.decode(q, k, v, decoding, layer) if decoding else None
         prompts = [self.prompt_chunk(q[lo:hi], k[lo:hi], v[lo:hi], seg, layer)
                    for seg, (lo, hi) in zip(segments, layout.spans) if seg.prefill]
-        return linear(layout.join(decoded, prompts), self.o, layout)
+        return linear(layout.join(decoded, prompts), self.o, layout, residual)
 
     def split(self, q: mx.array, k: mx.array, v: mx.array) -> tuple[mx.array, mx.array | None, mx.array, mx.array]:
         """Rows into heads (n, H, D): queries (normed), the output gate if gated, keys (normed), values."""
@@ -207,5 +208,5 @@ class DenseTarget(Target):
 
     def layer(self, i: int, x: mx.array, segments: list[Segment], layout: Layout) -> mx.array:
         pre, post = self.norms[i]
-        x = x + self.attn[i](mx.fast.rms_norm(x, pre, self.eps), segments, layout, i)
-        return x + self.mlp(mx.fast.rms_norm(x, post, self.eps), layout, *self.mlps[i])
+        x = self.attn[i](mx.fast.rms_norm(x, pre, self.eps), segments, layout, i, residual=x)
+        return self.mlp(mx.fast.rms_norm(x, post, self.eps), layout, *self.mlps[i], residual=x)

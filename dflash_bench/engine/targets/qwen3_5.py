@@ -132,13 +132,15 @@ class GatedDeltaNet:
             state=mx.zeros((self.hv, self.dv, self.dk), dtype=mx.float32),
         )
 
-    def __call__(self, x: mx.array, segments: list[Segment], layout: Layout, layer: int) -> mx.array:
+    def __call__(self, x: mx.array, segments: list[Segment], layout: Layout, layer: int, residual: mx.array) -> mx.array:
+        """`residual` plus the layer's output for every segment's rows (the add in out_proj's launch on the
+        row kernel: tiles.linear)."""
         qkv, z, b, a = self.in_proj(x, layout)
         decoding = [(seg, span) for seg, span in zip(segments, layout.spans) if not seg.prefill]
         decoded = self.decode(qkv, z, b, a, decoding, layer) if decoding else None
         prompts = [self.prompt_chunk(qkv[lo:hi], z[lo:hi], b[lo:hi], a[lo:hi], seg, layer)
                    for seg, (lo, hi) in zip(segments, layout.spans) if seg.prefill]
-        return linear(layout.join(decoded, prompts), self.out, layout)
+        return linear(layout.join(decoded, prompts), self.out, layout, residual)
 
     def prompt_chunk(self, qkv: mx.array, z: mx.array, b: mx.array, a: mx.array, seg: Segment, layer: int) -> mx.array:
         """A prompt chunk's rows, kept whole (no rollback record): the chunkwise recurrence."""
@@ -299,8 +301,8 @@ class HybridTarget(Target):
 
     def layer(self, i: int, x: mx.array, segments: list[Segment], layout: Layout) -> mx.array:
         pre, post = self.norms[i]
-        x = x + self.mixers[i](mx.fast.rms_norm(x, pre, self.eps), segments, layout, i)
-        return x + self.mlp(mx.fast.rms_norm(x, post, self.eps), layout, *self.mlps[i])
+        x = self.mixers[i](mx.fast.rms_norm(x, pre, self.eps), segments, layout, i, residual=x)
+        return self.mlp(mx.fast.rms_norm(x, post, self.eps), layout, *self.mlps[i], residual=x)
 
 
 class PackedRedo:
