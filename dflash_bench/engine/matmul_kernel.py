@@ -34,6 +34,9 @@ not what is summed in which order.
 A stacked weight's launch (tiles.Stacked) can write its output as one row-contiguous array a part
 (`parts`): where each column lands, never how it is summed, so the parts equal the columns of the
 unsplit product bit for bit (tests/test_matmul_kernel.py, on the device and under the emulator).
+A layer's output and down projections add the residual stream in their launch (`residual`): each
+output is rounded to bf16 as before, then added to its residual value and rounded once, the bits of
+MLX's bf16 add of the two arrays, one launch a layer fewer each (tests/test_matmul_kernel.py).
 
 Only the decode rows take this path, and only on a CUDA GPU (tiles.py `linear`); prompt chunks keep
 MLX's own kernels (their bits need only be a function of the chunk: tiles.py). The engine's
