@@ -235,15 +235,19 @@ def delta_windows(windows: list[Window]) -> list[tuple[mx.array, mx.array]]:
 
 
 def delta_packed(qkv: QKV, g: mx.array, beta: mx.array, states: list[mx.array],
-                 starts: tuple[int, ...]) -> tuple[mx.array, list[mx.array]]:
+                 starts: tuple[int, ...], y_dtype: mx.Dtype | None = None) -> tuple[mx.array, list[mx.array]]:
     """`delta_windows` for windows already packed one after another: window i is rows
     starts[i] .. starts[i + 1] - 1 of q, k, v, g and beta, from states[i]. Returns every row's y and
-    each window's new state (a forward's decode segments pass their rows as they lie)."""
+    each window's new state (a forward's decode segments pass their rows as they lie). y is in
+    `y_dtype` (q's where None): the kernel rounds each float32 y to it once (`cvt_from_f`), what a cast
+    of the float32 y gives, so a forward that wants bf16 rows (qwen3_5.py's gated norm) has no cast to
+    launch."""
     assert states and len(starts) == len(states) + 1 and starts[0] == 0 and starts[-1] == qkv.rows
     assert all(a < b for a, b in zip(starts, starts[1:])), f"every window needs a row: {starts}"
     hk, dk, hv, dv = qkv.heads
     assert fits(hk, hv, dk, dv), f"no launch for {hk}/{hv} heads of {dk}/{dv}"
-    y, new_states = _launch(qkv, g, beta, _stacked(states), _int32s(tuple(starts)), _int32s((qkv.rows,) * len(states)))
+    y, new_states = _launch(qkv, g, beta, _stacked(states), _int32s(tuple(starts)), _int32s((qkv.rows,) * len(states)),
+                            y_dtype)
     return y, _unstacked(new_states)
 
 
@@ -258,31 +262,32 @@ def _unstacked(states: mx.array) -> list[mx.array]:
     return [states[i : i + 1].squeeze(0) for i in range(states.shape[0])]
 
 
-def delta_prefix(qkv: QKV, g: mx.array, beta: mx.array, state: mx.array, m: mx.array) -> mx.array:
+def delta_prefix(qkv: QKV, g: mx.array, beta: mx.array, state: mx.array, m: mx.array,
+                 y_dtype: mx.Dtype | None = None) -> mx.array:
     """The state after the first `m` rows of one window (m an int32 device scalar, 0 <= m <= rows): the
     window launched to walk m of its rows (`limits`), so the kernel steps rows 0 .. m - 1 exactly as a
     launch of those rows alone does (module docstring) and leaves the state as it is at m = 0. What a
     rollback to a length the host has not read needs (qwen3_5.py's `redo_fn`) in one launch whatever m
     is, with no mask over the rows and no operation beside the launch; y past row m is left unwritten
-    and is not returned."""
-    return delta_prefixes(qkv, g, beta, [state], (0, qkv.rows), mx.reshape(m, (1,)))[0]
+    and is not returned (`y_dtype` as the window's forward launched it, so both are one compiled kernel)."""
+    return delta_prefixes(qkv, g, beta, [state], (0, qkv.rows), mx.reshape(m, (1,)), y_dtype)[0]
 
 
 def delta_prefixes(qkv: QKV, g: mx.array, beta: mx.array, states: list[mx.array], starts: tuple[int, ...],
-                   counts: mx.array) -> list[mx.array]:
+                   counts: mx.array, y_dtype: mx.Dtype | None = None) -> list[mx.array]:
     """`delta_prefix` for windows packed as `delta_packed` takes them, in one launch: window i's state
     after its first counts[i] rows (`counts` int32 on the device, one a window). Each window walks its
     rows as a launch of it alone does, so this is the rollback of several streams' windows that one
     forward launched together (qwen3_5.py's `PackedRedo`) at one launch a layer, not one a stream."""
-    _, new_states = _launch(qkv, g, beta, _stacked(states), _int32s(tuple(starts)), counts.astype(mx.int32))
+    _, new_states = _launch(qkv, g, beta, _stacked(states), _int32s(tuple(starts)), counts.astype(mx.int32), y_dtype)
     return _unstacked(new_states)
 
 
 def _launch(qkv: QKV, g: mx.array, beta: mx.array, states: mx.array, offsets: mx.array,
-            limits: mx.array) -> tuple[mx.array, mx.array]:
+            limits: mx.array, y_dtype: mx.Dtype | None = None) -> tuple[mx.array, mx.array]:
     """One launch over windows `offsets` (windows + 1 row bounds, int32) of the packed rows, each walking
     its first `limits` rows (int32, one a window), from the stacked `states`: every row's y (rows no
-    window walks left unwritten) and the new states, stacked."""
-    options = _options(qkv.heads, qkv.rows, states.shape[0], qkv.arrays[0].dtype)
+    window walks left unwritten) in `y_dtype` (q's where None) and the new states, stacked."""
+    options = _options(qkv.heads, qkv.rows, states.shape[0], y_dtype or qkv.arrays[0].dtype)
     y, new_states = _kernel()(inputs=[*qkv.arrays, g, beta, states, offsets, limits, _int32s(qkv.layout)], **options)
     return y, new_states

@@ -176,12 +176,12 @@ class GatedDeltaNet:
         window = self.window_rows(mixed, compute_g(self.A_log, a[:rows], self.dt_bias), mx.sigmoid(b[:rows]))
         bounds, before = (0, *(hi for _, hi in spans)), [c.state for c in caches]
         if self.recurrence == "delta_kernel":
-            y, states = delta_kernel.delta_packed(*window, before, bounds)
+            y, states = delta_kernel.delta_packed(*window, before, bounds, self.dtype)  # y as gated_norm takes it
         else:
             y, states = self.recur(*window, before, spans)
         tails = [inputs[st : st + span + hi - lo] for st, (lo, hi) in zip(starts, spans)]
         windows = sum(hi - lo > 1 for lo, hi in spans)  # what a round may roll back
-        together = (PackedRedo(window, before, bounds, tails, span)
+        together = (PackedRedo(window, before, bounds, tails, span, self.dtype)
                     if self.recurrence == "delta_kernel" and windows > 1 else None)
         for w, ((seg, (lo, hi)), c, st, state) in enumerate(zip(decoding, caches, starts, states)):
             n = hi - lo
@@ -247,7 +247,7 @@ class GatedDeltaNet:
             if m == 0:
                 return prev_conv, prev_state
             if self.recurrence == "delta_kernel":
-                _, [state] = delta_kernel.delta_packed(*(r[:m] for r in rows), [prev_state], (0, m))
+                _, [state] = delta_kernel.delta_packed(*(r[:m] for r in rows), [prev_state], (0, m), self.dtype)
             else:
                 [(_, state)] = RECURRENCES[self.recurrence]([(*(r[:m] for r in rows), prev_state)])
             return inputs[m : m + span], state
@@ -258,7 +258,7 @@ class GatedDeltaNet:
             rows' own steps, one launch and no mask); mlx-lm's ops rerun every row (`prefix_by_rerun`).
             The conv tail is the `kernel - 1` inputs ending at row m."""
             if self.recurrence == "delta_kernel":
-                state = delta_kernel.delta_prefix(*rows, prev_state, m)
+                state = delta_kernel.delta_prefix(*rows, prev_state, m, self.dtype)
             else:
                 state = prefix_by_rerun(RECURRENCES[self.recurrence], *rows, prev_state, m)
             return conv_tail(inputs, m, span), state
@@ -311,12 +311,13 @@ class PackedRedo:
     started from (delta_kernel.py's `delta_prefixes`), its conv tail the `kernel - 1` inputs ending at
     its row m, what each window's own `redo_fn` gives at the same count."""
 
-    def __init__(self, rows: tuple, states: list[mx.array], bounds: tuple[int, ...], tails: list[mx.array], span: int):
+    def __init__(self, rows: tuple, states: list[mx.array], bounds: tuple[int, ...], tails: list[mx.array], span: int,
+                 y_dtype: mx.Dtype):
         self.rows, self.states, self.bounds, self.tails, self.span = rows, states, bounds, tails, span
-        self.windows = len(states)
+        self.windows, self.y_dtype = len(states), y_dtype
 
     def __call__(self, counts: mx.array, kept: dict[int, mx.array]) -> dict[int, tuple[mx.array, mx.array]]:
-        states = delta_kernel.delta_prefixes(*self.rows, self.states, self.bounds, counts)
+        states = delta_kernel.delta_prefixes(*self.rows, self.states, self.bounds, counts, self.y_dtype)
         return {w: (conv_tail(self.tails[w], m, self.span), states[w]) for w, m in kept.items()}
 
 
