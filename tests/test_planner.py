@@ -14,7 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from conftest import PUBLISHED
-from tiny_targets import config_dict, tiny_target
+from tiny_targets import canonical_weights, config_dict, reference_model, tiny_target
 
 from dflash_bench.cli import app
 from dflash_bench.engine.checkpoint import expected_shapes, read_target_config
@@ -40,6 +40,7 @@ from dflash_bench.engine.planner import (
 from dflash_bench.engine.preload import check_pair
 from dflash_bench.engine.request import Request
 from dflash_bench.engine.target_config import parse_target_config
+from dflash_bench.engine.targets import build_target
 
 KIB = 1024
 
@@ -138,11 +139,11 @@ def test_planned_drafter_weights_count_the_published_parameters():
         q4.term("drafter float staging").prompt
 
 
-def test_qwen35_9b_plan_prices_the_gated_delta_net_state_in_fp32():
+def test_qwen35_9b_plan_prices_the_gated_delta_net_state_in_fp32_and_its_conv_inputs_as_activations():
     target, d = qwen35_9b()
     p = plan(PlanInputs(target, d, parallel=4, context=65536, backend=GPU))
     state = 32 * 128 * 128 * 4  # value heads x value dim x key dim, float32
-    conv = 3 * (2 * 16 * 128 + 32 * 128) * 4  # kernel - 1 inputs of the conv's 8192 channels
+    conv = 3 * (2 * 16 * 128 + 32 * 128) * 2  # kernel - 1 inputs of the conv's 8192 channels, bf16 in the gpu mode
     assert p.term("GatedDeltaNet state").prompt == 24 * (state + conv)
     assert p.term("attention K/V").prompt == 8 * 2 * 4 * 256 * 2 * most_prefill_rows(65536)
 
@@ -293,6 +294,17 @@ def test_backends_price_bytes_per_element():
     assert cpu.term("attention K/V").prompt == 2 * gpu.term("attention K/V").prompt
     shapes = expected_shapes(t)
     assert gpu.term("target weights").prompt == 2 * sum(math.prod(s) for s in shapes.values())
+
+
+@pytest.mark.parametrize("backend", [CPU, GPU], ids=["cpu", "gpu"])
+def test_the_gated_delta_net_state_term_is_what_a_stream_holds_in_each_mode(backend):
+    """A qwen3_5 stream's GatedDeltaNet layers in the mode's activation dtype (the gpu mode's bf16, here on
+    the CPU) hold exactly the planner's term: float32 states, conv inputs as the projection writes them."""
+    cfg = config_dict("qwen3_5", "small", 4, False)
+    target = build_target(parse_target_config(cfg), canonical_weights(reference_model(cfg, 0)),
+                          mx.bfloat16 if backend is GPU else mx.float32)
+    held = sum(c.nbytes for c in target.new_state().layers if not hasattr(c, "k"))
+    assert plan(PlanInputs(target.config, backend=backend)).term("GatedDeltaNet state").prompt == held
 
 
 def test_a_prompt_chunk_is_priced_as_one_sdpa_over_its_keys_and_a_window_as_tiles():

@@ -198,9 +198,24 @@ def test_the_recurrence_kernels_states_are_views(monkeypatch) -> None:
 
 
 def test_more_streams_add_no_casts(monkeypatch) -> None:
-    """In the gpu mode (bf16 rows, a float32 conv) a GatedDeltaNet layer casts every stream's rows at once."""
+    """In the gpu mode (bf16 rows, a float32 conv) more streams add no cast to a GatedDeltaNet layer's step."""
     target = kernel_target("qwen3_5", monkeypatch, each_row_alone)
     assert decode_census(target, 1, rows=2)["AsType"] == decode_census(target, 3, rows=2)["AsType"]
+
+
+def test_the_conv_keeps_its_inputs_as_the_projection_wrote_them(monkeypatch) -> None:
+    """In the gpu mode a GatedDeltaNet layer's conv tail stays bf16, as the projection wrote its rows, through
+    a prompt chunk, a decode step and a rollback: the conv's float32 taps promote them (exactly) inside its own
+    launch (fused.py compiles it on a GPU), so no cast of the rows is launched before it."""
+    target = kernel_target("qwen3_5", monkeypatch, each_row_alone)
+    state = target.new_state()
+    mx.eval(target.forward([Segment([3, 1, 4, 1, 5], 0, state, [4], prefill=True)])[0].logits, state.arrays())
+    state.keep(5)
+    tails = lambda: {c.conv.dtype for c in state.layers if not hasattr(c, "k")}  # noqa: E731
+    assert tails() == {mx.bfloat16}
+    target.forward([Segment([9, 2, 6], 5, state, [0, 1, 2])])
+    state.keep(6)
+    assert tails() == {mx.bfloat16}
 
 
 def test_positions_are_built_once_a_forward() -> None:

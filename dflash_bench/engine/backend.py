@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-STATE_BYTES = 4  # GatedDeltaNet conv inputs and recurrent state: float32 in both modes
+STATE_BYTES = 4  # GatedDeltaNet recurrent state and rows: float32 in both modes (its conv inputs: activations)
 SCORE_BYTES = 4  # a prompt chunk's sdpa scores: float32 with bf16 inputs too (measured on CPU and an H200)
 LOGIT_BYTES = 4  # the logits rows handed to the sampler
 FLOAT32_TENSORS = ("A_log",)  # kept float32 in both modes, as mlx-lm keeps them (the GatedDeltaNet's decay rates)

@@ -325,13 +325,13 @@ def plan(i: PlanInputs) -> Plan:
         lin = t.linear
         layers = len(t.layer_types) - full
         state = lin.num_value_heads * lin.value_head_dim * lin.key_head_dim * STATE_BYTES
-        conv = (lin.conv_kernel - 1) * lin.conv_dim * STATE_BYTES
+        conv = (lin.conv_kernel - 1) * lin.conv_dim * act  # the conv's last inputs, as the projection wrote them
         add(Term("GatedDeltaNet state", "stream", layers * (state + conv), layers * (state + conv),
                  f"{layers} layers x ({mib(state)} fp32 state + {mib(conv)} conv)"))
-        # the state and conv rows a window started from, its float32 conv inputs (kernel - 1 + rows),
-        # and its float32 q, k, v, g and beta rows (what the rollback reruns the recurrence on, qwen3_5.py),
-        # kept until keep
-        inputs = (lin.conv_kernel - 1 + window) * lin.conv_dim * STATE_BYTES
+        # the state and conv rows a window started from, its conv inputs (kernel - 1 + rows, in the activation
+        # dtype), and its float32 q, k, v, g and beta rows (what the rollback reruns the recurrence on,
+        # qwen3_5.py), kept until keep
+        inputs = (lin.conv_kernel - 1 + window) * lin.conv_dim * act
         key_dim, value_dim = lin.num_key_heads * lin.key_head_dim, lin.num_value_heads * lin.value_head_dim
         rows = window * (2 * key_dim + value_dim + 2 * lin.num_value_heads) * STATE_BYTES
         record = layers * (state + conv + inputs + rows)

@@ -105,7 +105,7 @@ class GatedDeltaNet:
         # qkv, z, b, a: one stacked weight where `stack` (the gpu mode: tiles.Stacked)
         self.in_proj = Stacked([as_weight(weights[f"{prefix}.in_proj_{n}.weight"]) for n in ("qkv", "z", "b", "a")], stack)
         self.out = as_weight(weights[f"{prefix}.out_proj.weight"])
-        # tap j of every channel, each its own float32 row (the conv's inputs are float32), so a forward
+        # tap j of every channel, each its own float32 row (the conv sums in float32), so a forward
         # neither gathers a row of the transposed weight nor casts it, once a tap a layer
         conv_w = weights[f"{prefix}.conv1d.weight"][:, :, 0].T.astype(mx.float32)
         self.taps = [mx.contiguous(conv_w[j]) for j in range(self.kernel)]
@@ -127,8 +127,8 @@ class GatedDeltaNet:
         return (*self.in_proj.weights, self.out)
 
     def new_cache(self) -> LinearCache:
-        return LinearCache(
-            conv=mx.zeros((self.kernel - 1, self.conv_dim), dtype=mx.float32),
+        return LinearCache(  # the conv's last inputs in the activation dtype, as the projection wrote them
+            conv=mx.zeros((self.kernel - 1, self.conv_dim), dtype=self.dtype),
             state=mx.zeros((self.hv, self.dv, self.dk), dtype=mx.float32),
         )
 
@@ -167,8 +167,8 @@ class GatedDeltaNet:
         assert all(isinstance(c, LinearCache) for c in caches)
         spans = [sp for _, sp in decoding]
         rows = spans[-1][1]
-        rows32 = qkv[:rows].astype(mx.float32)  # one cast for every segment (exact: the conv runs in float32)
-        inputs = mx.concatenate([p for c, (lo, hi) in zip(caches, spans) for p in (c.conv, rows32[lo:hi])])
+        # the conv's inputs as the projection wrote them: its float32 taps promote them (exactly) in its own launch
+        inputs = mx.concatenate([p for c, (lo, hi) in zip(caches, spans) for p in (c.conv, qkv[lo:hi])])
         starts = [lo + i * span for i, (lo, _) in enumerate(spans)]  # each segment's first input row
         mixed = self.conv(inputs, inputs.shape[0] - span)
         if len(decoding) > 1:  # slices, not a row gather (26 us a layer on an H200: docs/profiles/ncu-forward-h200.txt)
