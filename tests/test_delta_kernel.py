@@ -242,6 +242,35 @@ def test_the_kernel_source_reads_q_k_and_v_in_place_as_it_reads_them_apart(monke
 
 
 @cuda_emulator.needs_gxx
+def test_the_kernel_source_scales_q_and_k_as_it_loads_them_with_the_bits_of_scaling_first(monkeypatch) -> None:
+    """qwen3_5.py's forward hands the kernel its q and k normed but not scaled, with the scales (`in_place`'s
+    `scale`): through the kernel's source, the rows and states equal those of the same q and k scaled first
+    (normalize_qk's float32 products) and read as they are, bit for bit, for packed windows and every prefix
+    a rollback launches; the scales swapped give other rows, so the comparison can fail."""
+    cuda_emulator.install_delta(monkeypatch)
+    hk, hv, dk, dv = HEADS["small"]
+    rows, starts = 6, (0, 1, 6)
+    parts = [window(HEADS["small"], rows, seed=90 + i) for i in range(2)]
+    q, k, v, g, beta, _ = parts[0]
+    states = [p[5] for p in parts]
+    normed = mx.concatenate([q, k], axis=1)  # stands for the normed, unscaled heads
+    scale = mx.array([dk**-1.0, dk**-0.5], dtype=mx.float32)
+    column = mx.array([dk**-1.0] * hk + [dk**-0.5] * hk, dtype=mx.float32)[:, None]
+    mixed = mx.concatenate([mx.random.normal((rows, 2 * hk * dk), key=mx.random.key(8)), v.reshape(rows, hv * dv)], axis=1)
+    folded = delta_kernel.in_place(normed, mixed, 2 * hk * dk, hv, dv, scale)
+    first = delta_kernel.in_place(normed * column, mixed, 2 * hk * dk, hv, dv)
+    assert all(same(a, b) for a, b in zip(folded.views(), first.views()))
+    y, got = delta_kernel.delta_packed(folded, g, beta, states, starts)
+    y_first, want = delta_kernel.delta_packed(first, g, beta, states, starts)
+    assert same(y, y_first) and all(same(a, b) for a, b in zip(got, want))
+    for m in range(6):
+        kept = delta_prefix(folded[1:6], g[1:6], beta[1:6], states[1], mx.array(m, dtype=mx.int32))
+        assert same(kept, delta_prefix(first[1:6], g[1:6], beta[1:6], states[1], mx.array(m, dtype=mx.int32))), m
+    swapped = dataclasses.replace(folded, scale=scale[::-1])
+    assert not same(delta_kernel.delta_packed(swapped, g, beta, states, starts)[0], y_first)
+
+
+@cuda_emulator.needs_gxx
 def test_windows_one_forward_ran_together_roll_back_in_one_launch_to_each_ones_own_state(monkeypatch) -> None:
     """cache.py's `keep_windows`: three streams' windows that one forward's kernel launch ran, kept at
     different device counts, leave through the kernel's source the conv and state each stream's own

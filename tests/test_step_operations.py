@@ -143,21 +143,27 @@ def test_the_residual_adds_ride_in_the_projections_launches(family: str, monkeyp
     assert decode_census(target)["Add"] - fused["Add"] >= 2 * layers
 
 
-def test_the_recurrence_kernel_hands_the_gated_norm_bf16_rows(monkeypatch) -> None:
-    """On the recurrence kernel a GatedDeltaNet decode step launches no cast of its y: the kernel writes y in
-    the activation dtype (delta_kernel.delta_packed's `y_dtype`; tests/test_delta_kernel.py checks the bits).
-    The kernel is stood in for by one node writing y in the dtype asked for."""
+def test_the_recurrence_kernel_takes_unscaled_q_and_k_and_hands_the_gated_norm_bf16_rows(monkeypatch) -> None:
+    """On the recurrence kernel a GatedDeltaNet decode step launches neither a cast of its y (the kernel
+    writes y in the activation dtype: delta_packed's `y_dtype`) nor the product that scales q and k (the
+    kernel scales them as it loads them: `in_place`'s `scale`, the layer's own); tests/test_delta_kernel.py
+    checks the bits of both. The kernel is stood in for by one node writing y in the dtype asked for."""
     target = kernel_target("qwen3_5", monkeypatch, one_launch)
-    layers = sum(isinstance(m, GatedDeltaNet) for m in target.mixer_layers())
-    casts = decode_census(target)["AsType"]
-    monkeypatch.setattr(delta_kernel, "delta_packed", lambda qkv, g, beta, states, starts, y_dtype=None: (
-        mx.depends([mx.zeros(qkv.views()[2].shape, dtype=y_dtype or mx.float32)], [*qkv.arrays, g, beta])[0],
-        [mx.abs(s) for s in states]))
-    for m in target.mixer_layers():
-        if isinstance(m, GatedDeltaNet):
-            m.recurrence = "delta_kernel"
-    on_kernel = decode_census(target)["AsType"]
-    assert layers and on_kernel == casts - layers, (casts, on_kernel)
+    linear_layers = [m for m in target.mixer_layers() if isinstance(m, GatedDeltaNet)]
+    before = decode_census(target)
+    scales: list[mx.array] = []
+
+    def launch(qkv, g, beta, states, starts, y_dtype=None):
+        scales.append(qkv.scale)
+        return (mx.depends([mx.zeros(qkv.views()[2].shape, dtype=y_dtype or mx.float32)], [*qkv.arrays, g, beta])[0],
+                [mx.abs(s) for s in states])
+
+    monkeypatch.setattr(delta_kernel, "delta_packed", launch)
+    for m in linear_layers:
+        m.recurrence = "delta_kernel"
+    on_kernel = decode_census(target)
+    assert linear_layers and on_kernel["AsType"] == before["AsType"] - len(linear_layers), (before, on_kernel)
+    assert [id(s) for s in scales] == [id(m.qk_scales) for m in linear_layers]
 
 
 def test_a_row_count_dependent_product_fails_the_model_check(monkeypatch) -> None:

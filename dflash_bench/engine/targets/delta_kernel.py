@@ -44,7 +44,7 @@ Value head hv reads key head hv // (Hv / Hk), what `mx.repeat(q, Hv // Hk, -2)` 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from itertools import accumulate
 
@@ -73,6 +73,7 @@ _SOURCE = r"""
   const int lo = offsets[seg];
   const int hi = min(offsets[seg + 1], lo + limits[seg]);
   const long long qs = layout[0], qo = layout[1], ks = layout[2], ko = layout[3], vs = layout[4], vo = layout[5];
+  const float qsc = qk_scale[0], ksc = qk_scale[1];  // q's and k's scales, 1 where the caller scaled them
 
   const long long sbase = (((long long)seg * Hv + hv) * Dv + dv) * Dk + lane * EPL;
   float s[EPL];
@@ -93,8 +94,8 @@ _SOURCE = r"""
     float qq[EPL];
 #pragma unroll
     for (int i = 0; i < EPL; ++i) {
-      kk[i] = cvt_to_f(k[ka + i]);
-      qq[i] = cvt_to_f(q[qa + i]);
+      kk[i] = __fmul_rn(cvt_to_f(k[ka + i]), ksc);
+      qq[i] = __fmul_rn(cvt_to_f(q[qa + i]), qsc);
     }
 
     // decay, then kv = state . k
@@ -147,7 +148,8 @@ def fits(hk: int, hv: int, dk: int, dv: int) -> bool:
     return hv % hk == 0 and lanes is not None and (dv * lanes) % 32 == 0
 
 
-INPUTS = ["q", "k", "v", "g", "beta", "state_in", "offsets", "limits", "layout"]  # `_launch`'s order
+INPUTS = ["q", "k", "v", "g", "beta", "state_in", "offsets", "limits", "layout", "qk_scale"]  # `_launch`'s order
+UNSCALED = mx.array([1.0, 1.0], dtype=mx.float32)  # q and k as given: x * 1 is x, bit for bit
 OUTPUTS = ["y", "state_out"]
 
 
@@ -182,6 +184,7 @@ class QKV:
     arrays: tuple[mx.array, mx.array, mx.array]
     layout: tuple[int, int, int, int, int, int]  # qs, qo, ks, ko, vs, vo
     heads: tuple[int, int, int, int]  # Hk, Dk, Hv, Dv
+    scale: mx.array = field(default_factory=lambda: UNSCALED)  # float32 (q's, k's): the kernel multiplies on load
 
     @property
     def rows(self) -> int:
@@ -203,7 +206,10 @@ class QKV:
             return x.reshape(x.shape[0], stride)[:, offset : offset + h * d].reshape(x.shape[0], h, d)
 
         q, k, v = self.arrays
-        return at(q, qs, qo, hk, dk), at(k, ks, ko, hk, dk), at(v, vs, vo, hv, dv)
+        q, k, v = at(q, qs, qo, hk, dk), at(k, ks, ko, hk, dk), at(v, vs, vo, hv, dv)
+        if self.scale is UNSCALED:
+            return q, k, v
+        return q * self.scale[0], k * self.scale[1], v
 
 
 def separate(q: mx.array, k: mx.array, v: mx.array) -> QKV:
@@ -212,12 +218,15 @@ def separate(q: mx.array, k: mx.array, v: mx.array) -> QKV:
     return QKV((q, k, v), (hk * dk, 0, hk * dk, 0, hv * dv, 0), (hk, dk, hv, dv))
 
 
-def in_place(qk: mx.array, mixed: mx.array, v_at: int, hv: int, dv: int) -> QKV:
+def in_place(qk: mx.array, mixed: mx.array, v_at: int, hv: int, dv: int, scale: mx.array | None = None) -> QKV:
     """qwen3_5.py's decode rows as its forward leaves them: `qk` (rows, 2 * Hk, Dk), the normalized q heads
-    then k heads, and `mixed` (rows, C), the conv's rows, whose columns from `v_at` are v's Hv x Dv heads."""
+    then k heads, and `mixed` (rows, C), the conv's rows, whose columns from `v_at` are v's Hv x Dv heads.
+    `scale` (float32 q's, k's) where qk is normed but not yet scaled: the kernel multiplies each value as it
+    loads it, the float32 product the scaling would have stored (`__fmul_rn`), so no launch scales them first."""
     _, two_hk, dk = qk.shape
     hk = two_hk // 2
-    return QKV((qk, qk, mixed), (two_hk * dk, 0, two_hk * dk, hk * dk, mixed.shape[1], v_at), (hk, dk, hv, dv))
+    return QKV((qk, qk, mixed), (two_hk * dk, 0, two_hk * dk, hk * dk, mixed.shape[1], v_at), (hk, dk, hv, dv),
+               UNSCALED if scale is None else scale)
 
 
 def delta_windows(windows: list[Window]) -> list[tuple[mx.array, mx.array]]:
@@ -289,5 +298,6 @@ def _launch(qkv: QKV, g: mx.array, beta: mx.array, states: mx.array, offsets: mx
     its first `limits` rows (int32, one a window), from the stacked `states`: every row's y (rows no
     window walks left unwritten) in `y_dtype` (q's where None) and the new states, stacked."""
     options = _options(qkv.heads, qkv.rows, states.shape[0], y_dtype or qkv.arrays[0].dtype)
-    y, new_states = _kernel()(inputs=[*qkv.arrays, g, beta, states, offsets, limits, _int32s(qkv.layout)], **options)
+    y, new_states = _kernel()(inputs=[*qkv.arrays, g, beta, states, offsets, limits, _int32s(qkv.layout), qkv.scale],
+                              **options)
     return y, new_states

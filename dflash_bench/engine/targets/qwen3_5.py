@@ -121,6 +121,7 @@ class GatedDeltaNet:
         inv_scale = self.dk**-0.5
         self.qk_eps = 1e-6 * inv_scale**2
         self.qk_scale = mx.array([inv_scale**2] * self.hk + [inv_scale] * self.hk, dtype=mx.float32)[:, None]
+        self.qk_scales = mx.array([inv_scale**2, inv_scale], dtype=mx.float32)  # the same two, for the kernel
 
     @property
     def projections(self) -> tuple[Weight, ...]:
@@ -206,11 +207,14 @@ class GatedDeltaNet:
         """The causal conv's rows 0..n-1 (row t sees inputs t .. t + kernel - 1, summed in tap order), then silu."""
         return conv_silu(*self.taps, *(inputs[j : j + n] for j in range(self.kernel)))
 
+    def normed(self, mixed: mx.array) -> mx.array:
+        """The conv's rows' q heads then k heads, each row normed on its own and not yet scaled: (rows, 2 * hk, dk)."""
+        n = mixed.shape[0]
+        return mx.fast.rms_norm(mixed[:, : 2 * self.key_dim].reshape(n, 2 * self.hk, self.dk), None, self.qk_eps)
+
     def normed_qk(self, mixed: mx.array) -> mx.array:
         """The conv's rows' q heads then k heads, normalized: (rows, 2 * hk, dk)."""
-        n = mixed.shape[0]
-        qk = mx.fast.rms_norm(mixed[:, : 2 * self.key_dim].reshape(n, 2 * self.hk, self.dk), None, self.qk_eps)
-        return qk * self.qk_scale  # each row normed on its own, then scaled: normalize_qk's bits, half its launches
+        return self.normed(mixed) * self.qk_scale  # normed, then scaled: normalize_qk's bits, half its launches
 
     def heads(self, mixed: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         """The conv's rows split into normalized q and k heads and v heads."""
@@ -223,8 +227,9 @@ class GatedDeltaNet:
         kernel q, k and v where they lie (delta_kernel.py's `in_place`: over a verify window's rows they
         are strided views of qk and the conv's rows, which a row-contiguous launch would copy first, three
         copies a layer), g and beta. Either slices by rows as its parts do (a rollback's window)."""
-        if self.recurrence == "delta_kernel":
-            return delta_kernel.in_place(self.normed_qk(mixed), mixed, 2 * self.key_dim, self.hv, self.dv), g, beta
+        if self.recurrence == "delta_kernel":  # the kernel scales q and k as it loads them: one launch fewer
+            qkv = delta_kernel.in_place(self.normed(mixed), mixed, 2 * self.key_dim, self.hv, self.dv, self.qk_scales)
+            return qkv, g, beta
         return (*self.heads(mixed), g, beta)
 
     def mix(self, inputs: mx.array, n: int) -> tuple[mx.array, mx.array, mx.array]:
