@@ -38,6 +38,9 @@ so the rows it walks are those of a launch of them alone. q, k and v are read wh
 heads at r * ks + ko of k, its v heads (Hv x Dv) at r * vs + vo of v, the six from the int32 input
 `layout`. So the forward hands over its normalized qk and the conv's rows as they are (`in_place`), where
 over a verify window's rows q, k and v are strided views that a row-contiguous launch copied first.
+Each q and k value is multiplied by its float32 scale from the input `qk_scale` (q's, k's) as it is loaded
+(`__fmul_rn`: the product a scaling launch would have stored; 1 and 1 where the caller scaled them), and y is
+written in YT, rounded once from float32 (what a cast after the launch gives).
 Value head hv reads key head hv // (Hv / Hk), what `mx.repeat(q, Hv // Hk, -2)` gives.
 """
 
