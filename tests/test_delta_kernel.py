@@ -186,15 +186,15 @@ def test_the_kernel_source_run_on_a_cpu_stays_in_bounds_and_is_exact_and_right(m
 
 @cuda_emulator.needs_gxx
 def test_the_kernel_source_writes_bf16_rows_equal_to_its_float32_rows_cast(monkeypatch) -> None:
-    """`y_dtype`: the kernel's y written in bf16 (what qwen3_5.py's gated norm takes, no cast launched
+    """A QKV's `y_dtype`: the kernel's y written in bf16 (what qwen3_5.py's gated norm takes, no cast launched
     after it) equals its float32 y cast to bf16, bit for bit, for windows of 1 and 5 rows in one launch;
     the states are the float32 launch's."""
     cuda_emulator.install_delta(monkeypatch)
     windows = [window(HEADS["small"], n, seed=75 + i) for i, n in enumerate((1, 5))]
     q, k, v, g, beta = (mx.concatenate([w[i] for w in windows]) for i in range(5))
     wide, wide_states = delta_kernel.delta_packed(separate(q, k, v), g, beta, [w[5] for w in windows], (0, 1, 6))
-    narrow, states = delta_kernel.delta_packed(separate(q, k, v), g, beta, [w[5] for w in windows], (0, 1, 6),
-                                               mx.bfloat16)
+    narrow, states = delta_kernel.delta_packed(dataclasses.replace(separate(q, k, v), y_dtype=mx.bfloat16), g, beta,
+                                               [w[5] for w in windows], (0, 1, 6))
     assert wide.dtype == mx.float32 and narrow.dtype == mx.bfloat16
     assert same(narrow, wide.astype(mx.bfloat16)) and all(same(a, b) for a, b in zip(states, wide_states))
 

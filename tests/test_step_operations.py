@@ -145,7 +145,7 @@ def test_the_residual_adds_ride_in_the_projections_launches(family: str, monkeyp
 
 def test_the_recurrence_kernel_takes_unscaled_q_and_k_and_hands_the_gated_norm_bf16_rows(monkeypatch) -> None:
     """On the recurrence kernel a GatedDeltaNet decode step launches neither a cast of its y (the kernel
-    writes y in the activation dtype: delta_packed's `y_dtype`) nor the product that scales q and k (the
+    writes y in the activation dtype: `in_place`'s `y_dtype`) nor the product that scales q and k (the
     kernel scales them as it loads them: `in_place`'s `scale`, the layer's own); tests/test_delta_kernel.py
     checks the bits of both. The kernel is stood in for by one node writing y in the dtype asked for."""
     target = kernel_target("qwen3_5", monkeypatch, one_launch)
@@ -153,9 +153,9 @@ def test_the_recurrence_kernel_takes_unscaled_q_and_k_and_hands_the_gated_norm_b
     before = decode_census(target)
     scales: list[mx.array] = []
 
-    def launch(qkv, g, beta, states, starts, y_dtype=None):
+    def launch(qkv, g, beta, states, starts):
         scales.append(qkv.scale)
-        return (mx.depends([mx.zeros(qkv.views()[2].shape, dtype=y_dtype or mx.float32)], [*qkv.arrays, g, beta])[0],
+        return (mx.depends([mx.zeros(qkv.views()[2].shape, dtype=qkv.y_dtype or mx.float32)], [*qkv.arrays, g, beta])[0],
                 [mx.abs(s) for s in states])
 
     monkeypatch.setattr(delta_kernel, "delta_packed", launch)

@@ -57,7 +57,7 @@ def reference_attention(segments, scale, meta=None):
     return mx.concatenate(outs).astype(segments[0][0].dtype)
 
 
-def reference_packed(qkv, g, beta, states, starts, y_dtype=None):
+def reference_packed(qkv, g, beta, states, starts):
     q, k, v = qkv.views()
     res = qwen3_5.per_window_ops([(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], s)
                                   for s, a, b in zip(states, starts, starts[1:])])
@@ -142,10 +142,10 @@ def main() -> None:
     if hasattr(delta_kernel, "delta_packed"):
         delta_kernel.delta_packed = reference_packed
     if hasattr(delta_kernel, "delta_prefix"):  # a rollback to a device length (qwen3_5.py's redo_fn)
-        delta_kernel.delta_prefix = lambda qkv, g, beta, state, m, y_dtype=None: qwen3_5.prefix_by_rerun(
+        delta_kernel.delta_prefix = lambda qkv, g, beta, state, m: qwen3_5.prefix_by_rerun(
             qwen3_5.per_window_ops, *qkv.views(), g, beta, state, m)
     if hasattr(delta_kernel, "delta_prefixes"):  # several streams' windows at once (cache.py's keep_windows)
-        delta_kernel.delta_prefixes = lambda qkv, g, beta, states, starts, counts, y_dtype=None: [
+        delta_kernel.delta_prefixes = lambda qkv, g, beta, states, starts, counts: [
             qwen3_5.prefix_by_rerun(qwen3_5.per_window_ops, *qkv[a:b].views(), g[a:b], beta[a:b], state, counts[i])
             for i, (state, a, b) in enumerate(zip(states, starts, starts[1:]))]
     root = Path(tempfile.mkdtemp())
@@ -155,13 +155,13 @@ def main() -> None:
     matmul_kernel._kernel = lambda: stand_in
     attention_kernel.decode_attention = lambda segs, scale, meta=None: mx.abs(mx.concatenate([s[0] for s in segs]))
     if hasattr(delta_kernel, "delta_packed"):
-        delta_kernel.delta_packed = lambda qkv, g, beta, states, starts, y_dtype=None: (  # y in y_dtype, as the kernel writes it
-            mx.depends([mx.full(qkv.views()[2].shape, 0.0, dtype=y_dtype or mx.float32)], [*qkv.arrays, g, beta])[0],
+        delta_kernel.delta_packed = lambda qkv, g, beta, states, starts: (  # y in the QKV's y_dtype, as the kernel writes it
+            mx.depends([mx.full(qkv.views()[2].shape, 0.0, dtype=qkv.y_dtype or mx.float32)], [*qkv.arrays, g, beta])[0],
             [mx.abs(s) for s in states])
     if hasattr(delta_kernel, "delta_prefix"):
-        delta_kernel.delta_prefix = lambda qkv, g, beta, state, m, y_dtype=None: mx.depends([mx.abs(state)], [*qkv.arrays, g, beta, m])[0]
+        delta_kernel.delta_prefix = lambda qkv, g, beta, state, m: mx.depends([mx.abs(state)], [*qkv.arrays, g, beta, m])[0]
     if hasattr(delta_kernel, "delta_prefixes"):  # several streams' windows rolled back in one launch (keep_windows)
-        delta_kernel.delta_prefixes = lambda qkv, g, beta, states, starts, counts, y_dtype=None: delta_kernel._unstacked(
+        delta_kernel.delta_prefixes = lambda qkv, g, beta, states, starts, counts: delta_kernel._unstacked(
             mx.depends([mx.abs(delta_kernel._stacked(states))], [*qkv.arrays, g, beta, counts])[0])
     # one node for the recurrence, depending on all of its inputs as the kernel does
     qwen3_5.RECURRENCES["delta_kernel"] = lambda ws: [

@@ -47,7 +47,7 @@ Value head hv reads key head hv // (Hv / Hk), what `mx.repeat(q, Hv // Hk, -2)` 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from itertools import accumulate
 
@@ -152,7 +152,7 @@ def fits(hk: int, hv: int, dk: int, dv: int) -> bool:
 
 
 INPUTS = ["q", "k", "v", "g", "beta", "state_in", "offsets", "limits", "layout", "qk_scale"]  # `_launch`'s order
-UNSCALED = mx.array([1.0, 1.0], dtype=mx.float32)  # q and k as given: x * 1 is x, bit for bit
+UNSCALED = mx.array([1.0, 1.0], dtype=mx.float32)  # the kernel's scales for q and k as given: x * 1 is x
 OUTPUTS = ["y", "state_out"]
 
 
@@ -187,7 +187,8 @@ class QKV:
     arrays: tuple[mx.array, mx.array, mx.array]
     layout: tuple[int, int, int, int, int, int]  # qs, qo, ks, ko, vs, vo
     heads: tuple[int, int, int, int]  # Hk, Dk, Hv, Dv
-    scale: mx.array = field(default_factory=lambda: UNSCALED)  # float32 (q's, k's): the kernel multiplies on load
+    scale: mx.array | None = None  # float32 (q's, k's) the kernel multiplies them by as it loads them; None: as given
+    y_dtype: mx.Dtype | None = None  # what the launch writes y in (rounded once from float32); None: q's dtype
 
     @property
     def rows(self) -> int:
@@ -210,7 +211,7 @@ class QKV:
 
         q, k, v = self.arrays
         q, k, v = at(q, qs, qo, hk, dk), at(k, ks, ko, hk, dk), at(v, vs, vo, hv, dv)
-        if self.scale is UNSCALED:
+        if self.scale is None:
             return q, k, v
         return q * self.scale[0], k * self.scale[1], v
 
@@ -221,15 +222,19 @@ def separate(q: mx.array, k: mx.array, v: mx.array) -> QKV:
     return QKV((q, k, v), (hk * dk, 0, hk * dk, 0, hv * dv, 0), (hk, dk, hv, dv))
 
 
-def in_place(qk: mx.array, mixed: mx.array, v_at: int, hv: int, dv: int, scale: mx.array | None = None) -> QKV:
+def in_place(qk: mx.array, mixed: mx.array, v_at: int, hv: int, dv: int, scale: mx.array | None = None,
+             y_dtype: mx.Dtype | None = None) -> QKV:
     """qwen3_5.py's decode rows as its forward leaves them: `qk` (rows, 2 * Hk, Dk), the normalized q heads
     then k heads, and `mixed` (rows, C), the conv's rows, whose columns from `v_at` are v's Hv x Dv heads.
     `scale` (float32 q's, k's) where qk is normed but not yet scaled: the kernel multiplies each value as it
-    loads it, the float32 product the scaling would have stored (`__fmul_rn`), so no launch scales them first."""
+    loads it, the float32 product the scaling would have stored (`__fmul_rn`), so no launch scales them first.
+    `y_dtype`: y as the forward takes it (qwen3_5.py's gated norm: bf16 in the gpu mode), rounded once from
+    float32 in the kernel, what a cast after it gives, so no cast is launched. A window's rollback launches
+    the same rows (`QKV` slices keep both), so the same compiled kernel."""
     _, two_hk, dk = qk.shape
     hk = two_hk // 2
     return QKV((qk, qk, mixed), (two_hk * dk, 0, two_hk * dk, hk * dk, mixed.shape[1], v_at), (hk, dk, hv, dv),
-               UNSCALED if scale is None else scale)
+               scale, y_dtype)
 
 
 def delta_windows(windows: list[Window]) -> list[tuple[mx.array, mx.array]]:
@@ -247,19 +252,16 @@ def delta_windows(windows: list[Window]) -> list[tuple[mx.array, mx.array]]:
 
 
 def delta_packed(qkv: QKV, g: mx.array, beta: mx.array, states: list[mx.array],
-                 starts: tuple[int, ...], y_dtype: mx.Dtype | None = None) -> tuple[mx.array, list[mx.array]]:
+                 starts: tuple[int, ...]) -> tuple[mx.array, list[mx.array]]:
     """`delta_windows` for windows already packed one after another: window i is rows
-    starts[i] .. starts[i + 1] - 1 of q, k, v, g and beta, from states[i]. Returns every row's y and
-    each window's new state (a forward's decode segments pass their rows as they lie). y is in
-    `y_dtype` (q's where None): the kernel rounds each float32 y to it once (`cvt_from_f`), what a cast
-    of the float32 y gives, so a forward that wants bf16 rows (qwen3_5.py's gated norm) has no cast to
-    launch."""
+    starts[i] .. starts[i + 1] - 1 of q, k, v, g and beta, from states[i]. Returns every row's y (in
+    the QKV's `y_dtype`) and each window's new state (a forward's decode segments pass their rows as
+    they lie)."""
     assert states and len(starts) == len(states) + 1 and starts[0] == 0 and starts[-1] == qkv.rows
     assert all(a < b for a, b in zip(starts, starts[1:])), f"every window needs a row: {starts}"
     hk, dk, hv, dv = qkv.heads
     assert fits(hk, hv, dk, dv), f"no launch for {hk}/{hv} heads of {dk}/{dv}"
-    y, new_states = _launch(qkv, g, beta, _stacked(states), _int32s(tuple(starts)), _int32s((qkv.rows,) * len(states)),
-                            y_dtype)
+    y, new_states = _launch(qkv, g, beta, _stacked(states), _int32s(tuple(starts)), _int32s((qkv.rows,) * len(states)))
     return y, _unstacked(new_states)
 
 
@@ -274,33 +276,33 @@ def _unstacked(states: mx.array) -> list[mx.array]:
     return [states[i : i + 1].squeeze(0) for i in range(states.shape[0])]
 
 
-def delta_prefix(qkv: QKV, g: mx.array, beta: mx.array, state: mx.array, m: mx.array,
-                 y_dtype: mx.Dtype | None = None) -> mx.array:
+def delta_prefix(qkv: QKV, g: mx.array, beta: mx.array, state: mx.array, m: mx.array) -> mx.array:
     """The state after the first `m` rows of one window (m an int32 device scalar, 0 <= m <= rows): the
     window launched to walk m of its rows (`limits`), so the kernel steps rows 0 .. m - 1 exactly as a
     launch of those rows alone does (module docstring) and leaves the state as it is at m = 0. What a
     rollback to a length the host has not read needs (qwen3_5.py's `redo_fn`) in one launch whatever m
     is, with no mask over the rows and no operation beside the launch; y past row m is left unwritten
-    and is not returned (`y_dtype` as the window's forward launched it, so both are one compiled kernel)."""
-    return delta_prefixes(qkv, g, beta, [state], (0, qkv.rows), mx.reshape(m, (1,)), y_dtype)[0]
+    and is not returned."""
+    return delta_prefixes(qkv, g, beta, [state], (0, qkv.rows), mx.reshape(m, (1,)))[0]
 
 
 def delta_prefixes(qkv: QKV, g: mx.array, beta: mx.array, states: list[mx.array], starts: tuple[int, ...],
-                   counts: mx.array, y_dtype: mx.Dtype | None = None) -> list[mx.array]:
+                   counts: mx.array) -> list[mx.array]:
     """`delta_prefix` for windows packed as `delta_packed` takes them, in one launch: window i's state
     after its first counts[i] rows (`counts` int32 on the device, one a window). Each window walks its
     rows as a launch of it alone does, so this is the rollback of several streams' windows that one
     forward launched together (qwen3_5.py's `PackedRedo`) at one launch a layer, not one a stream."""
-    _, new_states = _launch(qkv, g, beta, _stacked(states), _int32s(tuple(starts)), counts.astype(mx.int32), y_dtype)
+    _, new_states = _launch(qkv, g, beta, _stacked(states), _int32s(tuple(starts)), counts.astype(mx.int32))
     return _unstacked(new_states)
 
 
 def _launch(qkv: QKV, g: mx.array, beta: mx.array, states: mx.array, offsets: mx.array,
-            limits: mx.array, y_dtype: mx.Dtype | None = None) -> tuple[mx.array, mx.array]:
+            limits: mx.array) -> tuple[mx.array, mx.array]:
     """One launch over windows `offsets` (windows + 1 row bounds, int32) of the packed rows, each walking
     its first `limits` rows (int32, one a window), from the stacked `states`: every row's y (rows no
-    window walks left unwritten) in `y_dtype` (q's where None) and the new states, stacked."""
-    options = _options(qkv.heads, qkv.rows, states.shape[0], y_dtype or qkv.arrays[0].dtype)
-    y, new_states = _kernel()(inputs=[*qkv.arrays, g, beta, states, offsets, limits, _int32s(qkv.layout), qkv.scale],
+    window walks left unwritten) and the new states, stacked."""
+    options = _options(qkv.heads, qkv.rows, states.shape[0], qkv.y_dtype or qkv.arrays[0].dtype)
+    scale = UNSCALED if qkv.scale is None else qkv.scale
+    y, new_states = _kernel()(inputs=[*qkv.arrays, g, beta, states, offsets, limits, _int32s(qkv.layout), scale],
                               **options)
     return y, new_states

@@ -120,8 +120,9 @@ class GatedDeltaNet:
         # its eps, and its scales per head (q: head_dim**-1, k: head_dim**-0.5), float32 as the conv's rows
         inv_scale = self.dk**-0.5
         self.qk_eps = 1e-6 * inv_scale**2
-        self.qk_scale = mx.array([inv_scale**2] * self.hk + [inv_scale] * self.hk, dtype=mx.float32)[:, None]
-        self.qk_scales = mx.array([inv_scale**2, inv_scale], dtype=mx.float32)  # the same two, for the kernel
+        self.qk_scales = mx.array([inv_scale**2, inv_scale], dtype=mx.float32)  # q's and k's (the kernel takes these)
+        self.qk_scale = mx.repeat(self.qk_scales, self.hk)[:, None]  # one a head, for mlx-lm's ops
+        mx.eval(self.qk_scales, self.qk_scale)  # made now: no forward's graph holds them
 
     @property
     def projections(self) -> tuple[Weight, ...]:
@@ -177,12 +178,12 @@ class GatedDeltaNet:
         window = self.window_rows(mixed, compute_g(self.A_log, a[:rows], self.dt_bias), mx.sigmoid(b[:rows]))
         bounds, before = (0, *(hi for _, hi in spans)), [c.state for c in caches]
         if self.recurrence == "delta_kernel":
-            y, states = delta_kernel.delta_packed(*window, before, bounds, self.dtype)  # y as gated_norm takes it
+            y, states = delta_kernel.delta_packed(*window, before, bounds)
         else:
             y, states = self.recur(*window, before, spans)
         tails = [inputs[st : st + span + hi - lo] for st, (lo, hi) in zip(starts, spans)]
         windows = sum(hi - lo > 1 for lo, hi in spans)  # what a round may roll back
-        together = (PackedRedo(window, before, bounds, tails, span, self.dtype)
+        together = (PackedRedo(window, before, bounds, tails, span)
                     if self.recurrence == "delta_kernel" and windows > 1 else None)
         for w, ((seg, (lo, hi)), c, st, state) in enumerate(zip(decoding, caches, starts, states)):
             n = hi - lo
@@ -227,8 +228,9 @@ class GatedDeltaNet:
         kernel q, k and v where they lie (delta_kernel.py's `in_place`: over a verify window's rows they
         are strided views of qk and the conv's rows, which a row-contiguous launch would copy first, three
         copies a layer), g and beta. Either slices by rows as its parts do (a rollback's window)."""
-        if self.recurrence == "delta_kernel":  # the kernel scales q and k as it loads them: one launch fewer
-            qkv = delta_kernel.in_place(self.normed(mixed), mixed, 2 * self.key_dim, self.hv, self.dv, self.qk_scales)
+        if self.recurrence == "delta_kernel":  # q and k scaled, y written in bf16, in the launch: two launches fewer
+            qkv = delta_kernel.in_place(self.normed(mixed), mixed, 2 * self.key_dim, self.hv, self.dv, self.qk_scales,
+                                        self.dtype)
             return qkv, g, beta
         return (*self.heads(mixed), g, beta)
 
@@ -252,7 +254,7 @@ class GatedDeltaNet:
             if m == 0:
                 return prev_conv, prev_state
             if self.recurrence == "delta_kernel":
-                _, [state] = delta_kernel.delta_packed(*(r[:m] for r in rows), [prev_state], (0, m), self.dtype)
+                _, [state] = delta_kernel.delta_packed(*(r[:m] for r in rows), [prev_state], (0, m))
             else:
                 [(_, state)] = RECURRENCES[self.recurrence]([(*(r[:m] for r in rows), prev_state)])
             return inputs[m : m + span], state
@@ -263,7 +265,7 @@ class GatedDeltaNet:
             rows' own steps, one launch and no mask); mlx-lm's ops rerun every row (`prefix_by_rerun`).
             The conv tail is the `kernel - 1` inputs ending at row m."""
             if self.recurrence == "delta_kernel":
-                state = delta_kernel.delta_prefix(*rows, prev_state, m, self.dtype)
+                state = delta_kernel.delta_prefix(*rows, prev_state, m)
             else:
                 state = prefix_by_rerun(RECURRENCES[self.recurrence], *rows, prev_state, m)
             return conv_tail(inputs, m, span), state
@@ -316,13 +318,12 @@ class PackedRedo:
     started from (delta_kernel.py's `delta_prefixes`), its conv tail the `kernel - 1` inputs ending at
     its row m, what each window's own `redo_fn` gives at the same count."""
 
-    def __init__(self, rows: tuple, states: list[mx.array], bounds: tuple[int, ...], tails: list[mx.array], span: int,
-                 y_dtype: mx.Dtype):
+    def __init__(self, rows: tuple, states: list[mx.array], bounds: tuple[int, ...], tails: list[mx.array], span: int):
         self.rows, self.states, self.bounds, self.tails, self.span = rows, states, bounds, tails, span
-        self.windows, self.y_dtype = len(states), y_dtype
+        self.windows = len(states)
 
     def __call__(self, counts: mx.array, kept: dict[int, mx.array]) -> dict[int, tuple[mx.array, mx.array]]:
-        states = delta_kernel.delta_prefixes(*self.rows, self.states, self.bounds, counts, self.y_dtype)
+        states = delta_kernel.delta_prefixes(*self.rows, self.states, self.bounds, counts)
         return {w: (conv_tail(self.tails[w], m, self.span), states[w]) for w, m in kept.items()}
 
 
