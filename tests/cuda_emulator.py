@@ -257,3 +257,10 @@ def install(monkeypatch) -> None:
                                                              ak.partial_source(s), ak._HEADER))
     monkeypatch.setattr(ak, "_combine_kernel", lambda: Emu("dflash_attention_combine", ["meta", "ml", "part_out"], ["out"],
                                                            ak._COMBINE, ak._HEADER))
+
+
+def install_norm_rope(monkeypatch) -> None:
+    """Route drafters/norm_rope_kernel.py's launch through the emulator for one test."""
+    from dflash_bench.engine.drafters import norm_rope_kernel as nr
+
+    monkeypatch.setattr(nr, "_kernel", lambda: Emu("dflash_norm_rope", nr.INPUTS, ["out"], nr._SOURCE, nr._HEADER))

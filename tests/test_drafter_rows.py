@@ -147,6 +147,7 @@ def test_where_every_kernel_takes_any_row_count_a_pass_runs_its_rows_unpadded(mo
                     Settings(context=256, chunk=32, backend="gpu"))
     path = write_big("dflash-9b", tmp_path / "d", "tiny")
     cuda_emulator.install(monkeypatch)
+    cuda_emulator.install_norm_rope(monkeypatch)
     cuda_emulator.install_matmul(monkeypatch)
     monkeypatch.setattr(tiles, "available", lambda dtype: dtype == mx.bfloat16)
     monkeypatch.setattr(dflash, "kernel_runs_here", lambda *a: True)
@@ -183,10 +184,13 @@ def test_on_a_cuda_gpu_a_block_pass_runs_each_layers_attention_as_one_kernel_lau
     tests/cuda_emulator.py), a block pass runs each layer's attention for every stream in one launch with
     the layer's own mask (causal or bidirectional inside the block, a sliding window or none), instead of
     the tile products a stream at a time: a stream at a host start and one at a device start (cache.py's
-    keep_at), the 9B-shaped tiny drafter in bf16. Its logits are the tile products' to bf16 accuracy, and
-    a control with the windows left out of the launches is not (the masks are what the kernel takes)."""
+    keep_at), the 9B-shaped tiny drafter in bf16. The q and k rows' norms and RoPE take one launch each
+    a layer (drafters/norm_rope_kernel.py), and an absorb's keys one a layer. Its logits are the tile
+    products' to bf16 accuracy, and a control with the windows left out of the launches is not (the masks
+    are what the kernel takes)."""
     from itertools import cycle
 
+    from dflash_bench.engine.drafters import norm_rope_kernel
     from dflash_bench.engine.drafters.dflash import load_drafter
     from dflash_bench.engine.targets import attention_kernel
     from dflash_bench.fixtures.big import write_big
@@ -196,6 +200,7 @@ def test_on_a_cuda_gpu_a_block_pass_runs_each_layers_attention_as_one_kernel_lau
     drafter = load_drafter(write_big("dflash-9b", tmp_path / "d", "tiny"), engine.target, dtype=mx.bfloat16)
     assert not drafter.kernel_attention  # no CUDA GPU here
     cuda_emulator.install(monkeypatch)
+    cuda_emulator.install_norm_rope(monkeypatch)
     kinds = cycle([(True, 20), (False, 20), (False, None), (True, None)])
     for layer, (causal, window) in zip(drafter.layers, kinds):
         monkeypatch.setitem(layer, "causal", causal)
@@ -206,6 +211,10 @@ def test_on_a_cuda_gpu_a_block_pass_runs_each_layers_attention_as_one_kernel_lau
     decode_attention = attention_kernel.decode_attention
     monkeypatch.setattr(attention_kernel, "decode_attention",
                         lambda segs, *a: launches.append(len(segs)) or decode_attention(segs, *a))
+    turned: list[tuple[int, bool]] = []  # (rows, keys) of each norm-and-RoPE launch
+    norm_rope = norm_rope_kernel.norm_rope
+    monkeypatch.setattr(norm_rope_kernel, "norm_rope",
+                        lambda x, *a: turned.append((x.shape[0], a[-1])) or norm_rope(x, *a))
 
     def logits(kernel: bool) -> mx.array:
         monkeypatch.setattr(drafter, "kernel_attention", kernel)
@@ -223,9 +232,12 @@ def test_on_a_cuda_gpu_a_block_pass_runs_each_layers_attention_as_one_kernel_lau
         return (mx.linalg.norm(got - want) / mx.linalg.norm(want)).item()
 
     tiled = logits(False)
-    assert launches == []
+    assert launches == [] and turned == []
     kernel = logits(True)
     assert launches == [2] * len(drafter.layers)
+    layers = len(drafter.layers)
+    # an absorb of each stream (40 and 29 rows: keys), then the pass over both blocks of 8 rows (q, k)
+    assert turned == [(40, True)] * layers + [(29, True)] * layers + [(16, False), (16, True)] * layers
     assert error(kernel, tiled) < 5e-2, error(kernel, tiled)  # 1.7e-2 here: the tile products' bf16 scores
     for layer in drafter.layers:
         monkeypatch.setitem(layer, "window", None)

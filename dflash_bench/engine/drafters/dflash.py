@@ -28,6 +28,7 @@ import numpy as np
 from dflash_bench.engine.cache import AttentionCache, TargetState
 from dflash_bench.engine.checkpoint import all_finite, files_sha256
 from dflash_bench.engine.draft_config import DraftConfig, read_draft_config
+from dflash_bench.engine.drafters import norm_rope_kernel
 from dflash_bench.engine.errors import CheckpointError
 from dflash_bench.engine.fused import swiglu
 from dflash_bench.engine.quantize import dequantize_packed
@@ -206,26 +207,47 @@ class DFlashDrafter:
     def rope(self, x: mx.array, offset: int | mx.array) -> mx.array:
         return mx.fast.rope(x[None], self.head_dim, traditional=False, base=self.config.rope_theta, scale=1.0, offset=offset)[0]
 
+    @property
+    def kernel_rope(self) -> bool:
+        """Whether q and k rows take norm_rope_kernel.py's one launch for their norm and RoPE: where the
+        attention runs its kernel (a CUDA GPU), in bf16."""
+        return self.kernel_attention and norm_rope_kernel.fits(self.head_dim, self.dtype)
+
+    def norm_rope(self, x: mx.array, norm: mx.array, positions: mx.array, keys: bool) -> mx.array:
+        """Rows (n, heads, head_dim) normed and rotated at `positions` in one launch (norm_rope_kernel.py):
+        float32 queries (n, heads, head_dim), or bf16 keys (heads, n, head_dim)."""
+        return norm_rope_kernel.norm_rope(x, norm, positions, self.config.rope_theta, self.eps, keys)
+
     def absorb(self, items: list[tuple[DrafterState, mx.array]]) -> None:
         """Fuse each stream's new tap rows and append their K/V at the stream's next positions (a device
         value while the host has not read it: lanes.py then keeps the accepted ones with `keep_at`)."""
         if not items:
             return
-        spans, rows = [], 0
+        spans, total = [], 0
         for _, taps in items:
-            spans.append((rows, rows + taps.shape[0]))
-            rows += taps.shape[0]
+            spans.append((total, total + taps.shape[0]))
+            total += taps.shape[0]
         taps = mx.concatenate([t for _, t in items]) if len(items) > 1 else items[0][1]
         fused = mx.fast.rms_norm(linear(self.padded(taps), self.fc), self.hidden_norm, self.eps)
         # read once: writing layer 0 advances them; at a device length, the rows' positions for every layer
         starts = [(state.length, state.start, None if isinstance(state.start, int)
                    else mx.arange(b - a, dtype=mx.int32) + state.start) for (state, _), (a, b) in zip(items, spans)]
+        kernel = self.kernel_rope
+        if kernel:  # every stream's rows' positions, for one norm-and-RoPE launch a layer
+            parts = [mx.arange(at, at + b - a, dtype=mx.int32) if rows is None else rows
+                     for (_, at, rows), (a, b) in zip(starts, spans)]
+            positions = mx.concatenate(parts) if len(parts) > 1 else parts[0]
         for li, layer in enumerate(self.layers):
             k, v = layer["kv"](fused)
+            if kernel:
+                keys = self.norm_rope(k[:total].reshape(total, self.kv_heads, self.head_dim), layer["k_norm"], positions, True)
             for (state, _), (a, b), (start, at, rows) in zip(items, spans, starts):
                 n = b - a
-                ks = mx.fast.rms_norm(k[a:b].reshape(n, self.kv_heads, self.head_dim), layer["k_norm"], self.eps)
-                ks = self.rope(ks.transpose(1, 0, 2), at)
+                if kernel:
+                    ks = keys[:, a:b]
+                else:
+                    ks = mx.fast.rms_norm(k[a:b].reshape(n, self.kv_heads, self.head_dim), layer["k_norm"], self.eps)
+                    ks = self.rope(ks.transpose(1, 0, 2), at)
                 vs = v[a:b].reshape(n, self.kv_heads, self.head_dim).transpose(1, 0, 2)
                 state.layers[li].write(start, ks, vs, rows)
 
@@ -361,20 +383,26 @@ class DFlashDrafter:
         """Every stream's block over its context plus the block, in one launch of attention_kernel.py with
         the layer's causality and window (what `attend` computes per stream with the tile products, in
         another summation order): the rows' norms and RoPE once for all streams, each row at its own
-        position. Returns (rows, heads * head_dim) for the blocks' rows."""
+        position (one launch each for q and k where `kernel_rope`). Returns (rows, heads * head_dim) for
+        the blocks' rows."""
         rows = spans[-1][1]
-        qs = mx.fast.rms_norm(q[:rows].reshape(rows, self.heads, self.head_dim), layer["q_norm"], self.eps)
-        ks = mx.fast.rms_norm(k[:rows].reshape(rows, self.kv_heads, self.head_dim), layer["k_norm"], self.eps)
+        q = q[:rows].reshape(rows, self.heads, self.head_dim)
+        k = k[:rows].reshape(rows, self.kv_heads, self.head_dim)
         positions = masks.packed(items, spans)
-        qs = rope_rows(qs, positions, self.head_dim, self.config.rope_theta)
-        ks = rope_rows(ks, positions, self.head_dim, self.config.rope_theta)
+        if self.kernel_rope:  # float32 queries (rows, heads, d), as the attention kernel reads them
+            queries = self.norm_rope(q, layer["q_norm"], positions, False)
+            ks = self.norm_rope(k, layer["k_norm"], positions, True)
+        else:
+            qs = rope_rows(mx.fast.rms_norm(q, layer["q_norm"], self.eps), positions, self.head_dim, self.config.rope_theta)
+            ks = rope_rows(mx.fast.rms_norm(k, layer["k_norm"], self.eps), positions, self.head_dim, self.config.rope_theta)
+            queries = qs.transpose(1, 0, 2)
         vs = v[:rows].reshape(rows, self.kv_heads, self.head_dim).transpose(1, 0, 2)
         launch, ats = [], []
         for p, (a, b) in zip(items, spans):
             cache = p.state.layers[li]
             start, at, low = cache.length, cache.at, cache.low
             cache.write(start, ks[:, a:b], vs[:, a:b], None if at is None else positions[a:b])
-            launch.append((qs[:, a:b].transpose(1, 0, 2), cache.k, cache.v, start))
+            launch.append((queries[a:b], cache.k, cache.v, start))
             ats.append(at)
             if at is None:  # the block's K/V are this pass's only
                 cache.keep(start)

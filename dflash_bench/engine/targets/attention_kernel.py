@@ -349,15 +349,15 @@ def check_segments(segments: list[Rows]) -> tuple[int, int, int, mx.Dtype]:
         if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
             raise ValueError(f"queries are (n, Hq, D) and caches (Hkv, capacity, D), got {q.shape}, {k.shape}, {v.shape}")
     q0, k0 = segments[0][0], segments[0][1]
-    hq, d, hkv, dtype = q0.shape[1], q0.shape[2], k0.shape[0], q0.dtype
+    hq, d, hkv, dtype = q0.shape[1], q0.shape[2], k0.shape[0], k0.dtype
     if not fits(hq, hkv, d):
         raise ValueError(f"no launch for {hq}/{hkv} heads of {d}")
     for q, k, v, start in segments:
         n, cap = q.shape[0], k.shape[1]
         if q.shape[1:] != (hq, d) or k.shape != v.shape or k.shape[0] != hkv or k.shape[2] != d:
             raise ValueError(f"mismatched heads: q {q.shape}, k {k.shape}, v {v.shape} against {hq}/{hkv} of {d}")
-        if not q.dtype == k.dtype == v.dtype == dtype:
-            raise ValueError(f"one dtype for q, K and V, got {q.dtype}, {k.dtype}, {v.dtype} (and {dtype})")
+        if not k.dtype == v.dtype == dtype or q.dtype not in (dtype, mx.float32):
+            raise ValueError(f"one dtype for K and V, and q in it or float32, got {q.dtype}, {k.dtype}, {v.dtype} (and {dtype})")
         if n < 1 or start < 0 or start + n > cap or cap % CHUNK:
             raise ValueError(f"{n} rows from {start} need a cache of a multiple of {CHUNK} rows holding them, got {cap}")
     return hq, hkv, d, dtype
@@ -400,10 +400,11 @@ def launch_meta(segments: list[Rows], ats: list[mx.array | None] | None = None, 
 
 def decode_attention(segments: list[Rows], scale: float, meta: mx.array | None = None, causal: bool = True,
                      window: int | None = None) -> mx.array:
-    """Every segment's attention over its own cache, in two launches: (sum n_i, Hq, D) in q's dtype,
+    """Every segment's attention over its own cache, in two launches: (sum n_i, Hq, D) in K's dtype,
     the segments' rows in order.
 
-    A segment is (q, k, v, start): q (n, Hq, D) after RoPE and norms; k and v the stream's whole cache
+    A segment is (q, k, v, start): q (n, Hq, D) after RoPE and norms, in K's dtype or already float32 (a
+    drafter's, drafters/norm_rope_kernel.py); k and v the stream's whole cache
     arrays (Hkv, capacity, D), row j at position j (not slices: a slice along the positions is not row-
     contiguous, so MLX would copy it); row r sits at position start + r and sees keys [0, start + r].
     Query head h reads kv head h // (Hq / Hkv). `meta` is `launch_meta`'s (made here if not given, of the
@@ -421,7 +422,7 @@ def decode_attention(segments: list[Rows], scale: float, meta: mx.array | None =
     group = hq // hkv
     geo = geometry(group, max(lengths))
     nt = 32 * geo.nw
-    # float32 queries: converted once here, not at every key chunk of every block
+    # float32 queries: converted once here (no operation where they come in float32), not at every key chunk of every block
     q = mx.concatenate([s[0] for s in segments]) if len(segments) > 1 else segments[0][0]
     q = q.astype(mx.float32)
     caches = [s[1] for s in segments] + [s[2] for s in segments]

@@ -1,0 +1,100 @@
+"""A drafter's per-head RMSNorm and RoPE of its q or k rows, as one CUDA launch.
+
+On a GPU a drafted round is the host's: each operation costs it about 25 us to build and encode, and the
+drafter's pass and absorb are most of what a drafted round adds to a plain one (docs/gpu-round-profile.md,
+job K's round split). A block pass's attention took five operations a layer before its launch (the q and k
+norms, their two RoPEs, the queries' float32 cast) and an absorb two a layer and stream (the k norm and
+RoPE); with this kernel it takes two a layer (q, k) and one a layer for every stream's rows.
+
+What it computes for a row r and head h of x (rows, H, D), as the unfused chain did and rounding where it
+rounded: n = x * rsqrt(mean(x^2) + eps) * w in float32, rounded to bf16 (`mx.fast.rms_norm`'s output);
+then the half-split rotation at the row's own position p (`mx.fast.rope`, traditional=False, scale 1):
+element j < D/2 and its partner j + D/2 turn by p * inv_freq[j], inv_freq[j] = theta^(-2j/D), rounded to
+bf16 again. The sum of squares is each lane's ascending fmas over its elements, then an xor butterfly
+(the same bits in every lane). The device's own sinf/cosf are not MLX's, so the bits are this kernel's,
+not the chain's: a drafter needs only determinism (the target decides every token), and a row's bits
+depend on its own values and position alone, so rows launched together equal rows launched alone.
+
+Queries come out in float32 (what attention_kernel.py reads; the bf16 value widened, as its cast did) in
+(rows, H, D); keys in bf16 as (H, rows, D), the layout a cache write takes.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import mlx.core as mx
+import numpy as np
+
+from dflash_bench.engine.baked_kernel import BakedKernel
+
+INPUTS = ["x", "w", "positions", "inv_freq", "eps"]
+
+_HEADER = r"""
+__device__ __forceinline__ void nr_store(float* p, float v) { *p = __bfloat162float(__float2bfloat16_rn(v)); }
+__device__ __forceinline__ void nr_store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+"""
+
+# grid (32, H, rows) threads, threadgroup (32, 1, 1): one warp a (head, row)
+_SOURCE = r"""
+  constexpr int HALF = D / 2;
+  const int lane = threadIdx.x & 31;
+  const int h = blockIdx.y, r = blockIdx.z, rows = gridDim.z;
+  const __nv_bfloat16* row = x + ((size_t)r * H + h) * D;
+  float ss = 0.0f;
+  for (int j = lane; j < HALF; j += 32) {
+    const float a = __bfloat162float(row[j]), b = __bfloat162float(row[j + HALF]);
+    ss = __fmaf_rn(a, a, ss);
+    ss = __fmaf_rn(b, b, ss);
+  }
+  for (int o = 1; o < 32; o <<= 1) ss = __fadd_rn(ss, __shfl_xor_sync(0xffffffffu, ss, o));
+  const float inv = __fdiv_rn(1.0f, sqrtf(__fadd_rn(__fdiv_rn(ss, float(D)), eps[0])));
+  const float p = float(positions[r]);
+  const size_t base = KEYS ? ((size_t)h * rows + r) * D : ((size_t)r * H + h) * D;
+  for (int j = lane; j < HALF; j += 32) {
+    const float a = __bfloat162float(__float2bfloat16_rn(__fmul_rn(__fmul_rn(__bfloat162float(row[j]), inv),
+                                                                   __bfloat162float(w[j]))));
+    const float b = __bfloat162float(__float2bfloat16_rn(__fmul_rn(__fmul_rn(__bfloat162float(row[j + HALF]), inv),
+                                                                   __bfloat162float(w[j + HALF]))));
+    const float angle = __fmul_rn(p, inv_freq[j]);
+    const float c = cosf(angle), s = sinf(angle);
+    nr_store(out + base + j, __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s)));
+    nr_store(out + base + j + HALF, __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s)));
+  }
+"""
+
+
+def fits(head_dim: int, dtype: mx.Dtype) -> bool:
+    """Whether the kernel takes these rows: bf16 (the gpu mode's activations), an even head dim."""
+    return dtype == mx.bfloat16 and head_dim % 2 == 0
+
+
+@lru_cache(maxsize=1)
+def _kernel():
+    return BakedKernel("dflash_norm_rope", INPUTS, ["out"], _SOURCE, _HEADER)
+
+
+@lru_cache(maxsize=16)
+def _inv_freq(head_dim: int, theta: float) -> mx.array:
+    """theta^(-2j/D) for j < D/2 in float32, computed once in float64."""
+    return mx.array((theta ** (-2.0 * np.arange(head_dim // 2) / head_dim)).astype(np.float32))
+
+
+@lru_cache(maxsize=16)
+def _eps(eps: float) -> mx.array:
+    return mx.array([eps], dtype=mx.float32)
+
+
+def norm_rope(x: mx.array, w: mx.array, positions: mx.array, theta: float, eps: float, keys: bool) -> mx.array:
+    """x (rows, H, D) bf16, each (row, head) normed by w (D,) and rotated at its row's position (int32,
+    rows): queries (`keys` False) as float32 (rows, H, D); keys as bf16 (H, rows, D)."""
+    rows, heads, d = x.shape
+    (out,) = _kernel()(
+        inputs=[x, w, positions, _inv_freq(d, theta), _eps(eps)],
+        template=[("H", heads), ("D", d), ("KEYS", int(keys))],
+        grid=(32, heads, rows),
+        threadgroup=(32, 1, 1),
+        output_shapes=[(heads, rows, d) if keys else (rows, heads, d)],
+        output_dtypes=[mx.bfloat16 if keys else mx.float32],
+    )
+    return out
