@@ -91,6 +91,14 @@ class Launch:
         return [y]
 
 
+def drafter_attention(segs, scale, meta=None, causal=True, window=None) -> mx.array:
+    """attention_kernel.decode_attention's operations with its launches as one node: the segments' queries
+    joined (more than one) and made float32 (unless they are), then the kernel, whose output has K's dtype."""
+    q = mx.concatenate([s[0] for s in segs]) if len(segs) > 1 else segs[0][0]
+    q = q.astype(mx.float32)
+    return mx.depends([mx.full(q.shape, 0.0, dtype=segs[0][1].dtype)], [q, meta, *(a for s in segs for a in s[1:3])])[0]
+
+
 def drafter_ops(target, root: Path, streams: list[int]) -> None:
     """Operations of the drafter's absorb and block pass (module docstring), each stream at a device length."""
     from dflash_bench.engine.drafters.dflash import Proposal, load_drafter
@@ -174,8 +182,12 @@ def main() -> None:
     except ImportError:
         pass
     if args.drafter:
-        attention_kernel.decode_attention = lambda segs, scale, meta=None, causal=True, window=None: mx.depends(
-            [mx.abs(mx.concatenate([s[0] for s in segs]))], [meta, *(a for s in segs for a in s[1:3])])[0]
+        attention_kernel.decode_attention = drafter_attention
+        from dflash_bench.engine.drafters import norm_rope_kernel
+
+        # one node for a norm-and-RoPE launch: float32 queries (rows, heads, d), bf16 keys (heads, rows, d)
+        norm_rope_kernel.norm_rope = lambda x, w, positions, theta, eps, keys: mx.depends(
+            [mx.abs(x).transpose(1, 0, 2) if keys else mx.full(x.shape, 0.0, dtype=mx.float32)], [x, w, positions])[0]
         drafter_ops(target, root, [int(s) for s in args.streams.split(",")])
         return
     for streams in (int(s) for s in args.streams.split(",")):
