@@ -184,8 +184,8 @@ def test_on_a_cuda_gpu_a_block_pass_runs_each_layers_attention_as_one_kernel_lau
     tests/cuda_emulator.py), a block pass runs each layer's attention for every stream in one launch with
     the layer's own mask (causal or bidirectional inside the block, a sliding window or none), instead of
     the tile products a stream at a time: a stream at a host start and one at a device start (cache.py's
-    keep_at), the 9B-shaped tiny drafter in bf16. The q and k rows' norms and RoPE take one launch each
-    a layer (drafters/norm_rope_kernel.py), and an absorb's keys one a layer. Its logits are the tile
+    keep_at), the 9B-shaped tiny drafter in bf16. The q and k rows' norms and RoPE take one launch a
+    layer (drafters/norm_rope_kernel.py), and an absorb's keys one a layer. Its logits are the tile
     products' to bf16 accuracy, and a control with the windows left out of the launches is not (the masks
     are what the kernel takes)."""
     from itertools import cycle
@@ -211,10 +211,11 @@ def test_on_a_cuda_gpu_a_block_pass_runs_each_layers_attention_as_one_kernel_lau
     decode_attention = attention_kernel.decode_attention
     monkeypatch.setattr(attention_kernel, "decode_attention",
                         lambda segs, *a: launches.append(len(segs)) or decode_attention(segs, *a))
-    turned: list[tuple[int, bool]] = []  # (rows, keys) of each norm-and-RoPE launch
-    norm_rope = norm_rope_kernel.norm_rope
-    monkeypatch.setattr(norm_rope_kernel, "norm_rope",
-                        lambda x, *a: turned.append((x.shape[0], a[-1])) or norm_rope(x, *a))
+    turned: list[tuple[str, int]] = []  # (launch, rows) of each norm-and-RoPE launch
+    for name in ("keys", "queries_and_keys"):
+        launch = getattr(norm_rope_kernel, name)
+        monkeypatch.setattr(norm_rope_kernel, name,
+                            lambda x, *a, launch=launch, name=name: turned.append((name, x.shape[0])) or launch(x, *a))
 
     def logits(kernel: bool) -> mx.array:
         monkeypatch.setattr(drafter, "kernel_attention", kernel)
@@ -236,8 +237,8 @@ def test_on_a_cuda_gpu_a_block_pass_runs_each_layers_attention_as_one_kernel_lau
     kernel = logits(True)
     assert launches == [2] * len(drafter.layers)
     layers = len(drafter.layers)
-    # an absorb of each stream (40 and 29 rows: keys), then the pass over both blocks of 8 rows (q, k)
-    assert turned == [(40, True)] * layers + [(29, True)] * layers + [(16, False), (16, True)] * layers
+    # an absorb of each stream (40 and 29 rows: keys), then the pass over both blocks of 8 rows (q and k)
+    assert turned == [("keys", 40)] * layers + [("keys", 29)] * layers + [("queries_and_keys", 16)] * layers
     assert error(kernel, tiled) < 5e-2, error(kernel, tiled)  # 1.7e-2 here: the tile products' bf16 scores
     for layer in drafter.layers:
         monkeypatch.setitem(layer, "window", None)

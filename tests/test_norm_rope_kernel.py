@@ -1,4 +1,4 @@
-"""drafters/norm_rope_kernel.py: a drafter's q/k RMSNorm and RoPE in one launch. On any CPU its CUDA
+"""drafters/norm_rope_kernel.py: a drafter's q/k RMSNorm and RoPE in one launch (keys alone in another). On any CPU its CUDA
 source runs under tests/cuda_emulator.py; on a CUDA GPU (`pytest -m gpu`) the device runs it.
 
 What it must keep: each (row, head) its own, so rows launched together equal rows launched alone, bit
@@ -16,7 +16,6 @@ from gpu import on_cuda
 import mlx.core as mx
 
 from dflash_bench.engine.drafters import norm_rope_kernel
-from dflash_bench.engine.drafters.norm_rope_kernel import norm_rope
 from dflash_bench.engine.targets.base import rope_rows
 
 THETA, EPS = 1_000_000.0, 1e-6
@@ -42,20 +41,27 @@ def relative_error(got: mx.array, want: mx.array) -> float:
 
 
 def check(x: mx.array, w: mx.array, positions: mx.array) -> None:
-    queries = norm_rope(x, w, positions, THETA, EPS, keys=False)
-    keys = norm_rope(x, w, positions, THETA, EPS, keys=True)
+    """Both launches on rows x: the same rows as queries and keys, and as keys alone."""
+    heads = x.shape[1]
+    k = x[:, : max(1, heads // 2)]  # fewer key heads, as a drafter has
+    queries, keys = norm_rope_kernel.queries_and_keys(x, k, w, w, positions, THETA, EPS)
     assert queries.dtype == mx.float32 and queries.shape == x.shape
-    assert keys.dtype == mx.bfloat16 and keys.shape == (x.shape[1], x.shape[0], x.shape[2])
+    assert keys.dtype == mx.bfloat16 and keys.shape == (k.shape[1], x.shape[0], x.shape[2])
     # a query is its key's bf16 value widened: the same arithmetic, rounded where the chain rounded
-    assert mx.array_equal(queries.astype(mx.bfloat16).transpose(1, 0, 2), keys).item()
-    assert relative_error(keys, chain(x, w, positions)) < 1e-2, relative_error(keys, chain(x, w, positions))
+    assert mx.array_equal(queries[:, : k.shape[1]].astype(mx.bfloat16).transpose(1, 0, 2), keys).item()
+    # the keys-only launch (an absorb's) turns keys as the joint one does
+    assert mx.array_equal(norm_rope_kernel.keys(k, w, positions, THETA, EPS), keys).item()
+    want = chain(x, w, positions)
+    assert relative_error(queries.transpose(1, 0, 2), want) < 1e-2, relative_error(queries.transpose(1, 0, 2), want)
     # each row its own: alone, at its own position, it is the same bits
     for r in range(x.shape[0]):
-        alone = norm_rope(x[r : r + 1], w, positions[r : r + 1], THETA, EPS, keys=False)
+        alone, alone_keys = norm_rope_kernel.queries_and_keys(x[r : r + 1], k[r : r + 1], w, w, positions[r : r + 1],
+                                                              THETA, EPS)
         assert mx.array_equal(alone[0], queries[r]).item(), r
+        assert mx.array_equal(alone_keys[:, 0], keys[:, r]).item(), r
     # a control: the same rows at other positions are other values (the positions are what turns them)
-    moved = norm_rope(x, w, positions + 1, THETA, EPS, keys=False)
-    assert not mx.array_equal(moved, queries).item()
+    moved = norm_rope_kernel.keys(k, w, positions + 1, THETA, EPS)
+    assert not mx.array_equal(moved, keys).item()
 
 
 @cuda_emulator.needs_gxx

@@ -99,6 +99,13 @@ def drafter_attention(segs, scale, meta=None, causal=True, window=None) -> mx.ar
     return mx.depends([mx.full(q.shape, 0.0, dtype=segs[0][1].dtype)], [q, meta, *(a for s in segs for a in s[1:3])])[0]
 
 
+def joint_launch(q, k, qw, kw, positions, theta, eps) -> tuple[mx.array, mx.array]:
+    """norm_rope_kernel.queries_and_keys as one node: float32 queries, and keys (heads, rows, d) that are a
+    view tied to it (`Depends` is not counted)."""
+    queries = mx.depends([mx.full(q.shape, 0.0, dtype=mx.float32)], [q, k, qw, kw, positions])[0]
+    return queries, mx.depends([k.transpose(1, 0, 2)], [queries])[0]
+
+
 def drafter_ops(target, root: Path, streams: list[int]) -> None:
     """Operations of the drafter's absorb and block pass (module docstring), each stream at a device length."""
     from dflash_bench.engine.drafters.dflash import Proposal, load_drafter
@@ -185,9 +192,10 @@ def main() -> None:
         attention_kernel.decode_attention = drafter_attention
         from dflash_bench.engine.drafters import norm_rope_kernel
 
-        # one node for a norm-and-RoPE launch: float32 queries (rows, heads, d), bf16 keys (heads, rows, d)
-        norm_rope_kernel.norm_rope = lambda x, w, positions, theta, eps, keys: mx.depends(
-            [mx.abs(x).transpose(1, 0, 2) if keys else mx.full(x.shape, 0.0, dtype=mx.float32)], [x, w, positions])[0]
+        # one node for a norm-and-RoPE launch: bf16 keys (heads, rows, d), and float32 queries (rows, heads, d) beside
+        norm_rope_kernel.keys = lambda k, w, positions, theta, eps: mx.depends(
+            [mx.abs(k).transpose(1, 0, 2)], [w, positions])[0]
+        norm_rope_kernel.queries_and_keys = joint_launch
         drafter_ops(target, root, [int(s) for s in args.streams.split(",")])
         return
     for streams in (int(s) for s in args.streams.split(",")):

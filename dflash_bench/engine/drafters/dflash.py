@@ -213,10 +213,6 @@ class DFlashDrafter:
         attention runs its kernel (a CUDA GPU), in bf16."""
         return self.kernel_attention and norm_rope_kernel.fits(self.head_dim, self.dtype)
 
-    def norm_rope(self, x: mx.array, norm: mx.array, positions: mx.array, keys: bool) -> mx.array:
-        """Rows (n, heads, head_dim) normed and rotated at `positions` in one launch (norm_rope_kernel.py):
-        float32 queries (n, heads, head_dim), or bf16 keys (heads, n, head_dim)."""
-        return norm_rope_kernel.norm_rope(x, norm, positions, self.config.rope_theta, self.eps, keys)
 
     def absorb(self, items: list[tuple[DrafterState, mx.array]]) -> None:
         """Fuse each stream's new tap rows and append their K/V at the stream's next positions (a device
@@ -240,7 +236,8 @@ class DFlashDrafter:
         for li, layer in enumerate(self.layers):
             k, v = layer["kv"](fused)
             if kernel:
-                keys = self.norm_rope(k[:total].reshape(total, self.kv_heads, self.head_dim), layer["k_norm"], positions, True)
+                keys = norm_rope_kernel.keys(k[:total].reshape(total, self.kv_heads, self.head_dim), layer["k_norm"],
+                                             positions, self.config.rope_theta, self.eps)
             for (state, _), (a, b), (start, at, rows) in zip(items, spans, starts):
                 n = b - a
                 if kernel:
@@ -383,15 +380,15 @@ class DFlashDrafter:
         """Every stream's block over its context plus the block, in one launch of attention_kernel.py with
         the layer's causality and window (what `attend` computes per stream with the tile products, in
         another summation order): the rows' norms and RoPE once for all streams, each row at its own
-        position (one launch each for q and k where `kernel_rope`). Returns (rows, heads * head_dim) for
+        position (one launch for both where `kernel_rope`). Returns (rows, heads * head_dim) for
         the blocks' rows."""
         rows = spans[-1][1]
         q = q[:rows].reshape(rows, self.heads, self.head_dim)
         k = k[:rows].reshape(rows, self.kv_heads, self.head_dim)
         positions = masks.packed(items, spans)
         if self.kernel_rope:  # float32 queries (rows, heads, d), as the attention kernel reads them
-            queries = self.norm_rope(q, layer["q_norm"], positions, False)
-            ks = self.norm_rope(k, layer["k_norm"], positions, True)
+            queries, ks = norm_rope_kernel.queries_and_keys(q, k, layer["q_norm"], layer["k_norm"], positions,
+                                                            self.config.rope_theta, self.eps)
         else:
             qs = rope_rows(mx.fast.rms_norm(q, layer["q_norm"], self.eps), positions, self.head_dim, self.config.rope_theta)
             ks = rope_rows(mx.fast.rms_norm(k, layer["k_norm"], self.eps), positions, self.head_dim, self.config.rope_theta)

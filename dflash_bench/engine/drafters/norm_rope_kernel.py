@@ -1,10 +1,11 @@
-"""A drafter's per-head RMSNorm and RoPE of its q or k rows, as one CUDA launch.
+"""A drafter's per-head RMSNorm and RoPE of its q and k rows, as one CUDA launch.
 
 On a GPU a drafted round is the host's: each operation costs it about 25 us to build and encode, and the
 drafter's pass and absorb are most of what a drafted round adds to a plain one (docs/gpu-round-profile.md,
 job K's round split). A block pass's attention took five operations a layer before its launch (the q and k
 norms, their two RoPEs, the queries' float32 cast) and an absorb two a layer and stream (the k norm and
-RoPE); with this kernel it takes two a layer (q, k) and one a layer for every stream's rows.
+RoPE); with this kernel it takes one a layer (`queries_and_keys`), and an absorb one a layer for every
+stream's keys (`keys`).
 
 What it computes for a row r and head h of x (rows, H, D), as the unfused chain did and rounding where it
 rounded: n = x * rsqrt(mean(x^2) + eps) * w in float32, rounded to bf16 (`mx.fast.rms_norm`'s output);
@@ -28,19 +29,19 @@ import numpy as np
 
 from dflash_bench.engine.baked_kernel import BakedKernel
 
-INPUTS = ["x", "w", "positions", "inv_freq", "eps"]
+KEYS_INPUTS = ["x", "w", "positions", "inv_freq", "eps"]
+QK_INPUTS = ["q", "k", "qw", "kw", "positions", "inv_freq", "eps"]
 
+# One warp turns one (row, head): its lane j takes elements j, j + 32, .. below D / 2 and their partners.
 _HEADER = r"""
 __device__ __forceinline__ void nr_store(float* p, float v) { *p = __bfloat162float(__float2bfloat16_rn(v)); }
 __device__ __forceinline__ void nr_store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
-"""
 
-# grid (32, H, rows) threads, threadgroup (32, 1, 1): one warp a (head, row)
-_SOURCE = r"""
+template <int D, typename O>
+__device__ __forceinline__ void nr_turn(const __nv_bfloat16* row, const __nv_bfloat16* w, float p,
+                                        const float* inv_freq, float eps, O* out) {
   constexpr int HALF = D / 2;
   const int lane = threadIdx.x & 31;
-  const int h = blockIdx.y, r = blockIdx.z, rows = gridDim.z;
-  const __nv_bfloat16* row = x + ((size_t)r * H + h) * D;
   float ss = 0.0f;
   for (int j = lane; j < HALF; j += 32) {
     const float a = __bfloat162float(row[j]), b = __bfloat162float(row[j + HALF]);
@@ -48,9 +49,7 @@ _SOURCE = r"""
     ss = __fmaf_rn(b, b, ss);
   }
   for (int o = 1; o < 32; o <<= 1) ss = __fadd_rn(ss, __shfl_xor_sync(0xffffffffu, ss, o));
-  const float inv = __fdiv_rn(1.0f, sqrtf(__fadd_rn(__fdiv_rn(ss, float(D)), eps[0])));
-  const float p = float(positions[r]);
-  const size_t base = KEYS ? ((size_t)h * rows + r) * D : ((size_t)r * H + h) * D;
+  const float inv = __fdiv_rn(1.0f, sqrtf(__fadd_rn(__fdiv_rn(ss, float(D)), eps)));
   for (int j = lane; j < HALF; j += 32) {
     const float a = __bfloat162float(__float2bfloat16_rn(__fmul_rn(__fmul_rn(__bfloat162float(row[j]), inv),
                                                                    __bfloat162float(w[j]))));
@@ -58,8 +57,28 @@ _SOURCE = r"""
                                                                    __bfloat162float(w[j + HALF]))));
     const float angle = __fmul_rn(p, inv_freq[j]);
     const float c = cosf(angle), s = sinf(angle);
-    nr_store(out + base + j, __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s)));
-    nr_store(out + base + j + HALF, __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s)));
+    nr_store(out + j, __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s)));
+    nr_store(out + j + HALF, __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s)));
+  }
+}
+"""
+
+# keys alone (an absorb's): grid (32, H, rows) threads, threadgroup (32, 1, 1); out (H, rows, D) bf16
+_KEYS = r"""
+  const int h = blockIdx.y, r = blockIdx.z, rows = gridDim.z;
+  nr_turn<D>(x + ((size_t)r * H + h) * D, w, float(positions[r]), inv_freq, eps[0], out + ((size_t)h * rows + r) * D);
+"""
+
+# queries and keys of the same rows (a block pass's layer): grid (32, HQ + HKV, rows); q_out (rows, HQ, D) float32,
+# k_out (HKV, rows, D) bf16
+_QK = r"""
+  const int h = blockIdx.y, r = blockIdx.z, rows = gridDim.z;
+  const float p = float(positions[r]);
+  if (h < HQ) {
+    nr_turn<D>(q + ((size_t)r * HQ + h) * D, qw, p, inv_freq, eps[0], q_out + ((size_t)r * HQ + h) * D);
+  } else {
+    const int g = h - HQ;
+    nr_turn<D>(k + ((size_t)r * HKV + g) * D, kw, p, inv_freq, eps[0], k_out + ((size_t)g * rows + r) * D);
   }
 """
 
@@ -70,8 +89,13 @@ def fits(head_dim: int, dtype: mx.Dtype) -> bool:
 
 
 @lru_cache(maxsize=1)
-def _kernel():
-    return BakedKernel("dflash_norm_rope", INPUTS, ["out"], _SOURCE, _HEADER)
+def _keys_kernel():
+    return BakedKernel("dflash_norm_rope_keys", KEYS_INPUTS, ["out"], _KEYS, _HEADER)
+
+
+@lru_cache(maxsize=1)
+def _qk_kernel():
+    return BakedKernel("dflash_norm_rope_qk", QK_INPUTS, ["q_out", "k_out"], _QK, _HEADER)
 
 
 @lru_cache(maxsize=16)
@@ -85,16 +109,33 @@ def _eps(eps: float) -> mx.array:
     return mx.array([eps], dtype=mx.float32)
 
 
-def norm_rope(x: mx.array, w: mx.array, positions: mx.array, theta: float, eps: float, keys: bool) -> mx.array:
-    """x (rows, H, D) bf16, each (row, head) normed by w (D,) and rotated at its row's position (int32,
-    rows): queries (`keys` False) as float32 (rows, H, D); keys as bf16 (H, rows, D)."""
-    rows, heads, d = x.shape
-    (out,) = _kernel()(
-        inputs=[x, w, positions, _inv_freq(d, theta), _eps(eps)],
-        template=[("H", heads), ("D", d), ("KEYS", int(keys))],
+def keys(k: mx.array, w: mx.array, positions: mx.array, theta: float, eps: float) -> mx.array:
+    """Key rows k (rows, H, D) bf16, each (row, head) normed by w (D,) and turned at its row's position
+    (int32, rows), as bf16 (H, rows, D)."""
+    rows, heads, d = k.shape
+    (out,) = _keys_kernel()(
+        inputs=[k, w, positions, _inv_freq(d, theta), _eps(eps)],
+        template=[("H", heads), ("D", d)],
         grid=(32, heads, rows),
         threadgroup=(32, 1, 1),
-        output_shapes=[(heads, rows, d) if keys else (rows, heads, d)],
-        output_dtypes=[mx.bfloat16 if keys else mx.float32],
+        output_shapes=[(heads, rows, d)],
+        output_dtypes=[mx.bfloat16],
     )
     return out
+
+
+def queries_and_keys(q: mx.array, k: mx.array, qw: mx.array, kw: mx.array, positions: mx.array, theta: float,
+                     eps: float) -> tuple[mx.array, mx.array]:
+    """The same rows' queries q (rows, HQ, D) and keys k (rows, HKV, D), bf16, in one launch: the queries
+    as float32 (rows, HQ, D), the keys as `keys` gives them."""
+    rows, hq, d = q.shape
+    hkv = k.shape[1]
+    q_out, k_out = _qk_kernel()(
+        inputs=[q, k, qw, kw, positions, _inv_freq(d, theta), _eps(eps)],
+        template=[("HQ", hq), ("HKV", hkv), ("D", d)],
+        grid=(32, hq + hkv, rows),
+        threadgroup=(32, 1, 1),
+        output_shapes=[(rows, hq, d), (hkv, rows, d)],
+        output_dtypes=[mx.float32, mx.bfloat16],
+    )
+    return q_out, k_out
