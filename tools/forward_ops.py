@@ -12,7 +12,8 @@ arithmetic for them), and the fused chains compiled as they are on a GPU (engine
 counts a drafted round's drafter work instead: the fixture dflash-9b drafter's (`tiny` preset, bf16) absorbing
 of a window's 16 tap rows and its block pass for 15 drafts, a stream at a device length (as a drafted round
 queued ahead runs them, lanes.py), with `mx.fast.rms_norm` and `mx.fast.rope` as one node each, as they are on a
-GPU (on a CPU MLX composes them from several). Run it at two revisions (PYTHONPATH=a checkout) to compare.
+GPU (on a CPU MLX composes them from several), and the drafter's CUDA launches (attention, norms and RoPE:
+drafters/norm_rope_kernel.py) one node each beside the operations their Python makes. Run it at two revisions (PYTHONPATH=a checkout) to compare.
 """
 
 from __future__ import annotations
