@@ -61,11 +61,13 @@ wait
 # Then the timed runs, one at a time and alone on the machine, the receipts the README quotes first.
 # the drafter in bf16 and as 4-bit copies: its bf16 products were ~1.9 ms of a 9B drafted round's device time
 # (docs/gpu-round-profile.md), so a 4-bit drafter is the serving choice to weigh against the bar (job A's pair decided nothing)
-# (job J: with the untimed pass at full length, 3 reps on a slow host ran past 540 s one probe in; 2 reps fit 720)
-run engine-speed-9b 720 engine-speed /root/f9/t --drafter /root/f9/d --levels 1,4 --tokens 128 --reps 2 \
+# (job J: with the untimed pass at full length, 3 reps on a slow host ran past 540 s one probe in; job K's 2 reps took
+# 429 s, 113 of them to ready, and its chat plain row's two reps were 48% apart: 3 reps, whose median one slow rep
+# cannot move, take about 540 s on such a host)
+run engine-speed-9b 720 engine-speed /root/f9/t --drafter /root/f9/d --levels 1,4 --tokens 128 --reps 3 \
   --drafter-bits 0,4 --backend gpu --out "$out/engine-speed-qwen3.5-9b-4bit-gpu-h200.json"
 if [ -f "$gguf" ]; then
-  run engine-speed-default 540 engine-speed default --levels 1,4 --tokens 256 --reps 2 --drafter-bits 0 \
+  run engine-speed-default 540 engine-speed default --levels 1,4 --tokens 256 --reps 3 --drafter-bits 0 \
     --backend gpu --out "$out/engine-speed-default-gpu-h200.json"
   run concurrent-default 420 concurrent --levels 1,4 --temperatures 0,0.7 --backend gpu \
     --out "$out/concurrent-default-gpu-h200.json"
