@@ -63,16 +63,18 @@ __device__ __forceinline__ void nr_turn(const __nv_bfloat16* row, const __nv_bfl
 }
 """
 
-# keys alone (an absorb's): grid (32, H, rows) threads, threadgroup (32, 1, 1); out (H, rows, D) bf16
+# Rows run along the grid's x (a block a row: 2^31 - 1 of them, where y and z stop at 65,535, and an absorb takes
+# a whole prompt chunk's rows), heads along y.
+# keys alone (an absorb's): grid (32 * rows, H, 1) threads, threadgroup (32, 1, 1); out (H, rows, D) bf16
 _KEYS = r"""
-  const int h = blockIdx.y, r = blockIdx.z, rows = gridDim.z;
+  const int h = blockIdx.y, r = blockIdx.x, rows = gridDim.x;
   nr_turn<D>(x + ((size_t)r * H + h) * D, w, float(positions[r]), inv_freq, eps[0], out + ((size_t)h * rows + r) * D);
 """
 
-# queries and keys of the same rows (a block pass's layer): grid (32, HQ + HKV, rows); q_out (rows, HQ, D) float32,
-# k_out (HKV, rows, D) bf16
+# queries and keys of the same rows (a block pass's layer): grid (32 * rows, HQ + HKV, 1); q_out (rows, HQ, D)
+# float32, k_out (HKV, rows, D) bf16
 _QK = r"""
-  const int h = blockIdx.y, r = blockIdx.z, rows = gridDim.z;
+  const int h = blockIdx.y, r = blockIdx.x, rows = gridDim.x;
   const float p = float(positions[r]);
   if (h < HQ) {
     nr_turn<D>(q + ((size_t)r * HQ + h) * D, qw, p, inv_freq, eps[0], q_out + ((size_t)r * HQ + h) * D);
@@ -116,7 +118,7 @@ def keys(k: mx.array, w: mx.array, positions: mx.array, theta: float, eps: float
     (out,) = _keys_kernel()(
         inputs=[k, w, positions, _inv_freq(d, theta), _eps(eps)],
         template=[("H", heads), ("D", d)],
-        grid=(32, heads, rows),
+        grid=(32 * rows, heads, 1),
         threadgroup=(32, 1, 1),
         output_shapes=[(heads, rows, d)],
         output_dtypes=[mx.bfloat16],
@@ -133,7 +135,7 @@ def queries_and_keys(q: mx.array, k: mx.array, qw: mx.array, kw: mx.array, posit
     q_out, k_out = _qk_kernel()(
         inputs=[q, k, qw, kw, positions, _inv_freq(d, theta), _eps(eps)],
         template=[("HQ", hq), ("HKV", hkv), ("D", d)],
-        grid=(32, hq + hkv, rows),
+        grid=(32 * rows, hq + hkv, 1),
         threadgroup=(32, 1, 1),
         output_shapes=[(rows, hq, d), (hkv, rows, d)],
         output_dtypes=[mx.float32, mx.bfloat16],
