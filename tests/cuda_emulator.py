@@ -243,10 +243,13 @@ def install_cuda_kernel(monkeypatch) -> None:
 
 
 def install_delta(monkeypatch) -> None:
-    """Route delta_kernel.py's launch through the emulator for one test."""
+    """Route delta_kernel.py's launches (a forward's, a rollback's with its conv tails) through the emulator
+    for one test."""
     from dflash_bench.engine.targets import delta_kernel as dk
 
     monkeypatch.setattr(dk, "_kernel", lambda: Emu("dflash_delta_window", dk.INPUTS, dk.OUTPUTS, dk._SOURCE, dk._HEADER))
+    monkeypatch.setattr(dk, "_rollback_kernel", lambda: Emu("dflash_delta_rollback", dk.ROLLBACK_INPUTS,
+                                                            dk.ROLLBACK_OUTPUTS, dk._SOURCE + dk._TAIL, dk._HEADER))
 
 
 def install(monkeypatch) -> None:

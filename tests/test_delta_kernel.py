@@ -33,7 +33,7 @@ from dflash_bench.engine.cache import LinearCache, keep_windows
 from dflash_bench.engine.engine import Engine, Settings
 from dflash_bench.engine.request import Request
 from dflash_bench.engine.targets import Segment, delta_kernel
-from dflash_bench.engine.targets.delta_kernel import delta_prefix, delta_windows, separate
+from dflash_bench.engine.targets.delta_kernel import delta_windows, rollback, separate
 from dflash_bench.engine.targets.qwen3_5 import (RECURRENCES, GatedDeltaNet, PackedRedo, decode_recurrence,
                                                  per_window_ops)
 from dflash_bench.fixtures.big import write_big
@@ -121,6 +121,13 @@ def relative(got: mx.array, want: mx.array) -> float:
     return (mx.abs(got - want).max() / mx.abs(want).max()).item()
 
 
+def delta_prefix(qkv, g: mx.array, beta: mx.array, state: mx.array, m: mx.array) -> mx.array:
+    """The state `rollback` leaves after one window's first m rows (its conv tails are tested apart)."""
+    conv = mx.zeros((2 + qkv.rows, 8), dtype=mx.bfloat16)
+    [kept], _ = rollback(qkv, g, beta, [state], (0, qkv.rows), mx.reshape(m, (1,)), conv, (0,), 2)
+    return kept
+
+
 def same(a: mx.array, b: mx.array) -> bool:
     return a.shape == b.shape and mx.array_equal(a, b).item()
 
@@ -202,7 +209,7 @@ def test_the_kernel_source_writes_bf16_rows_equal_to_its_float32_rows_cast(monke
 @cuda_emulator.needs_gxx
 def test_the_kernel_source_launched_to_a_device_count_leaves_the_state_of_that_many_rows(monkeypatch) -> None:
     """What `keep_at` relies on (qwen3_5.py's `redo_fn`): a window launched with its end at a device
-    count m (`delta_prefix`) leaves, through the kernel's source, the state after its first m rows
+    count m (`rollback`) leaves, through the kernel's source, the state after its first m rows
     launched alone, bit for bit, for every m; at m = 0 the state it started from."""
     cuda_emulator.install_delta(monkeypatch)
     q, k, v, g, beta, state0 = window(HEADS["small"], 6, seed=70)
@@ -271,19 +278,47 @@ def test_the_kernel_source_scales_q_and_k_as_it_loads_them_with_the_bits_of_scal
 
 
 @cuda_emulator.needs_gxx
+def test_a_rollback_launch_copies_each_windows_conv_tail_after_its_kept_rows(monkeypatch) -> None:
+    """`rollback`'s conv tails: two windows packed (2 and 4 rows), their conv inputs laid end to end as a
+    forward lays them (each its 3-row starting tail, then its rows), at every pair of kept counts: window i's
+    tail is the 3 inputs from its start + its count, bit for bit (a copy), and its state is the one it leaves
+    rolled back alone. A control handing the launch the other window's start gets the other rows."""
+    cuda_emulator.install_delta(monkeypatch)
+    q, k, v, g, beta, _ = window(HEADS["small"], 6, seed=71)
+    states = [window(HEADS["small"], 1, seed=72 + i)[5] for i in range(2)]
+    span, channels, starts = 3, 40, (0, 2, 6)
+    conv = (mx.random.normal((2 * span + 6, channels), key=mx.random.key(73)) * 4).astype(mx.bfloat16)
+    conv_starts = (0, span + 2)  # window 0's inputs: rows 0 .. 4; window 1's: rows 5 .. 11
+    for m0 in range(3):
+        for m1 in range(5):
+            counts = mx.array([m0, m1], dtype=mx.int32)
+            kept, tails = rollback(separate(q, k, v), g, beta, states, starts, counts, conv, conv_starts, span)
+            for i, m in enumerate((m0, m1)):
+                a, b = starts[i], starts[i + 1]
+                assert same(tails[i], conv[conv_starts[i] + m : conv_starts[i] + m + span]), (m0, m1, i)
+                alone = delta_prefix(separate(q[a:b], k[a:b], v[a:b]), g[a:b], beta[a:b], states[i],
+                                     mx.array(m, dtype=mx.int32))
+                assert same(kept[i], alone), (m0, m1, i)
+    counts = mx.array([1, 1], dtype=mx.int32)
+    _, swapped = rollback(separate(q, k, v), g, beta, states, starts, counts, conv, conv_starts[::-1], span)
+    assert not same(swapped[0], conv[1 : 1 + span])
+
+
+@cuda_emulator.needs_gxx
 def test_windows_one_forward_ran_together_roll_back_in_one_launch_to_each_ones_own_state(monkeypatch) -> None:
     """cache.py's `keep_windows`: three streams' windows that one forward's kernel launch ran, kept at
     different device counts, leave through the kernel's source the conv and state each stream's own
-    `keep_at` leaves, bit for bit, with one launch a layer for the three instead of one a stream; a
-    one-row step packed first (a stream that does not draft) neither joins the rollback nor stops it."""
+    `keep_at` leaves, bit for bit, with one launch a layer for the three instead of one a stream (the
+    conv tails copied by it too); a one-row step packed first (a stream that does not draft) neither
+    joins the rollback nor stops it."""
     cuda_emulator.install_delta(monkeypatch)
     target, _ = tiny_target("qwen3_5", "smol", layers=2, seed=31)
     layers = linear_layers(target)
     for m in layers:
         monkeypatch.setattr(m, "recurrence", "delta_kernel")
-    launches = []
-    monkeypatch.setattr(delta_kernel, "_launch",
-                        lambda *a, run=delta_kernel._launch: (launches.append(a[3].shape[0]), run(*a))[1])
+    launches = []  # the windows of each rollback launch (delta_kernel.rollback: the states and the conv tails)
+    monkeypatch.setattr(delta_kernel, "rollback",
+                        lambda *a, run=delta_kernel.rollback: (launches.append(len(a[3])), run(*a))[1])
 
     def windows_run() -> list:
         states = [target.new_state() for _ in range(4)]

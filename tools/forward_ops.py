@@ -65,6 +65,21 @@ def reference_packed(qkv, g, beta, states, starts):
     return mx.concatenate([y for y, _ in res]), [s for _, s in res]
 
 
+def reference_rollback(qkv, g, beta, states, starts, counts, conv, conv_starts, span):
+    """delta_kernel.rollback by mlx-lm's ops: each window's state after its count, and its conv tail."""
+    kept = [qwen3_5.prefix_by_rerun(qwen3_5.per_window_ops, *qkv[a:b].views(), g[a:b], beta[a:b], state, counts[i])
+            for i, (state, a, b) in enumerate(zip(states, starts, starts[1:]))]
+    return kept, [qwen3_5.conv_tail(conv[c:], counts[i], span) for i, c in enumerate(conv_starts)]
+
+
+def one_node_rollback(qkv, g, beta, states, starts, counts, conv, conv_starts, span):
+    """delta_kernel.rollback as the one launch it is, stood in for as the kernels are here (a node on every
+    input): the states from it, the tails views of the inputs (the launch writes them)."""
+    stacked = mx.depends([mx.abs(delta_kernel._stacked(states))], [*qkv.arrays, g, beta, counts, conv])[0]
+    tails = conv[: len(states) * span].reshape(len(states), span, conv.shape[1])
+    return delta_kernel._unstacked(stacked), delta_kernel._unstacked(tails)
+
+
 class Launch:
     """Stands in for `mx.fast.cuda_kernel`'s row matmul: the reference product, or one node."""
 
@@ -157,13 +172,7 @@ def main() -> None:
     qwen3_5.RECURRENCES["delta_kernel"] = qwen3_5.per_window_ops
     if hasattr(delta_kernel, "delta_packed"):
         delta_kernel.delta_packed = reference_packed
-    if hasattr(delta_kernel, "delta_prefix"):  # a rollback to a device length (qwen3_5.py's redo_fn)
-        delta_kernel.delta_prefix = lambda qkv, g, beta, state, m: qwen3_5.prefix_by_rerun(
-            qwen3_5.per_window_ops, *qkv.views(), g, beta, state, m)
-    if hasattr(delta_kernel, "delta_prefixes"):  # several streams' windows at once (cache.py's keep_windows)
-        delta_kernel.delta_prefixes = lambda qkv, g, beta, states, starts, counts: [
-            qwen3_5.prefix_by_rerun(qwen3_5.per_window_ops, *qkv[a:b].views(), g[a:b], beta[a:b], state, counts[i])
-            for i, (state, a, b) in enumerate(zip(states, starts, starts[1:]))]
+    delta_kernel.rollback = reference_rollback  # a rollback to device lengths (qwen3_5.py's redo_fn, PackedRedo)
     root = Path(tempfile.mkdtemp())
     target = Engine(write_big("qwen3_5-9b-4bit", root / "target", "tiny"), None,
                     Settings(parallel=4, context=256, chunk=32, backend="gpu")).target
@@ -174,11 +183,7 @@ def main() -> None:
         delta_kernel.delta_packed = lambda qkv, g, beta, states, starts: (  # y in the QKV's y_dtype, as the kernel writes it
             mx.depends([mx.full(qkv.views()[2].shape, 0.0, dtype=qkv.y_dtype or mx.float32)], [*qkv.arrays, g, beta])[0],
             [mx.abs(s) for s in states])
-    if hasattr(delta_kernel, "delta_prefix"):
-        delta_kernel.delta_prefix = lambda qkv, g, beta, state, m: mx.depends([mx.abs(state)], [*qkv.arrays, g, beta, m])[0]
-    if hasattr(delta_kernel, "delta_prefixes"):  # several streams' windows rolled back in one launch (keep_windows)
-        delta_kernel.delta_prefixes = lambda qkv, g, beta, states, starts, counts: delta_kernel._unstacked(
-            mx.depends([mx.abs(delta_kernel._stacked(states))], [*qkv.arrays, g, beta, counts])[0])
+    delta_kernel.rollback = one_node_rollback
     # one node for the recurrence, depending on all of its inputs as the kernel does
     qwen3_5.RECURRENCES["delta_kernel"] = lambda ws: [
         tuple(mx.depends([mx.abs(w[2]).astype(mx.float32), mx.abs(w[5])], list(w[:5]))) for w in ws]

@@ -250,7 +250,7 @@ def keep_windows(kept: list[tuple[TargetState, tuple[mx.array, int, int]]]) -> N
     """Each stream's `keep_at(*keep)`, for streams whose windows one forward ran: where a GatedDeltaNet
     layer's launch ran several of them (`LinearCache.together`), their rollback is one launch too, not
     one a stream (lanes.py keeps a round's chain windows so). Each window still walks its own kept rows
-    from its own state (delta_kernel.py's `delta_prefixes`), so every state is the one `keep_at` leaves."""
+    from its own state (delta_kernel.py's `rollback`), so every state is the one `keep_at` leaves."""
     targets = [(state, keep) for state, keep in kept if isinstance(state, TargetState)]
     rows: dict[int, mx.array] = {}  # a stream's kept rows, made once and only where a shared launch needs them
     counts: dict[tuple, mx.array] = {}  # the launch's counts, once a round: every layer's windows lie alike

@@ -32,7 +32,7 @@ Launch geometry: LANES = min(32, Dk) lanes per dv-row (Dk a multiple of 32, or a
 there are no partial blocks or warps: no bounds check, and full-mask shuffles are valid. Inputs are
 row-contiguous: y (rows, Hv, Dv), g and beta (rows, Hv), states (windows, Hv, Dv, Dk), and int32 offsets
 (windows + 1) and limits (windows): window w owns rows offsets[w] .. offsets[w+1]-1 and walks the first
-limits[w] of them (all of them in a forward; a rollback's kept count, a device value: `delta_prefix`),
+limits[w] of them (all of them in a forward; a rollback's kept count, a device value: `rollback`),
 so the rows it walks are those of a launch of them alone. q, k and v are read where they lie
 (`QKV`): row r's q heads (Hk x Dk, one after another) start at element r * qs + qo of the array q, its k
 heads at r * ks + ko of k, its v heads (Hv x Dv) at r * vs + vo of v, the six from the int32 input
@@ -155,10 +155,31 @@ INPUTS = ["q", "k", "v", "g", "beta", "state_in", "offsets", "limits", "layout",
 UNSCALED = mx.array([1.0, 1.0], dtype=mx.float32)  # the kernel's scales for q and k as given: x * 1 is x
 OUTPUTS = ["y", "state_out"]
 
+# A rollback's conv tails, copied by the same launch (`rollback`): window seg's SPAN rows of C conv inputs from
+# row conv_at[seg] + limits[seg] of conv_in (the rows ending at its last kept row), every thread of the window's
+# blocks copying its share. A copy: the tail's bits are its inputs'.
+_TAIL = r"""
+  {
+    const long long n = (long long)SPAN * C;
+    const long long total = (long long)gridDim.y * gridDim.x * blockDim.x;
+    const long long from = ((long long)conv_at[seg] + limits[seg]) * C;
+    for (long long i = (long long)blockIdx.y * gridDim.x * blockDim.x + t; i < n; i += total) {
+      conv_out[seg * n + i] = conv_in[from + i];
+    }
+  }
+"""
+ROLLBACK_INPUTS = INPUTS + ["conv_in", "conv_at"]
+ROLLBACK_OUTPUTS = OUTPUTS + ["conv_out"]
+
 
 @lru_cache(maxsize=1)
 def _kernel():
     return BakedKernel("dflash_delta_window", INPUTS, OUTPUTS, _SOURCE, _HEADER)
+
+
+@lru_cache(maxsize=1)
+def _rollback_kernel():
+    return BakedKernel("dflash_delta_rollback", ROLLBACK_INPUTS, ROLLBACK_OUTPUTS, _SOURCE + _TAIL, _HEADER)
 
 
 @lru_cache(maxsize=256)
@@ -271,29 +292,44 @@ def _stacked(states: list[mx.array]) -> mx.array:
 
 
 def _unstacked(states: mx.array) -> list[mx.array]:
-    """Each window's state of a launch's output, as slices: an integer index is a Gather, a copy
-    launched per stream and layer."""
+    """Each window's state (or conv tail) of a launch's output, as slices: an integer index is a Gather, a
+    copy launched per stream and layer."""
     return [states[i : i + 1].squeeze(0) for i in range(states.shape[0])]
 
 
-def delta_prefix(qkv: QKV, g: mx.array, beta: mx.array, state: mx.array, m: mx.array) -> mx.array:
-    """The state after the first `m` rows of one window (m an int32 device scalar, 0 <= m <= rows): the
-    window launched to walk m of its rows (`limits`), so the kernel steps rows 0 .. m - 1 exactly as a
-    launch of those rows alone does (module docstring) and leaves the state as it is at m = 0. What a
-    rollback to a length the host has not read needs (qwen3_5.py's `redo_fn`) in one launch whatever m
-    is, with no mask over the rows and no operation beside the launch; y past row m is left unwritten
-    and is not returned."""
-    return delta_prefixes(qkv, g, beta, [state], (0, qkv.rows), mx.reshape(m, (1,)))[0]
+def rollback(qkv: QKV, g: mx.array, beta: mx.array, states: list[mx.array], starts: tuple[int, ...], counts: mx.array,
+             conv: mx.array, conv_starts: tuple[int, ...], span: int) -> tuple[list[mx.array], list[mx.array]]:
+    """A rollback to device counts, in one launch: for windows packed as `delta_packed` takes them (window i
+    is rows starts[i] .. starts[i + 1] - 1, from states[i]), window i's state after its first counts[i] rows
+    (`counts` int32 on the device, one a window), and its conv tail after them: the `span` rows of `conv`
+    (rows, C) from conv_starts[i] + counts[i], where window i's conv inputs (its starting tail, then its rows)
+    begin at conv_starts[i].
+
+    The launch walks counts[i] of window i's rows (`limits`), exactly as a launch of those rows alone does
+    (module docstring), and leaves the state as it is at a count of 0: no mask over the rows and no
+    operation beside the launch, whatever the counts are, which the host has not read. y past a window's
+    count is left unwritten and is not returned; a tail is a copy. It is what qwen3_5.py's `redo_fn` needs
+    for one window and `PackedRedo` for the windows one forward launched for several streams (cache.py's
+    `keep_windows`): one launch a layer, where a slice at a device offset was one more a window."""
+    windows = len(states)
+    heads, rows = qkv.heads, qkv.rows
+    y_dtype = qkv.y_dtype or qkv.arrays[0].dtype
+    options = _rollback_options(heads, rows, windows, y_dtype, span, conv.shape[1], conv.dtype)
+    scale = UNSCALED if qkv.scale is None else qkv.scale
+    _, new_states, tails = _rollback_kernel()(
+        inputs=[*qkv.arrays, g, beta, _stacked(states), _int32s(tuple(starts)), counts.astype(mx.int32),
+                _int32s(qkv.layout), scale, conv, _int32s(tuple(conv_starts))], **options)
+    return _unstacked(new_states), _unstacked(tails)
 
 
-def delta_prefixes(qkv: QKV, g: mx.array, beta: mx.array, states: list[mx.array], starts: tuple[int, ...],
-                   counts: mx.array) -> list[mx.array]:
-    """`delta_prefix` for windows packed as `delta_packed` takes them, in one launch: window i's state
-    after its first counts[i] rows (`counts` int32 on the device, one a window). Each window walks its
-    rows as a launch of it alone does, so this is the rollback of several streams' windows that one
-    forward launched together (qwen3_5.py's `PackedRedo`) at one launch a layer, not one a stream."""
-    _, new_states = _launch(qkv, g, beta, _stacked(states), _int32s(tuple(starts)), counts.astype(mx.int32))
-    return _unstacked(new_states)
+@lru_cache(maxsize=256)
+def _rollback_options(heads: tuple[int, int, int, int], rows: int, windows: int, dtype: mx.Dtype, span: int,
+                      channels: int, conv_dtype: mx.Dtype) -> dict:
+    """`_options` with the conv tails' constants and output (windows, span, C) in the conv's dtype."""
+    base = _options(heads, rows, windows, dtype)
+    return dict(base, template=(*base["template"], ("SPAN", span), ("C", channels)),
+                output_shapes=[*base["output_shapes"], (windows, span, channels)],
+                output_dtypes=[*base["output_dtypes"], conv_dtype])
 
 
 def _launch(qkv: QKV, g: mx.array, beta: mx.array, states: mx.array, offsets: mx.array,

@@ -65,7 +65,7 @@ def prefix_by_rerun(recurrence: Recurrence, q: mx.array, k: mx.array, v: mx.arra
                     state: mx.array, m: mx.array) -> mx.array:
     """The state after a window's first m rows (m a device value) by `recurrence` over every row, rows m
     and after with g = 1 and beta = 0, which leave a state as it is (s * 1 is s, the delta (v - kv) * 0
-    adds zeros): mlx-lm's ops have no window end to stop at, as the kernel does (`delta_prefix`)."""
+    adds zeros): mlx-lm's ops have no window end to stop at, as the kernel does (delta_kernel.py's `rollback`)."""
     live = (mx.arange(q.shape[0], dtype=mx.int32) < m)[:, None]
     g, beta = mx.where(live, g, mx.array(1, dtype=g.dtype)), mx.where(live, beta, mx.array(0, dtype=beta.dtype))
     [(_, state)] = recurrence([(q, k, v, g, beta, state)])
@@ -183,7 +183,7 @@ class GatedDeltaNet:
             y, states = self.recur(*window, before, spans)
         tails = [inputs[st : st + span + hi - lo] for st, (lo, hi) in zip(starts, spans)]
         windows = sum(hi - lo > 1 for lo, hi in spans)  # what a round may roll back
-        together = (PackedRedo(window, before, bounds, tails, span)
+        together = (PackedRedo(window, before, bounds, inputs, starts, span)
                     if self.recurrence == "delta_kernel" and windows > 1 else None)
         for w, ((seg, (lo, hi)), c, st, state) in enumerate(zip(decoding, caches, starts, states)):
             n = hi - lo
@@ -261,13 +261,14 @@ class GatedDeltaNet:
 
         def masked(m: mx.array) -> tuple[mx.array, mx.array]:
             """m a device value (cache.py's keep_at): the state after the window's first m rows in one call
-            whatever m is. The kernel takes m as the window's end (delta_kernel.py's `delta_prefix`: the
-            rows' own steps, one launch and no mask); mlx-lm's ops rerun every row (`prefix_by_rerun`).
-            The conv tail is the `kernel - 1` inputs ending at row m."""
+            whatever m is. The kernel takes m as the window's end (delta_kernel.py's `rollback`: the
+            rows' own steps, one launch and no mask) and copies the conv tail, the `kernel - 1` inputs
+            ending at row m, in the same launch; mlx-lm's ops rerun every row (`prefix_by_rerun`)."""
             if self.recurrence == "delta_kernel":
-                state = delta_kernel.delta_prefix(*rows, prev_state, m)
-            else:
-                state = prefix_by_rerun(RECURRENCES[self.recurrence], *rows, prev_state, m)
+                [state], [tail] = delta_kernel.rollback(*rows, [prev_state], (0, rows[0].rows), mx.reshape(m, (1,)),
+                                                        inputs, (0,), span)
+                return tail, state
+            state = prefix_by_rerun(RECURRENCES[self.recurrence], *rows, prev_state, m)
             return conv_tail(inputs, m, span), state
 
         return redo
@@ -315,16 +316,20 @@ class HybridTarget(Target):
 class PackedRedo:
     """The rollback of a forward's decode windows that one kernel launch ran (`GatedDeltaNet.decode`),
     as one launch a layer (cache.py's `keep_windows`): each window's kept rows walked from the state it
-    started from (delta_kernel.py's `delta_prefixes`), its conv tail the `kernel - 1` inputs ending at
-    its row m, what each window's own `redo_fn` gives at the same count."""
+    started from, and its conv tail, the `kernel - 1` inputs ending at its row m, copied in the same launch
+    (delta_kernel.py's `rollback`), what each window's own `redo_fn` gives at the same count."""
 
-    def __init__(self, rows: tuple, states: list[mx.array], bounds: tuple[int, ...], tails: list[mx.array], span: int):
-        self.rows, self.states, self.bounds, self.tails, self.span = rows, states, bounds, tails, span
+    def __init__(self, rows: tuple, states: list[mx.array], bounds: tuple[int, ...], inputs: mx.array,
+                 starts: list[int], span: int):
+        """`inputs`: the layer's conv inputs, every segment's laid end to end; `starts`: where each begins."""
+        self.rows, self.states, self.bounds, self.span = rows, states, bounds, span
+        self.inputs, self.starts = inputs, tuple(starts)
         self.windows = len(states)
 
     def __call__(self, counts: mx.array, kept: dict[int, mx.array]) -> dict[int, tuple[mx.array, mx.array]]:
-        states = delta_kernel.delta_prefixes(*self.rows, self.states, self.bounds, counts)
-        return {w: (conv_tail(self.tails[w], m, self.span), states[w]) for w, m in kept.items()}
+        states, tails = delta_kernel.rollback(*self.rows, self.states, self.bounds, counts, self.inputs, self.starts,
+                                              self.span)
+        return {w: (tails[w], states[w]) for w in kept}
 
 
 def conv_tail(inputs: mx.array, m: mx.array, span: int) -> mx.array:
