@@ -42,6 +42,8 @@ Each q and k value is multiplied by its float32 scale from the input `qk_scale` 
 (`__fmul_rn`: the product a scaling launch would have stored; 1 and 1 where the caller scaled them), and y is
 written in YT, rounded once from float32 (what a cast after the launch gives).
 Value head hv reads key head hv // (Hv / Hk), what `mx.repeat(q, Hv // Hk, -2)` gives.
+A rollback (`rollback`) launches the same source with one more step (`_TAIL`): each window's conv tail after its
+kept rows, copied by its blocks' threads, so a kept count the host has not read costs one launch a layer.
 """
 
 from __future__ import annotations
