@@ -176,6 +176,30 @@ def test_a_segment_at_a_device_start_is_launched_at_it(monkeypatch) -> None:
     assert mx.array_equal(logits[0], logits[1]).item()
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_layout_at_device_starts_is_the_host_layout_in_a_few_operations(causal: bool) -> None:
+    """`launch_meta` with some segments' starts on the device (cache.py's keep_at) holds the values of the
+    layout at those starts on the host, whichever segments they are, and costs the host two operations for
+    one device start and three for several (a decode round pays per operation), by the census the GPU
+    figures were counted with (tools/forward_ops.py)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from forward_ops import VIEWS, census
+
+    cache = mx.zeros((2, 512, 16))
+    rows = [mx.zeros((n, 4, 16)) for n in (16, 1, 9, 16)]
+    starts = [300, 41, 7, 128]
+    host = attention_kernel.launch_meta([(q, cache, cache, s) for q, s in zip(rows, starts)], None, causal).tolist()
+    for on_device in [(0,), (3,), (1, 2), (0, 1, 2, 3)]:
+        ats = [mx.array(s, dtype=mx.int32) if i in on_device else None for i, s in enumerate(starts)]
+        meta = attention_kernel.launch_meta([(q, cache, cache, s) for q, s in zip(rows, starts)], ats, causal)
+        ops = sum(n for name, n in census([meta]).items() if name not in VIEWS)
+        assert ops == (2 if len(on_device) == 1 else 3), (on_device, census([meta]))
+        assert meta.tolist() == host, on_device
+
+
 def test_the_self_check_tries_the_kernel_first_keys_it_and_falls_back(monkeypatch) -> None:
     target, _ = tiny_target("qwen3", "small", layers=2, seed=32)
     a = attention_layers(target)[0]

@@ -372,14 +372,29 @@ def last_keys(n: int, causal: bool) -> list[int]:
 def device_meta(head: tuple[int, ...], lengths: list[int], starts: list[int], ats: list[mx.array | None],
                 seg_meta: list[int], causal: bool = True) -> mx.array:
     """The launch's layout where some segments start at a device value (cache.py's keep_at): the same
-    int32 values `_meta` holds, the rows' last keys and those starts computed on the device."""
-    positions = mx.concatenate([mx.array(last_keys(n, causal), dtype=mx.int32) + (start if at is None else at)
-                                for n, start, at in zip(lengths, starts, ats)])
-    table = mx.array(seg_meta, dtype=mx.int32).reshape(-1, 4)
-    firsts = mx.stack([mx.array(start, dtype=mx.int32) if at is None else at.astype(mx.int32)
-                       for start, at in zip(starts, ats)])
-    table = mx.concatenate([table[:, :1], firsts[:, None], table[:, 2:]], axis=1).reshape(-1)
-    return mx.concatenate([mx.array(head, dtype=mx.int32), positions, table])
+    int32 values `_meta` holds, each device start added where it goes (its rows' last keys, its segment's
+    start) to a constant layout holding 0 there: a product and a sum for one such segment, a join, a take
+    and a sum for several. A drafted round builds one for the target's forward and one or two for the
+    drafter's pass, and pays per operation (docs/gpu-round-profile.md); built piecewise it took four or
+    more."""
+    values, which, devices = list(head), [0] * len(head), []  # which: 0, or the 1-based device start added
+    for n, start, at in zip(lengths, starts, ats):
+        if at is not None:
+            devices.append(at.astype(mx.int32))
+        d = len(devices) if at is not None else 0
+        values += [k + (0 if d else start) for k in last_keys(n, causal)]
+        which += [d] * n
+    d = 0
+    for i, at in enumerate(ats):  # (row0, start, n, capacity) a segment, a device start in its start slot
+        d += at is not None
+        row0, start, n, cap = seg_meta[4 * i : 4 * i + 4]
+        values += [row0, 0 if at is not None else start, n, cap]
+        which += [0, d if at is not None else 0, 0, 0]
+    base = _meta(tuple(values))
+    if len(devices) == 1:
+        return base + devices[0] * _meta(tuple(int(w > 0) for w in which))
+    joined = mx.concatenate([_meta((0,)), *(at.reshape(1) for at in devices)])
+    return base + joined[_meta(tuple(which))]
 
 
 def launch_meta(segments: list[Rows], ats: list[mx.array | None] | None = None, causal: bool = True) -> mx.array:
