@@ -297,8 +297,11 @@ class DFlashDrafter:
         masks = BlockMasks()
         for li, layer in enumerate(self.layers):
             h = self.layer(li, layer, h, items, spans, masks)
-        rows = [a + r for (a, _), p in zip(spans, items) for r in range(1, 1 + p.count)]
-        x = mx.fast.rms_norm(h[mx.array(rows, dtype=mx.int32)], self.norm, self.eps)
+        if len(items) == 1:  # one stream's rows 1 .. count: a slice, where a gather is an operation
+            drafted = h[1 : 1 + items[0].count]
+        else:
+            drafted = h[mx.array([a + r for (a, _), p in zip(spans, items) for r in range(1, 1 + p.count)], dtype=mx.int32)]
+        x = mx.fast.rms_norm(drafted, self.norm, self.eps)
         return x, self.logits(x)
 
     def layer(self, li: int, layer: dict, h: mx.array, items: list[Proposal], spans: list[tuple[int, int]],
