@@ -213,7 +213,6 @@ class DFlashDrafter:
         attention runs its kernel (a CUDA GPU), in bf16."""
         return self.kernel_attention and norm_rope_kernel.fits(self.head_dim, self.dtype)
 
-
     def absorb(self, items: list[tuple[DrafterState, mx.array]]) -> None:
         """Fuse each stream's new tap rows and append their K/V at the stream's next positions (a device
         value while the host has not read it: lanes.py then keeps the accepted ones with `keep_at`)."""

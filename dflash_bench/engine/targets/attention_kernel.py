@@ -377,19 +377,17 @@ def device_meta(head: tuple[int, ...], lengths: list[int], starts: list[int], at
     and a sum for several. A drafted round builds one for the target's forward and one or two for the
     drafter's pass, and pays per operation (docs/gpu-round-profile.md); built piecewise it took four or
     more."""
-    values, which, devices = list(head), [0] * len(head), []  # which: 0, or the 1-based device start added
-    for n, start, at in zip(lengths, starts, ats):
-        if at is not None:
-            devices.append(at.astype(mx.int32))
-        d = len(devices) if at is not None else 0
+    devices = [at.astype(mx.int32) for at in ats if at is not None]
+    # each segment's device start, 1-based in `devices`, or 0 for a host start
+    slots = [sum(a is not None for a in ats[: i + 1]) if at is not None else 0 for i, at in enumerate(ats)]
+    values, which = list(head), [0] * len(head)  # which: the device start added to each value, or 0
+    for n, start, d in zip(lengths, starts, slots):
         values += [k + (0 if d else start) for k in last_keys(n, causal)]
         which += [d] * n
-    d = 0
-    for i, at in enumerate(ats):  # (row0, start, n, capacity) a segment, a device start in its start slot
-        d += at is not None
+    for i, d in enumerate(slots):  # (row0, start, n, capacity) a segment, a device start in its start slot
         row0, start, n, cap = seg_meta[4 * i : 4 * i + 4]
-        values += [row0, 0 if at is not None else start, n, cap]
-        which += [0, d if at is not None else 0, 0, 0]
+        values += [row0, 0 if d else start, n, cap]
+        which += [0, d, 0, 0]
     base = _meta(tuple(values))
     if len(devices) == 1:
         return base + devices[0] * _meta(tuple(int(w > 0) for w in which))

@@ -313,14 +313,8 @@ def rollback(qkv: QKV, g: mx.array, beta: mx.array, states: list[mx.array], star
     count is left unwritten and is not returned; a tail is a copy. It is what qwen3_5.py's `redo_fn` needs
     for one window and `PackedRedo` for the windows one forward launched for several streams (cache.py's
     `keep_windows`): one launch a layer, where a slice at a device offset was one more a window."""
-    windows = len(states)
-    heads, rows = qkv.heads, qkv.rows
-    y_dtype = qkv.y_dtype or qkv.arrays[0].dtype
-    options = _rollback_options(heads, rows, windows, y_dtype, span, conv.shape[1], conv.dtype)
-    scale = UNSCALED if qkv.scale is None else qkv.scale
-    _, new_states, tails = _rollback_kernel()(
-        inputs=[*qkv.arrays, g, beta, _stacked(states), _int32s(tuple(starts)), counts.astype(mx.int32),
-                _int32s(qkv.layout), scale, conv, _int32s(tuple(conv_starts))], **options)
+    _, new_states, tails = _launch(qkv, g, beta, _stacked(states), _int32s(tuple(starts)), counts.astype(mx.int32),
+                                   (conv, tuple(conv_starts), span))
     return _unstacked(new_states), _unstacked(tails)
 
 
@@ -334,13 +328,18 @@ def _rollback_options(heads: tuple[int, int, int, int], rows: int, windows: int,
                 output_dtypes=[*base["output_dtypes"], conv_dtype])
 
 
-def _launch(qkv: QKV, g: mx.array, beta: mx.array, states: mx.array, offsets: mx.array,
-            limits: mx.array) -> tuple[mx.array, mx.array]:
+def _launch(qkv: QKV, g: mx.array, beta: mx.array, states: mx.array, offsets: mx.array, limits: mx.array,
+            tail: tuple[mx.array, tuple[int, ...], int] | None = None) -> list[mx.array]:
     """One launch over windows `offsets` (windows + 1 row bounds, int32) of the packed rows, each walking
     its first `limits` rows (int32, one a window), from the stacked `states`: every row's y (rows no
-    window walks left unwritten) and the new states, stacked."""
-    options = _options(qkv.heads, qkv.rows, states.shape[0], qkv.y_dtype or qkv.arrays[0].dtype)
+    window walks left unwritten) and the new states, stacked. With `tail` (the conv's inputs (rows, C), each
+    window's first row in them, the span), the rollback's launch: a third output, each window's conv tail
+    after its `limits` rows (`_TAIL`)."""
+    heads, rows, windows, dtype = qkv.heads, qkv.rows, states.shape[0], qkv.y_dtype or qkv.arrays[0].dtype
     scale = UNSCALED if qkv.scale is None else qkv.scale
-    y, new_states = _kernel()(inputs=[*qkv.arrays, g, beta, states, offsets, limits, _int32s(qkv.layout), scale],
-                              **options)
-    return y, new_states
+    inputs = [*qkv.arrays, g, beta, states, offsets, limits, _int32s(qkv.layout), scale]
+    if tail is None:
+        return _kernel()(inputs=inputs, **_options(heads, rows, windows, dtype))
+    conv, conv_starts, span = tail
+    return _rollback_kernel()(inputs=[*inputs, conv, _int32s(conv_starts)],
+                              **_rollback_options(heads, rows, windows, dtype, span, conv.shape[1], conv.dtype))
