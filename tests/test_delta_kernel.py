@@ -124,7 +124,7 @@ def relative(got: mx.array, want: mx.array) -> float:
 def delta_prefix(qkv, g: mx.array, beta: mx.array, state: mx.array, m: mx.array) -> mx.array:
     """The state `rollback` leaves after one window's first m rows (its conv tails are tested apart)."""
     conv = mx.zeros((2 + qkv.rows, 8), dtype=mx.bfloat16)
-    [kept], _ = rollback(qkv, g, beta, [state], (0, qkv.rows), mx.reshape(m, (1,)), conv, (0,), 2)
+    [([kept], _)] = rollback([(qkv, g, beta, [state], conv)], (0, qkv.rows), mx.reshape(m, (1,)), (0,), 2)
     return kept
 
 
@@ -292,7 +292,7 @@ def test_a_rollback_launch_copies_each_windows_conv_tail_after_its_kept_rows(mon
     for m0 in range(3):
         for m1 in range(5):
             counts = mx.array([m0, m1], dtype=mx.int32)
-            kept, tails = rollback(separate(q, k, v), g, beta, states, starts, counts, conv, conv_starts, span)
+            [(kept, tails)] = rollback([(separate(q, k, v), g, beta, states, conv)], starts, counts, conv_starts, span)
             for i, m in enumerate((m0, m1)):
                 a, b = starts[i], starts[i + 1]
                 assert same(tails[i], conv[conv_starts[i] + m : conv_starts[i] + m + span]), (m0, m1, i)
@@ -300,7 +300,7 @@ def test_a_rollback_launch_copies_each_windows_conv_tail_after_its_kept_rows(mon
                                      mx.array(m, dtype=mx.int32))
                 assert same(kept[i], alone), (m0, m1, i)
     counts = mx.array([1, 1], dtype=mx.int32)
-    _, swapped = rollback(separate(q, k, v), g, beta, states, starts, counts, conv, conv_starts[::-1], span)
+    [(_, swapped)] = rollback([(separate(q, k, v), g, beta, states, conv)], starts, counts, conv_starts[::-1], span)
     assert not same(swapped[0], conv[1 : 1 + span])
 
 
@@ -308,17 +308,17 @@ def test_a_rollback_launch_copies_each_windows_conv_tail_after_its_kept_rows(mon
 def test_windows_one_forward_ran_together_roll_back_in_one_launch_to_each_ones_own_state(monkeypatch) -> None:
     """cache.py's `keep_windows`: three streams' windows that one forward's kernel launch ran, kept at
     different device counts, leave through the kernel's source the conv and state each stream's own
-    `keep_at` leaves, bit for bit, with one launch a layer for the three instead of one a stream (the
-    conv tails copied by it too); a one-row step packed first (a stream that does not draft) neither
-    joins the rollback nor stops it."""
+    `keep_at` leaves, bit for bit, with one launch for both GatedDeltaNet layers and the three windows
+    instead of one a layer and stream (the conv tails copied by it too); a one-row step packed first (a
+    stream that does not draft) neither joins the rollback nor stops it."""
     cuda_emulator.install_delta(monkeypatch)
-    target, _ = tiny_target("qwen3_5", "smol", layers=2, seed=31)
+    target, _ = tiny_target("qwen3_5", "smol", layers=3, seed=31)
     layers = linear_layers(target)
     for m in layers:
         monkeypatch.setattr(m, "recurrence", "delta_kernel")
-    launches = []  # the windows of each rollback launch (delta_kernel.rollback: the states and the conv tails)
-    monkeypatch.setattr(delta_kernel, "rollback",
-                        lambda *a, run=delta_kernel.rollback: (launches.append(len(a[3])), run(*a))[1])
+    launches = []  # the (layers, windows) of each rollback launch (delta_kernel.rollback: the states and the conv tails)
+    monkeypatch.setattr(delta_kernel, "rollback", lambda parts, *a, run=delta_kernel.rollback: (
+        launches.append((len(parts), len(parts[0][3]))), run(parts, *a))[1])
 
     def windows_run() -> list:
         states = [target.new_state() for _ in range(4)]
@@ -333,11 +333,11 @@ def test_windows_one_forward_ran_together_roll_back_in_one_launch_to_each_ones_o
     together, alone = windows_run(), windows_run()
     launches.clear()
     keep_windows([(st, (mx.array(6 + m, dtype=mx.int32), b, 7)) for st, m, b in zip(together, kept, bounds)])
-    assert launches == [4] * len(layers)  # one launch a layer, over the forward's four windows
+    assert launches == [(len(layers), 4)]  # one launch for every layer, over the forward's four windows
     launches.clear()
     for st, m, b in zip(alone, kept, bounds):
         st.keep_at(mx.array(6 + m, dtype=mx.int32), b, 7)
-    assert launches == [1] * (3 * len(layers))
+    assert len(layers) > 1 and launches == [(1, 1)] * (3 * len(layers))
     for a, b in zip(together, alone):
         pairs = [(x, y) for x, y in zip(a.layers, b.layers) if isinstance(x, LinearCache)]
         assert len(pairs) == len(layers) and all(same(x.state, y.state) and same(x.conv, y.conv) for x, y in pairs)
@@ -355,8 +355,8 @@ def test_the_self_check_fails_windows_kept_together_that_trade_their_counts(monk
     for m in linear_layers(target):
         monkeypatch.setattr(m, "recurrence", "delta_kernel")
     assert selfcheck.model_faults(target) == []
-    call = PackedRedo.__call__
-    monkeypatch.setattr(PackedRedo, "__call__", lambda self, counts, kept: call(self, counts[::-1], kept))
+    many = PackedRedo.many
+    monkeypatch.setattr(PackedRedo, "many", lambda jobs: many([(redo, counts[::-1], kept) for redo, counts, kept in jobs]))
     faults = selfcheck.model_faults(target)
     assert any("kept together" in f for f in faults), faults
 

@@ -37,7 +37,7 @@ import mlx.core as mx
 
 from dflash_bench.engine import selfcheck
 from dflash_bench.engine.backend import FLOAT32_TENSORS
-from dflash_bench.engine.cache import AttentionCache
+from dflash_bench.engine.cache import AttentionCache, keep_windows
 from dflash_bench.engine.target_config import parse_target_config
 from dflash_bench.engine.targets import build_target
 from dflash_bench.engine.targets import delta_kernel
@@ -239,26 +239,32 @@ def test_a_rollback_to_a_device_length_launches_the_kernel_to_it_with_no_mask(mo
     `TargetState.keep_at`): a layer adds its launch, nothing else: the launch copies the conv tail too
     (delta_kernel.py's `rollback`), where a slice at the device offset was one more operation a layer. The
     kernel is stood in for by a node on all of its inputs for each output (its rows and tails are tested
-    through its source in tests/test_delta_kernel.py)."""
+    through its source in tests/test_delta_kernel.py). A drafted round keeps its windows through
+    cache.py's `keep_windows`, one launch for every layer."""
 
     def launch(inputs, output_shapes, output_dtypes, **_):
         return [mx.depends([mx.zeros(shape, dtype=dtype)], inputs)[0] for shape, dtype in zip(output_shapes, output_dtypes)]
 
     monkeypatch.setattr(delta_kernel, "_kernel", lambda: launch)
-    monkeypatch.setattr(delta_kernel, "_rollback_kernel", lambda: launch)
+    monkeypatch.setattr(delta_kernel, "_rollback_kernel", lambda layers, windows: launch)
     target = kernel_target("qwen3_5", monkeypatch, each_row_alone)
     linear = [m for m in target.mixer_layers() if isinstance(m, GatedDeltaNet)]
     for m in linear:
         monkeypatch.setattr(m, "recurrence", "delta_kernel")
-    state = target.new_state()
-    mx.eval(target.forward([Segment([3, 1, 4, 1, 5], 0, state, [4], prefill=True)])[0].logits, state.arrays())
-    state.keep(5)
-    mx.eval(target.forward([Segment([9, 2, 6], 5, state, [0, 1, 2])])[0].logits, state.arrays())
-    state.keep_at(mx.array(6, dtype=mx.int32), 8, 6)
-    ops = census([a for layer in state.layers if not hasattr(layer, "k") for a in (layer.conv, layer.state)])
-    assert len(linear) > 1 and ops["Depends"] == 2 * len(linear) and ops["DynamicSlice"] == 0, ops  # state, tail
-    assert ops["Select"] == ops["Arange"] == ops["Less"] == 0, ops
-    assert ops["Subtract"] == 1 and ops["Multiply"] == 0, ops
+    for keep in ("keep_at", "keep_windows"):
+        state = target.new_state()
+        mx.eval(target.forward([Segment([3, 1, 4, 1, 5], 0, state, [4], prefill=True)])[0].logits, state.arrays())
+        state.keep(5)
+        mx.eval(target.forward([Segment([9, 2, 6], 5, state, [0, 1, 2])])[0].logits, state.arrays())
+        if keep == "keep_at":  # one launch a layer
+            state.keep_at(mx.array(6, dtype=mx.int32), 8, 6)
+        else:  # a drafted round's keep (lanes.py): one launch for every layer
+            keep_windows([(state, (mx.array(6, dtype=mx.int32), 8, 6))])
+        ops = census([a for layer in state.layers if not hasattr(layer, "k") for a in (layer.conv, layer.state)])
+        launched = len(linear) if keep == "keep_at" else 1
+        assert len(linear) > 1 and ops["Depends"] == 2 * launched and ops["DynamicSlice"] == 0, (keep, ops)  # state, tail
+        assert ops["Select"] == ops["Arange"] == ops["Less"] == 0, (keep, ops)
+        assert ops["Subtract"] == 1 and ops["Multiply"] == 0, (keep, ops)
 
 
 def test_a_window_on_the_kernel_hands_it_q_k_and_v_where_they_lie(monkeypatch) -> None:

@@ -65,19 +65,28 @@ def reference_packed(qkv, g, beta, states, starts):
     return mx.concatenate([y for y, _ in res]), [s for _, s in res]
 
 
-def reference_rollback(qkv, g, beta, states, starts, counts, conv, conv_starts, span):
-    """delta_kernel.rollback by mlx-lm's ops: each window's state after its count, and its conv tail."""
-    kept = [qwen3_5.prefix_by_rerun(qwen3_5.per_window_ops, *qkv[a:b].views(), g[a:b], beta[a:b], state, counts[i])
-            for i, (state, a, b) in enumerate(zip(states, starts, starts[1:]))]
-    return kept, [qwen3_5.conv_tail(conv[c:], counts[i], span) for i, c in enumerate(conv_starts)]
+def reference_rollback(parts, starts, counts, conv_starts, span):
+    """delta_kernel.rollback by mlx-lm's ops: each layer's windows' states after their counts, and conv tails."""
+    out = []
+    for qkv, g, beta, states, conv in parts:
+        kept = [qwen3_5.prefix_by_rerun(qwen3_5.per_window_ops, *qkv[a:b].views(), g[a:b], beta[a:b], state, counts[i])
+                for i, (state, a, b) in enumerate(zip(states, starts, starts[1:]))]
+        out.append((kept, [qwen3_5.conv_tail(conv[c:], counts[i], span) for i, c in enumerate(conv_starts)]))
+    return out
 
 
-def one_node_rollback(qkv, g, beta, states, starts, counts, conv, conv_starts, span):
-    """delta_kernel.rollback as the one launch it is, stood in for as the kernels are here (a node on every
-    input): the states from it, the tails views of the inputs (the launch writes them)."""
-    stacked = mx.depends([mx.abs(delta_kernel._stacked(states))], [*qkv.arrays, g, beta, counts, conv])[0]
-    tails = conv[: len(states) * span].reshape(len(states), span, conv.shape[1])
-    return delta_kernel._unstacked(stacked), delta_kernel._unstacked(tails)
+def one_node_rollback(parts, starts, counts, conv_starts, span):
+    """delta_kernel.rollback as the one launch it is for every layer, stood in for as the kernels are here (a
+    node on every input): the states from it, the tails views of the inputs (the launch writes them)."""
+    states = [st for *_, sts, _ in parts for st in sts]
+    stacked = mx.depends([mx.full((len(states), *states[0].shape), 0.0, dtype=states[0].dtype)],
+                         [a for qkv, g, beta, _, conv in parts for a in (*qkv.arrays, g, beta, conv)] + states + [counts])[0]
+    windows = len(parts[0][3])
+    out = []
+    for i, (*_, conv) in enumerate(parts):
+        tails = conv[: windows * span].reshape(windows, span, conv.shape[1])
+        out.append((delta_kernel._unstacked(stacked[i * windows : (i + 1) * windows]), delta_kernel._unstacked(tails)))
+    return out
 
 
 class Launch:

@@ -108,13 +108,15 @@ class AttentionCache:
 
 
 class Together(Protocol):
-    """The rollback of the windows one launch ran for several streams (qwen3_5.py's `PackedRedo`)."""
+    """The rollback record of one layer's windows that one launch ran (qwen3_5.py's `PackedRedo`)."""
 
     windows: int  # how many windows the launch ran
 
-    def __call__(self, counts: mx.array, kept: dict[int, mx.array]) -> dict[int, tuple[mx.array, mx.array]]:
-        """Window w's (conv, state) after its first kept[w] rows, for each w of `kept`, in one launch;
-        `counts` holds every window's count (0 for those not kept here) as the launch takes them."""
+    @staticmethod
+    def many(jobs: list[tuple["Together", mx.array, dict[int, mx.array]]]) -> list[dict[int, tuple[mx.array, mx.array]]]:
+        """For each (record, counts, kept): window w's (conv, state) after its first kept[w] rows, for each w of
+        `kept`; `counts` holds every window's count (0 for those not kept here) as the launch takes them.
+        Records alike (a round's layers) roll back in one launch."""
 
 
 @dataclass
@@ -247,19 +249,22 @@ class TargetState:
 
 
 def keep_windows(kept: list[tuple[TargetState, tuple[mx.array, int, int]]]) -> None:
-    """Each stream's `keep_at(*keep)`, for streams whose windows one forward ran: where a GatedDeltaNet
-    layer's launch ran several of them (`LinearCache.together`), their rollback is one launch too, not
-    one a stream (lanes.py keeps a round's chain windows so). Each window still walks its own kept rows
-    from its own state (delta_kernel.py's `rollback`), so every state is the one `keep_at` leaves."""
+    """Each stream's `keep_at(*keep)`, for streams whose windows one forward ran: where GatedDeltaNet layers'
+    launches ran them (`LinearCache.together`), their rollback is one launch for every layer and stream, not
+    one a layer and stream (lanes.py keeps a round's chain windows so; 24 layers on a Qwen3.5-9B). Each window
+    still walks its own kept rows from its own state (delta_kernel.py's `rollback`), so every state is the one
+    `keep_at` leaves."""
     targets = [(state, keep) for state, keep in kept if isinstance(state, TargetState)]
-    rows: dict[int, mx.array] = {}  # a stream's kept rows, made once and only where a shared launch needs them
+    rows: dict[int, mx.array] = {}  # a stream's kept rows, made once and only where a launch needs them
     counts: dict[tuple, mx.array] = {}  # the launch's counts, once a round: every layer's windows lie alike
-    for i in range(len(targets[0][0].layers) if len(targets) > 1 else 0):
+    jobs: list[tuple[Together, mx.array, dict[int, mx.array]]] = []
+    holders: list[list[LinearCache]] = []
+    for i in range(len(targets[0][0].layers) if targets else 0):
         shared = [(j, c) for j, c in enumerate(state.layers[i] for state, _ in targets)
                   if isinstance(c, LinearCache) and c.together is not None]
         group = shared[0][1].together[0] if shared else None
         members = [(j, c) for j, c in shared if c.together[0] is group]
-        if len(members) < 2:
+        if not members:
             continue
         for j, _ in members:
             if j not in rows:
@@ -268,10 +273,12 @@ def keep_windows(kept: list[tuple[TargetState, tuple[mx.array, int, int]]]) -> N
         key = (group.windows, *((w, id(m)) for w, m in sorted(by_window.items())))
         if key not in counts:
             zero = mx.zeros((1,), dtype=mx.int32)
-            counts[key] = mx.concatenate([mx.reshape(by_window[w], (1,)) if w in by_window else zero
-                                          for w in range(group.windows)])
-        done = group(counts[key], by_window)
-        for _, c in members:
+            parts = [mx.reshape(by_window[w], (1,)) if w in by_window else zero for w in range(group.windows)]
+            counts[key] = mx.concatenate(parts) if len(parts) > 1 else parts[0]
+        jobs.append((group, counts[key], by_window))
+        holders.append([c for _, c in members])
+    for members, done in zip(holders, type(jobs[0][0]).many(jobs) if jobs else []):
+        for c in members:
             c.conv, c.state = done[c.together[1]]
             c.redo = c.together = None
     for state, keep in kept:  # the rest of each state: attention layers, and windows rolled back alone

@@ -42,8 +42,10 @@ Each q and k value is multiplied by its float32 scale from the input `qk_scale` 
 (`__fmul_rn`: the product a scaling launch would have stored; 1 and 1 where the caller scaled them), and y is
 written in YT, rounded once from float32 (what a cast after the launch gives).
 Value head hv reads key head hv // (Hv / Hk), what `mx.repeat(q, Hv // Hk, -2)` gives.
-A rollback (`rollback`) launches the same source with one more step (`_TAIL`): each window's conv tail after its
-kept rows, copied by its blocks' threads, so a kept count the host has not read costs one launch a layer.
+A rollback (`rollback`) runs the same rows (`_BODY`) for every GatedDeltaNet layer of a round in one launch, each
+(layer, window) pair picking its layer's arrays and its own state (`rollback_source`), with one more step
+(`_TAIL`): each window's conv tail after its kept rows, copied by its blocks' threads. So a kept count the host has
+not read costs one launch a round, not one a layer.
 """
 
 from __future__ import annotations
@@ -60,15 +62,19 @@ from dflash_bench.engine.cuda_source import CONVERSIONS
 
 Window = tuple[mx.array, mx.array, mx.array, mx.array, mx.array, mx.array]  # q, k, v, g, beta, state
 
+# `dl_pick(i, a0, a1, ..)` is a_i: a rollback's launch picks its layer's (and window's) arrays from its inputs.
 _HEADER = CONVERSIONS + r"""
+template <typename P> __device__ __forceinline__ P dl_pick(int, P only) { return only; }
+template <typename P, typename... R> __device__ __forceinline__ P dl_pick(int i, P first, R... rest) {
+  return i == 0 ? first : dl_pick(i - 1, rest...);
+}
 """
 
 # Template constants: Dk, Dv, Hk, Hv, LANES (ints), YT (y's dtype). The source avoids the substrings
 # `_shape`, `_strides` and `_ndim`, which would make MLX add those kernel parameters.
-_SOURCE = r"""
+_BODY = r"""
   constexpr int EPL = Dk / LANES;       // state elements per thread
   constexpr int RF = Hv / Hk;           // value heads per key head (mx.repeat along heads)
-  const int seg = blockIdx.z;
   const int hv = blockIdx.y;
   const int t = blockIdx.x * blockDim.x + threadIdx.x;   // 0 .. Dv*LANES-1 (exact: no tail)
   const int dv = t / LANES;
@@ -78,13 +84,13 @@ _SOURCE = r"""
   const int lo = offsets[seg];
   const int hi = min(offsets[seg + 1], lo + limits[seg]);
   const long long qs = layout[0], qo = layout[1], ks = layout[2], ko = layout[3], vs = layout[4], vo = layout[5];
-  const float qsc = qk_scale[0], ksc = qk_scale[1];  // q's and k's scales, 1 where the caller scaled them
+  const float qsc = SCp[0], ksc = SCp[1];  // q's and k's scales, 1 where the caller scaled them
 
-  const long long sbase = (((long long)seg * Hv + hv) * Dv + dv) * Dk + lane * EPL;
+  const long long sbase = ((long long)hv * Dv + dv) * Dk + lane * EPL;  // in the window's state
   float s[EPL];
 #pragma unroll
   for (int i = 0; i < EPL; ++i) {
-    s[i] = cvt_to_f(state_in[sbase + i]);
+    s[i] = cvt_to_f(SIp[sbase + i]);
   }
 
   for (int r = lo; r < hi; ++r) {
@@ -92,15 +98,15 @@ _SOURCE = r"""
     const long long qa = r * qs + qo + head;
     const long long ka = r * ks + ko + head;
     const long long gb = (long long)r * Hv + hv;
-    const float gt = cvt_to_f(g[gb]);
-    const float bt = cvt_to_f(beta[gb]);
-    const float vt = cvt_to_f(v[r * vs + vo + (long long)hv * Dv + dv]);
+    const float gt = cvt_to_f(Gp[gb]);
+    const float bt = cvt_to_f(Bp[gb]);
+    const float vt = cvt_to_f(Vp[r * vs + vo + (long long)hv * Dv + dv]);
     float kk[EPL];
     float qq[EPL];
 #pragma unroll
     for (int i = 0; i < EPL; ++i) {
-      kk[i] = __fmul_rn(cvt_to_f(k[ka + i]), ksc);
-      qq[i] = __fmul_rn(cvt_to_f(q[qa + i]), qsc);
+      kk[i] = __fmul_rn(cvt_to_f(Kp[ka + i]), ksc);
+      qq[i] = __fmul_rn(cvt_to_f(Qp[qa + i]), qsc);
     }
 
     // decay, then kv = state . k
@@ -128,13 +134,13 @@ _SOURCE = r"""
       out = __fadd_rn(out, __shfl_xor_sync(0xffffffffu, out, m));
     }
     if (lane == 0) {
-      y[gb * Dv + dv] = cvt_from_f<YT>(out);
+      Yp[gb * Dv + dv] = cvt_from_f<YT>(out);
     }
   }
 
 #pragma unroll
   for (int i = 0; i < EPL; ++i) {
-    state_out[sbase + i] = s[i];
+    SOp[sbase + i] = s[i];
   }
 """
 
@@ -157,21 +163,69 @@ INPUTS = ["q", "k", "v", "g", "beta", "state_in", "offsets", "limits", "layout",
 UNSCALED = mx.array([1.0, 1.0], dtype=mx.float32)  # the kernel's scales for q and k as given: x * 1 is x
 OUTPUTS = ["y", "state_out"]
 
+# A forward's launch: window seg = blockIdx.z of the packed rows, its state at seg of the stacked states.
+_ONE = r"""
+  const int seg = blockIdx.z;
+  const auto* Qp = q; const auto* Kp = k; const auto* Vp = v; const auto* Gp = g; const auto* Bp = beta;
+  const auto* SCp = qk_scale;
+  const auto* SIp = state_in + (long long)seg * Hv * Dv * Dk;
+  auto* SOp = state_out + (long long)seg * Hv * Dv * Dk;
+  auto* Yp = y;
+"""
+_SOURCE = _ONE + _BODY
+
 # A rollback's conv tails, copied by the same launch (`rollback`): window seg's SPAN rows of C conv inputs from
-# row conv_at[seg] + limits[seg] of conv_in (the rows ending at its last kept row), every thread of the window's
-# blocks copying its share. A copy: the tail's bits are its inputs'.
+# row conv_at[seg] + limits[seg] of its layer's conv inputs (the rows ending at its last kept row), every thread
+# of the window's blocks copying its share. A copy: the tail's bits are its inputs'.
 _TAIL = r"""
   {
     const long long n = (long long)SPAN * C;
     const long long total = (long long)gridDim.y * gridDim.x * blockDim.x;
     const long long from = ((long long)conv_at[seg] + limits[seg]) * C;
+    auto* COp = conv_out + (long long)blockIdx.z * n;
     for (long long i = (long long)blockIdx.y * gridDim.x * blockDim.x + t; i < n; i += total) {
-      conv_out[seg * n + i] = conv_in[from + i];
+      COp[i] = CIp[from + i];
     }
   }
 """
-ROLLBACK_INPUTS = INPUTS + ["conv_in", "conv_at"]
+LAYER_INPUTS = ("q", "k", "v", "g", "beta", "sc", "conv")  # each layer's, then every (layer, window)'s state
+SHARED_INPUTS = ["offsets", "limits", "layout", "conv_at"]
 ROLLBACK_OUTPUTS = OUTPUTS + ["conv_out"]
+
+
+def rollback_inputs(layers: int, windows: int) -> list[str]:
+    """The rollback launch's input names (`rollback`'s order): each layer's arrays, then each layer's windows'
+    states, then what every layer shares (its windows lie alike in every layer)."""
+    per_layer = [f"{name}{i}" for i in range(layers) for name in LAYER_INPUTS]
+    return per_layer + [f"s{i}_{w}" for i in range(layers) for w in range(windows)] + SHARED_INPUTS
+
+
+def rollback_source(layers: int, windows: int) -> str:
+    """The rollback launch's source: blockIdx.z runs over layer-major (layer, window) pairs; each picks its
+    layer's arrays and its own state (`dl_pick`), then runs the forward's rows (`_BODY`) to its window's
+    kept count and copies its conv tail (`_TAIL`). y goes to the layer's block of the first output."""
+
+    def pick(index: str, names: list[str]) -> str:
+        return f"dl_pick({index}, {', '.join(names)})"
+
+    layer_of = {name: [f"{name}{i}" for i in range(layers)] for name in LAYER_INPUTS}
+    states = [f"s{i}_{w}" for i in range(layers) for w in range(windows)]
+    prologue = f"""
+  constexpr int NW = {windows};
+  const int seg = blockIdx.z % NW;
+  const int layer = blockIdx.z / NW;
+  const auto* Qp = {pick("layer", layer_of["q"])};
+  const auto* Kp = {pick("layer", layer_of["k"])};
+  const auto* Vp = {pick("layer", layer_of["v"])};
+  const auto* Gp = {pick("layer", layer_of["g"])};
+  const auto* Bp = {pick("layer", layer_of["beta"])};
+  const auto* SCp = {pick("layer", layer_of["sc"])};
+  const auto* CIp = {pick("layer", layer_of["conv"])};
+  const auto* SIp = {pick("(int)blockIdx.z", states)};
+  auto* SOp = state_out + (long long)blockIdx.z * Hv * Dv * Dk;
+  auto* Yp = y + (long long)layer * offsets[NW] * Hv * Dv;
+"""
+    return prologue + _BODY + _TAIL
 
 
 @lru_cache(maxsize=1)
@@ -179,9 +233,13 @@ def _kernel():
     return BakedKernel("dflash_delta_window", INPUTS, OUTPUTS, _SOURCE, _HEADER)
 
 
-@lru_cache(maxsize=1)
-def _rollback_kernel():
-    return BakedKernel("dflash_delta_rollback", ROLLBACK_INPUTS, ROLLBACK_OUTPUTS, _SOURCE + _TAIL, _HEADER)
+@lru_cache(maxsize=64)
+def _rollback_kernel(layers: int, windows: int):
+    """The rollback launch for `layers` layers of `windows` windows each (its inputs are named per layer and
+    window, so each count is its own source, compiled at its first use: the warm-up's rounds reach every
+    window count, warmup.py)."""
+    return BakedKernel(f"dflash_delta_rollback_{layers}x{windows}", rollback_inputs(layers, windows),
+                       ROLLBACK_OUTPUTS, rollback_source(layers, windows), _HEADER)
 
 
 @lru_cache(maxsize=256)
@@ -299,47 +357,62 @@ def _unstacked(states: mx.array) -> list[mx.array]:
     return [states[i : i + 1].squeeze(0) for i in range(states.shape[0])]
 
 
-def rollback(qkv: QKV, g: mx.array, beta: mx.array, states: list[mx.array], starts: tuple[int, ...], counts: mx.array,
-             conv: mx.array, conv_starts: tuple[int, ...], span: int) -> tuple[list[mx.array], list[mx.array]]:
-    """A rollback to device counts, in one launch: for windows packed as `delta_packed` takes them (window i
-    is rows starts[i] .. starts[i + 1] - 1, from states[i]), window i's state after its first counts[i] rows
-    (`counts` int32 on the device, one a window), and its conv tail after them: the `span` rows of `conv`
-    (rows, C) from conv_starts[i] + counts[i], where window i's conv inputs (its starting tail, then its rows)
-    begin at conv_starts[i].
+# One layer's part of a rollback: its windows' q, k and v where they lie, g and beta, each window's state before
+# its rows, and the layer's conv inputs (every window's starting tail, then its rows, laid end to end).
+Part = tuple[QKV, mx.array, mx.array, list[mx.array], mx.array]
 
-    The launch walks counts[i] of window i's rows (`limits`), exactly as a launch of those rows alone does
-    (module docstring), and leaves the state as it is at a count of 0: no mask over the rows and no
-    operation beside the launch, whatever the counts are, which the host has not read. y past a window's
-    count is left unwritten and is not returned; a tail is a copy. It is what qwen3_5.py's `redo_fn` needs
-    for one window and `PackedRedo` for the windows one forward launched for several streams (cache.py's
-    `keep_windows`): one launch a layer, where a slice at a device offset was one more a window."""
-    _, new_states, tails = _launch(qkv, g, beta, _stacked(states), _int32s(tuple(starts)), counts.astype(mx.int32),
-                                   (conv, tuple(conv_starts), span))
-    return _unstacked(new_states), _unstacked(tails)
+
+def rollback(parts: list[Part], starts: tuple[int, ...], counts: mx.array, conv_starts: tuple[int, ...],
+             span: int) -> list[tuple[list[mx.array], list[mx.array]]]:
+    """A rollback to device counts of every layer's windows, in one launch: for each layer's windows packed as
+    `delta_packed` takes them (window i is rows starts[i] .. starts[i + 1] - 1, from its states[i]), window i's
+    state after its first counts[i] rows (`counts` int32 on the device, one a window), and its conv tail after
+    them: the `span` rows of the layer's conv inputs (rows, C) from conv_starts[i] + counts[i].
+
+    Every layer of a forward lays its windows alike, so they share the starts, the counts and the conv starts,
+    and the launch runs each (layer, window) pair as the forward's launch runs a window: it walks counts[i] of
+    window i's rows (`limits`), exactly as a launch of those rows alone does (module docstring), and leaves the
+    state as it is at a count of 0: no mask over the rows and no operation beside the launch, whatever the
+    counts are, which the host has not read. y past a window's count is left unwritten and is not returned; a
+    tail is a copy. It is what qwen3_5.py's `redo_fn` needs for one window and `PackedRedo` for a round's
+    windows in every GatedDeltaNet layer (cache.py's `keep_windows`): one launch a round, where one a layer was
+    24 on a Qwen3.5-9B. Returns each layer's (states, tails), one a window."""
+    first, windows = parts[0][0], len(parts[0][3])
+    conv_dtype, channels = parts[0][4].dtype, parts[0][4].shape[1]
+    for qkv, _, _, states, conv in parts:
+        assert (qkv.heads, qkv.rows, qkv.layout, qkv.y_dtype, len(states)) == (first.heads, first.rows, first.layout,
+                                                                              first.y_dtype, windows)
+        assert (conv.dtype, conv.shape[1]) == (conv_dtype, channels), "every layer's conv inputs alike"
+    inputs = [a for qkv, g, beta, _, conv in parts
+              for a in (*qkv.arrays, g, beta, UNSCALED if qkv.scale is None else qkv.scale, conv)]
+    inputs += [st for *_, states, _ in parts for st in states]
+    inputs += [_int32s(tuple(starts)), counts.astype(mx.int32), _int32s(first.layout), _int32s(tuple(conv_starts))]
+    dtype = first.y_dtype or first.arrays[0].dtype
+    _, states, tails = _rollback_kernel(len(parts), windows)(
+        inputs=inputs, **_rollback_options(first.heads, first.rows, len(parts), windows, dtype, span, channels,
+                                           conv_dtype))
+    return [(_unstacked(states[i * windows : (i + 1) * windows]), _unstacked(tails[i * windows : (i + 1) * windows]))
+            for i in range(len(parts))]
 
 
 @lru_cache(maxsize=256)
-def _rollback_options(heads: tuple[int, int, int, int], rows: int, windows: int, dtype: mx.Dtype, span: int,
-                      channels: int, conv_dtype: mx.Dtype) -> dict:
-    """`_options` with the conv tails' constants and output (windows, span, C) in the conv's dtype."""
-    base = _options(heads, rows, windows, dtype)
+def _rollback_options(heads: tuple[int, int, int, int], rows: int, layers: int, windows: int, dtype: mx.Dtype,
+                      span: int, channels: int, conv_dtype: mx.Dtype) -> dict:
+    """`_options` for every layer's windows (layer-major along the grid's z), with the conv tails' constants,
+    and outputs: every layer's y, states (layers * windows, ...), tails (layers * windows, span, C)."""
+    base = _options(heads, rows, layers * windows, dtype)
+    (_, hv, dv), states = base["output_shapes"]
     return dict(base, template=(*base["template"], ("SPAN", span), ("C", channels)),
-                output_shapes=[*base["output_shapes"], (windows, span, channels)],
+                output_shapes=[(layers * rows, hv, dv), states, (layers * windows, span, channels)],
                 output_dtypes=[*base["output_dtypes"], conv_dtype])
 
 
-def _launch(qkv: QKV, g: mx.array, beta: mx.array, states: mx.array, offsets: mx.array, limits: mx.array,
-            tail: tuple[mx.array, tuple[int, ...], int] | None = None) -> list[mx.array]:
-    """One launch over windows `offsets` (windows + 1 row bounds, int32) of the packed rows, each walking
-    its first `limits` rows (int32, one a window), from the stacked `states`: every row's y (rows no
-    window walks left unwritten) and the new states, stacked. With `tail` (the conv's inputs (rows, C), each
-    window's first row in them, the span), the rollback's launch: a third output, each window's conv tail
-    after its `limits` rows (`_TAIL`)."""
+def _launch(qkv: QKV, g: mx.array, beta: mx.array, states: mx.array, offsets: mx.array,
+            limits: mx.array) -> list[mx.array]:
+    """One forward launch over windows `offsets` (windows + 1 row bounds, int32) of the packed rows, each
+    walking its first `limits` rows (int32, one a window), from the stacked `states`: every row's y and the
+    new states, stacked."""
     heads, rows, windows, dtype = qkv.heads, qkv.rows, states.shape[0], qkv.y_dtype or qkv.arrays[0].dtype
     scale = UNSCALED if qkv.scale is None else qkv.scale
     inputs = [*qkv.arrays, g, beta, states, offsets, limits, _int32s(qkv.layout), scale]
-    if tail is None:
-        return _kernel()(inputs=inputs, **_options(heads, rows, windows, dtype))
-    conv, conv_starts, span = tail
-    return _rollback_kernel()(inputs=[*inputs, conv, _int32s(conv_starts)],
-                              **_rollback_options(heads, rows, windows, dtype, span, conv.shape[1], conv.dtype))
+    return _kernel()(inputs=inputs, **_options(heads, rows, windows, dtype))

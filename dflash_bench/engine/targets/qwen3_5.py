@@ -182,9 +182,9 @@ class GatedDeltaNet:
         else:
             y, states = self.recur(*window, before, spans)
         tails = [inputs[st : st + span + hi - lo] for st, (lo, hi) in zip(starts, spans)]
-        windows = sum(hi - lo > 1 for lo, hi in spans)  # what a round may roll back
+        # what a round may roll back: with the kernel, every layer's windows in one launch (cache.py's keep_windows)
         together = (PackedRedo(window, before, bounds, inputs, starts, span)
-                    if self.recurrence == "delta_kernel" and windows > 1 else None)
+                    if self.recurrence == "delta_kernel" and any(hi - lo > 1 for lo, hi in spans) else None)
         for w, ((seg, (lo, hi)), c, st, state) in enumerate(zip(decoding, caches, starts, states)):
             n = hi - lo
             c.redo = self.redo_fn(c.conv, c.state, tails[w], tuple(r[lo:hi] for r in window)) if n > 1 else None
@@ -265,8 +265,8 @@ class GatedDeltaNet:
             rows' own steps, one launch and no mask) and copies the conv tail, the `kernel - 1` inputs
             ending at row m, in the same launch; mlx-lm's ops rerun every row (`prefix_by_rerun`)."""
             if self.recurrence == "delta_kernel":
-                [state], [tail] = delta_kernel.rollback(*rows, [prev_state], (0, rows[0].rows), mx.reshape(m, (1,)),
-                                                        inputs, (0,), span)
+                [([state], [tail])] = delta_kernel.rollback([(*rows, [prev_state], inputs)], (0, rows[0].rows),
+                                                            mx.reshape(m, (1,)), (0,), span)
                 return tail, state
             state = prefix_by_rerun(RECURRENCES[self.recurrence], *rows, prev_state, m)
             return conv_tail(inputs, m, span), state
@@ -314,10 +314,11 @@ class HybridTarget(Target):
 
 
 class PackedRedo:
-    """The rollback of a forward's decode windows that one kernel launch ran (`GatedDeltaNet.decode`),
-    as one launch a layer (cache.py's `keep_windows`): each window's kept rows walked from the state it
-    started from, and its conv tail, the `kernel - 1` inputs ending at its row m, copied in the same launch
-    (delta_kernel.py's `rollback`), what each window's own `redo_fn` gives at the same count."""
+    """The rollback record of one GatedDeltaNet layer's decode windows, which one kernel launch ran
+    (`GatedDeltaNet.decode`): each window's kept rows are walked again from the state it started from, and its
+    conv tail, the `kernel - 1` inputs ending at its row m, copied in the same launch (delta_kernel.py's
+    `rollback`), what each window's own `redo_fn` gives at the same count. `many` rolls back the records of
+    every layer of a round in one launch (cache.py's `keep_windows`)."""
 
     def __init__(self, rows: tuple, states: list[mx.array], bounds: tuple[int, ...], inputs: mx.array,
                  starts: list[int], span: int):
@@ -326,10 +327,24 @@ class PackedRedo:
         self.inputs, self.starts = inputs, tuple(starts)
         self.windows = len(states)
 
-    def __call__(self, counts: mx.array, kept: dict[int, mx.array]) -> dict[int, tuple[mx.array, mx.array]]:
-        states, tails = delta_kernel.rollback(*self.rows, self.states, self.bounds, counts, self.inputs, self.starts,
-                                              self.span)
-        return {w: (tails[w], states[w]) for w in kept}
+    @staticmethod
+    def many(jobs: list[tuple["PackedRedo", mx.array, dict[int, mx.array]]]) -> list[dict[int, tuple[mx.array, mx.array]]]:
+        """For each (record, counts, kept) of `jobs` (counts: every window's kept rows, 0 for those not kept;
+        `kept`: the windows wanted), each kept window's (conv, state) after its count: the records whose
+        windows lie alike and take the same counts (every layer of a round's forward) in one launch."""
+        launches: dict[tuple, list[int]] = {}
+        for i, (redo, counts, _) in enumerate(jobs):
+            q = redo.rows[0]
+            launches.setdefault((id(counts), redo.bounds, redo.starts, redo.span, q.heads, q.rows, q.layout,
+                                 q.y_dtype, redo.inputs.dtype, redo.inputs.shape[1]), []).append(i)
+        out: list[dict[int, tuple[mx.array, mx.array]]] = [{} for _ in jobs]
+        for members in launches.values():
+            first = jobs[members[0]][0]
+            done = delta_kernel.rollback([(*jobs[i][0].rows, jobs[i][0].states, jobs[i][0].inputs) for i in members],
+                                         first.bounds, jobs[members[0]][1], first.starts, first.span)
+            for i, (states, tails) in zip(members, done):
+                out[i] = {w: (tails[w], states[w]) for w in jobs[i][2]}
+        return out
 
 
 def conv_tail(inputs: mx.array, m: mx.array, span: int) -> mx.array:
