@@ -95,12 +95,13 @@ def test_a_pass_builds_one_key_mask_per_stream_and_layer_kind(drafter, monkeypat
 
 
 @cuda_emulator.needs_gxx
-def test_on_the_row_kernel_a_drafter_layer_runs_k_v_and_gate_up_as_one_launch_each(monkeypatch, tmp_path) -> None:
+def test_on_the_row_kernel_a_drafter_layer_runs_k_v_q_and_gate_up_as_one_launch_each(monkeypatch, tmp_path) -> None:
     """Where the drafter's projections take the row kernel (a CUDA GPU; here its CUDA source run by
-    tests/cuda_emulator.py), a layer's k and v, and its gate and up, are one stacked weight and one
+    tests/cuda_emulator.py), a layer's k, v and q, and its gate and up, are one stacked weight and one
     launch each, whose parts come back apart (tiles.Stacked): a block pass of the 9B-shaped tiny drafter
-    launches 5 products a layer, not 8, and its logits are the separate products' to bf16 accuracy (a
-    swapped part would be off by the whole norm)."""
+    launches 4 products a layer, not 7, and its logits are the separate products' to bf16 accuracy (a
+    swapped part would be off by the whole norm). An absorb's k and v are the stacked weight's first rows
+    (views of its arrays) in one launch."""
     from dflash_bench.engine import tiles
     from dflash_bench.engine.drafters.dflash import load_drafter
     from dflash_bench.fixtures.big import write_big
@@ -113,21 +114,23 @@ def test_on_the_row_kernel_a_drafter_layer_runs_k_v_and_gate_up_as_one_launch_ea
     monkeypatch.setattr(tiles, "available", lambda dtype: dtype == mx.bfloat16)
     stacked = load_drafter(path, engine.target, dtype=mx.bfloat16)
     for mine, theirs in zip(stacked.layers, separate.layers):
-        for name in ("kv", "gate_up"):
-            assert len(mine[name].weights) == 1 and len(theirs[name].weights) == 2
+        for name, parts in (("kvq", 3), ("kv", 2), ("gate_up", 2)):
+            assert len(mine[name].weights) == 1 and len(theirs[name].weights) == parts
+        assert mine["kv"].weights[0].w.shape[0] == sum(mine["kv"].widths) == sum(mine["kvq"].widths[:2])
     taps = engine.target.forward([Segment(list(range(8, 40)), 0, engine.target.new_state(), want_taps=True)],
                                  stacked.taps)[0].taps
     launches: list[tuple[int, ...]] = []
     rows_matmul = tiles.rows_matmul
     monkeypatch.setattr(tiles, "rows_matmul", lambda *a, **kw: launches.append(a[-1]) or rows_matmul(*a, **kw))
-    logits = []
+    logits, layers = [], len(stacked.layers)
     for drafter in (separate, stacked):
         state = drafter.new_state()
+        launches.clear()
         drafter.absorb([(state, taps)])
+        assert launches.count(stacked.layers[0]["kv"].widths) == (layers if drafter is stacked else 0)
         launches.clear()
         logits.append(drafter.block_pass([Proposal(state, 9, 5, SamplingParams(0.0))])[1])
-    layers = len(stacked.layers)
-    assert len(launches) == 5 * layers and launches.count(stacked.layers[0]["kv"].widths) == layers
+    assert len(launches) == 4 * layers and launches.count(stacked.layers[0]["kvq"].widths) == layers
     err = (mx.linalg.norm(logits[1] - logits[0]) / mx.linalg.norm(logits[0])).item()
     assert err < 5e-2, err
 

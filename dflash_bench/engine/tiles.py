@@ -111,6 +111,16 @@ class Weight:
         return Weight.packed(mx.concatenate([p.w for p in parts]), mx.concatenate([p.scales for p in parts]),
                              mx.concatenate([p.biases for p in parts]), first.group_size, first.bits)
 
+    def leading(self, rows: int) -> "Weight":
+        """Its first `rows` output rows, as views of its arrays (rows from the first are row-contiguous, so
+        a kernel launch takes them as they are): what a stacked weight's leading parts alone multiply by."""
+        if not self.bits:
+            out = Weight(self.w[:rows])
+        else:
+            out = Weight.packed(self.w[:rows], self.scales[:rows], self.biases[:rows], self.group_size, self.bits)
+        out.kernel, out.tile_rows = self.kernel, self.tile_rows
+        return out
+
     def stacks_with(self, other: "Weight") -> bool:
         """Whether `other` can share one stacked weight with this one: same input width, packing and dtype."""
         return self.in_features == other.in_features and self.kind == other.kind
@@ -186,6 +196,17 @@ class Stacked:
         self.widths = tuple(p.out_features for p in parts)
         joined = stack and len(parts) > 1 and all(parts[0].stacks_with(p) for p in parts[1:])
         self.weights = (Weight.stacked(parts),) if joined else tuple(parts)
+
+    def leading(self, parts: int) -> "Stacked":
+        """Its first `parts` parts alone: on a stacked weight its leading output rows, views of its arrays (the
+        same bits a stacked weight's own shape gives, matmul_kernel.geometry: a kernel launch of another shape)."""
+        out = Stacked.__new__(Stacked)
+        out.widths = self.widths[:parts]
+        if len(self.weights) == 1 and len(self.widths) > 1:
+            out.weights = (self.weights[0].leading(sum(out.widths)),)
+        else:
+            out.weights = self.weights[:parts]
+        return out
 
     def __call__(self, x: mx.array, layout: Layout | None = None) -> list[mx.array]:
         """Each part's product of `x`, in the parts' order. Decode rows alone on the row kernel come back

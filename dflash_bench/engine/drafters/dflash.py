@@ -159,11 +159,13 @@ class DFlashDrafter:
         self.layers = []
         for i in range(c.num_layers):
             p = f"layers.{i}"
+            # a pass's k, v and q in one product; `absorb` runs k and v alone on the context rows: on a stacked
+            # weight its first rows, views (`parameters` counts them once, as kvq's)
+            kvq = stacked(*(f"{p}.self_attn.{n}_proj.weight" for n in "kvq"))
             self.layers.append(
                 dict(
-                    q=w(f"{p}.self_attn.q_proj.weight"),
-                    # k and v: also what `absorb` runs on the context rows, so not stacked with q
-                    kv=stacked(f"{p}.self_attn.k_proj.weight", f"{p}.self_attn.v_proj.weight"),
+                    kvq=kvq,
+                    kv=kvq.leading(2),
                     o=w(f"{p}.self_attn.o_proj.weight"),
                     q_norm=weights[f"{p}.self_attn.q_norm.weight"],
                     k_norm=weights[f"{p}.self_attn.k_norm.weight"],
@@ -192,7 +194,9 @@ class DFlashDrafter:
         """Every array the drafter holds (quantized copies included)."""
         out = [self.hidden_norm, self.norm, *self.fc.arrays()]
         for layer in self.layers:
-            for value in layer.values():
+            for name, value in layer.items():
+                if name == "kv":  # views of kvq's arrays
+                    continue
                 if isinstance(value, Weight):
                     out += value.arrays()
                 elif isinstance(value, Stacked):
@@ -313,7 +317,7 @@ class DFlashDrafter:
     def attention(self, li: int, layer: dict, x: mx.array, items: list[Proposal], spans: list[tuple[int, int]],
                   masks: BlockMasks, residual: mx.array | None = None) -> mx.array:
         """The attention sublayer's output, plus `residual` where given."""
-        q, (k, v) = linear(x, layer["q"]), layer["kv"](x)
+        k, v, q = layer["kvq"](x)
         if self.kernel_attention:
             o = self.attend_launch(li, layer, q, k, v, items, spans, masks)
             return linear(o if o.shape[0] == x.shape[0] else pad_rows(o, x.shape[0]), layer["o"], residual=residual)
