@@ -268,4 +268,4 @@ def install_norm_rope(monkeypatch) -> None:
     from dflash_bench.engine.drafters import norm_rope_kernel as nr
 
     monkeypatch.setattr(nr, "_keys_kernel", lambda: Emu("dflash_norm_rope_keys", nr.KEYS_INPUTS, ["out"], nr._KEYS, nr._HEADER))
-    monkeypatch.setattr(nr, "_qk_kernel", lambda: Emu("dflash_norm_rope_qk", nr.QK_INPUTS, ["q_out", "k_out"], nr._QK, nr._HEADER))
+    monkeypatch.setattr(nr, "_qk_kernel", lambda: Emu("dflash_norm_rope_qk", nr.QK_INPUTS, ["q_out", "kv_out"], nr._QK, nr._HEADER))

@@ -41,27 +41,31 @@ def relative_error(got: mx.array, want: mx.array) -> float:
 
 
 def check(x: mx.array, w: mx.array, positions: mx.array) -> None:
-    """Both launches on rows x: the same rows as queries and keys, and as keys alone."""
+    """Both launches on rows x: the same rows as queries and keys, and as keys alone, each with value rows."""
     heads = x.shape[1]
     k = x[:, : max(1, heads // 2)]  # fewer key heads, as a drafter has
-    queries, keys = norm_rope_kernel.queries_and_keys(x, k, w, w, positions, THETA, EPS)
+    v = (x[:, -k.shape[1] :].astype(mx.float32) * -2).astype(mx.bfloat16)  # any bf16 rows
+    queries, kv = norm_rope_kernel.queries_and_keys(x, k, v, w, w, positions, THETA, EPS)
     assert queries.dtype == mx.float32 and queries.shape == x.shape
-    assert keys.dtype == mx.bfloat16 and keys.shape == (k.shape[1], x.shape[0], x.shape[2])
+    assert kv.dtype == mx.bfloat16 and kv.shape == (2, k.shape[1], x.shape[0], x.shape[2])
+    keys = kv[0]
+    # the values beside the keys, as they are (the joint cache's layout: one write for both)
+    assert mx.array_equal(kv[1], v.transpose(1, 0, 2)).item()
     # a query is its key's bf16 value widened: the same arithmetic, rounded where the chain rounded
     assert mx.array_equal(queries[:, : k.shape[1]].astype(mx.bfloat16).transpose(1, 0, 2), keys).item()
-    # the keys-only launch (an absorb's) turns keys as the joint one does
-    assert mx.array_equal(norm_rope_kernel.keys(k, w, positions, THETA, EPS), keys).item()
+    # the keys-only launch (an absorb's) turns keys and places values as the joint one does
+    assert mx.array_equal(norm_rope_kernel.keys(k, v, w, positions, THETA, EPS), kv).item()
     want = chain(x, w, positions)
     assert relative_error(queries.transpose(1, 0, 2), want) < 1e-2, relative_error(queries.transpose(1, 0, 2), want)
     # each row its own: alone, at its own position, it is the same bits
     for r in range(x.shape[0]):
-        alone, alone_keys = norm_rope_kernel.queries_and_keys(x[r : r + 1], k[r : r + 1], w, w, positions[r : r + 1],
-                                                              THETA, EPS)
+        alone, alone_kv = norm_rope_kernel.queries_and_keys(x[r : r + 1], k[r : r + 1], v[r : r + 1], w, w,
+                                                            positions[r : r + 1], THETA, EPS)
         assert mx.array_equal(alone[0], queries[r]).item(), r
-        assert mx.array_equal(alone_keys[:, 0], keys[:, r]).item(), r
+        assert mx.array_equal(alone_kv[:, :, 0], kv[:, :, r]).item(), r
     # a control: the same rows at other positions are other values (the positions are what turns them)
-    moved = norm_rope_kernel.keys(k, w, positions + 1, THETA, EPS)
-    assert not mx.array_equal(moved, keys).item()
+    moved = norm_rope_kernel.keys(k, v, w, positions + 1, THETA, EPS)
+    assert not mx.array_equal(moved[0], keys).item() and mx.array_equal(moved[1], kv[1]).item()
 
 
 @cuda_emulator.needs_gxx

@@ -305,3 +305,41 @@ def test_a_window_at_a_device_length_scatters_its_keys_along_positions_built_onc
     ops = window_census(3)
     assert ops["ScatterAxis"] == 2 * 3 and ops["DynamicSliceUpdate"] == 0, ops
     assert len(given) == 3 and all(rows is not None for rows in given)  # the forward's positions, sliced
+
+
+def test_a_joint_cache_holds_what_a_separate_one_does_and_writes_at_a_device_length_in_one_scatter() -> None:
+    """cache.py's JointCache (a drafter's: keys and values in one array) against an AttentionCache fed the
+    same rows: at host offsets, then at a device length (a drafted round's: cache.py's keep_at), past its first
+    capacity, the kept rows, the keys and values it hands a reader (`view`) and a snapshot are the same bits;
+    a write at a device length is one scatter where the separate cache makes two, and a tree's kept path moves
+    keys and values alike."""
+    from dflash_bench.engine.cache import JointCache
+
+    heads, d = 2, 8
+    joint, separate = JointCache(heads, d, mx.bfloat16), AttentionCache(heads, d, mx.bfloat16)
+    key = iter(mx.random.split(mx.random.key(4), 8))
+
+    def rows(n: int) -> tuple[mx.array, mx.array]:
+        return tuple(mx.random.normal((heads, n, d), key=next(key)).astype(mx.bfloat16) for _ in range(2))
+
+    k, v = rows(5)
+    joint.write_joint(0, mx.stack([k, v]))
+    separate.write(0, k, v)
+    for cache in (joint, separate):
+        cache.keep_at(mx.array(3, dtype=mx.int32), 5, 3)
+    k, v = rows(70)  # past the first capacity: both grow
+    joint.write_joint(5, mx.stack([k, v]))
+    separate.write(5, k, v)
+    assert census([joint.kv])["ScatterAxis"] == 1 and census([separate.k, separate.v])["ScatterAxis"] == 2
+    for cache in (joint, separate):
+        cache.settle(73)
+    mx.eval(joint.kv, separate.k, separate.v)
+    assert joint.length == separate.length == 73
+    for a, b in zip((*joint.view(73), *joint.snapshot(73).view(73)), (*separate.view(73), *separate.snapshot(73).view(73))):
+        assert a.shape == b.shape and mx.array_equal(a, b).item()
+    other = joint.snapshot(73)
+    joint.keep_path(60, [0, 2, 5])
+    separate.keep_path(60, [0, 2, 5])
+    assert mx.array_equal(joint.k[:, :63], separate.k[:, :63]).item() and mx.array_equal(joint.v[:, :63], separate.v[:, :63]).item()
+    other.keep_path(60, [0, 3, 5])  # a control: another path keeps other rows
+    assert not mx.array_equal(other.v[:, :63], separate.v[:, :63]).item()

@@ -124,11 +124,12 @@ def drafter_attention(segs, scale, meta=None, causal=True, window=None) -> mx.ar
     return mx.depends([mx.full(q.shape, 0.0, dtype=segs[0][1].dtype)], [q, meta, *(a for s in segs for a in s[1:3])])[0]
 
 
-def joint_launch(q, k, qw, kw, positions, theta, eps) -> tuple[mx.array, mx.array]:
-    """norm_rope_kernel.queries_and_keys as one node: float32 queries, and keys (heads, rows, d) that are a
-    view tied to it (`Depends` is not counted)."""
-    queries = mx.depends([mx.full(q.shape, 0.0, dtype=mx.float32)], [q, k, qw, kw, positions])[0]
-    return queries, mx.depends([k.transpose(1, 0, 2)], [queries])[0]
+def joint_launch(q, k, v, qw, kw, positions, theta, eps) -> tuple[mx.array, mx.array]:
+    """norm_rope_kernel.queries_and_keys as one node: float32 queries, and keys and values (2, heads, rows, d)
+    tied to it (the stack stands for the launch's second output: not counted)."""
+    queries = mx.depends([mx.full(q.shape, 0.0, dtype=mx.float32)], [q, k, v, qw, kw, positions])[0]
+    return queries, mx.depends([mx.broadcast_to(k.transpose(1, 0, 2)[None], (2, *k.transpose(1, 0, 2).shape))],
+                               [queries])[0]
 
 
 def drafter_ops(target, root: Path, streams: list[int]) -> None:
@@ -208,8 +209,9 @@ def main() -> None:
         from dflash_bench.engine.drafters import norm_rope_kernel
 
         # one node for a norm-and-RoPE launch: bf16 keys (heads, rows, d), and float32 queries (rows, heads, d) beside
-        norm_rope_kernel.keys = lambda k, w, positions, theta, eps: mx.depends(
-            [mx.abs(k).transpose(1, 0, 2)], [w, positions])[0]
+        norm_rope_kernel.keys = lambda k, v, w, positions, theta, eps: mx.depends(
+            [mx.broadcast_to(mx.abs(k).transpose(1, 0, 2)[None], (2, k.shape[1], k.shape[0], k.shape[2]))],
+            [v, w, positions])[0]
         norm_rope_kernel.queries_and_keys = joint_launch
         drafter_ops(target, root, [int(s) for s in args.streams.split(",")])
         return

@@ -107,6 +107,61 @@ class AttentionCache:
         return self.k.nbytes + self.v.nbytes
 
 
+class JointCache(AttentionCache):
+    """An AttentionCache whose keys and values lie in one array, (2, heads, capacity, head_dim): keys then
+    values, `k` and `v` views of it. A drafter's cache (drafters/dflash.py): its pass and its absorb write
+    each layer's rows for every round, and at a device length a write is a scatter (`write`'s docstring), which
+    a GPU round pays per launch (docs/gpu-round-profile.md): with both in one array it is one scatter a write,
+    not two, where the rows come joined (`write_joint`: drafters/norm_rope_kernel.py makes them so)."""
+
+    def __init__(self, kv_heads: int, head_dim: int, dtype: mx.Dtype = mx.float32):
+        self.kv = mx.zeros((2, kv_heads, 0, head_dim), dtype=dtype)
+        self.length, self.at, self.low = 0, None, 0
+
+    @property
+    def k(self) -> mx.array:  # slices, not integer indices: an integer index is a gather, a copy
+        return self.kv[:1].squeeze(0)
+
+    @property
+    def v(self) -> mx.array:
+        return self.kv[1:].squeeze(0)
+
+    def write(self, start: int, k: mx.array, v: mx.array, rows: mx.array | None = None) -> None:
+        self.write_joint(start, mx.stack([k, v]), rows)
+
+    def write_joint(self, start: int, kv: mx.array, rows: mx.array | None = None) -> None:
+        """`write` of rows joined as (2, heads, n, head_dim), keys then values: one copy or one scatter."""
+        n = kv.shape[2]
+        end = start + n
+        if end > self.kv.shape[2]:
+            grow = tiles_for(end) + GROW - self.kv.shape[2]
+            pad = mx.zeros((2, self.kv.shape[1], grow, self.kv.shape[3]), dtype=self.kv.dtype)
+            self.kv = mx.concatenate([self.kv, pad], axis=2)
+        if self.at is None:
+            self.kv[:, :, start:end] = kv
+            self.low = end
+        else:
+            index = (self.at + mx.arange(n, dtype=mx.int32) if rows is None else rows).reshape(1, 1, n, 1)
+            self.kv = mx.put_along_axis(self.kv, index, kv, axis=2)
+            self.at, self.low = self.at + n, self.low + n
+        self.length = end
+
+    def keep_path(self, start: int, rows: list[int]) -> None:
+        if rows != list(range(len(rows))):
+            index = mx.array([start + r for r in rows], dtype=mx.int32)
+            self.kv[:, :, start : start + len(rows)] = self.kv[:, :, index]
+        self.length = start + len(rows)
+
+    def snapshot(self, length: int) -> "JointCache":
+        out = JointCache(self.kv.shape[1], self.kv.shape[3], self.kv.dtype)
+        out.kv, out.length, out.low = mx.array(self.kv[:, :, : tiles_for(length)]), length, length
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.nbytes
+
+
 class Together(Protocol):
     """The rollback record of one layer's windows that one launch ran (qwen3_5.py's `PackedRedo`)."""
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from dflash_bench.engine.cache import AttentionCache, TargetState
+from dflash_bench.engine.cache import JointCache, TargetState
 from dflash_bench.engine.checkpoint import all_finite, files_sha256
 from dflash_bench.engine.draft_config import DraftConfig, read_draft_config
 from dflash_bench.engine.drafters import norm_rope_kernel
@@ -44,10 +44,11 @@ TREE_WIDTH = 4  # candidates a tree considers at each depth (tree.py); best-firs
 
 
 class DrafterState(TargetState):
-    """One stream's drafter context: a K/V cache per drafter layer over the fused rows so far. Its
-    lengths keep, settle and snapshot as a target state's attention layers do (cache.py)."""
+    """One stream's drafter context: a K/V cache per drafter layer over the fused rows so far, keys and values
+    in one array (cache.py's JointCache: a write is one scatter). Its lengths keep, settle and snapshot as a
+    target state's attention layers do (cache.py)."""
 
-    layers: list[AttentionCache]
+    layers: list[JointCache]
 
     @property
     def start(self) -> int | mx.array:
@@ -206,7 +207,7 @@ class DFlashDrafter:
         return out
 
     def new_state(self) -> DrafterState:
-        return DrafterState([AttentionCache(self.kv_heads, self.head_dim, self.dtype) for _ in self.layers])
+        return DrafterState([JointCache(self.kv_heads, self.head_dim, self.dtype) for _ in self.layers])
 
     def rope(self, x: mx.array, offset: int | mx.array) -> mx.array:
         return mx.fast.rope(x[None], self.head_dim, traditional=False, base=self.config.rope_theta, scale=1.0, offset=offset)[0]
@@ -238,16 +239,17 @@ class DFlashDrafter:
             positions = mx.concatenate(parts) if len(parts) > 1 else parts[0]
         for li, layer in enumerate(self.layers):
             k, v = layer["kv"](fused)
-            if kernel:
-                keys = norm_rope_kernel.keys(k[:total].reshape(total, self.kv_heads, self.head_dim), layer["k_norm"],
-                                             positions, self.config.rope_theta, self.eps)
+            if kernel:  # keys and values (2, heads, rows, d), as the joint cache holds them
+                kv = norm_rope_kernel.keys(k[:total].reshape(total, self.kv_heads, self.head_dim),
+                                           v[:total].reshape(total, self.kv_heads, self.head_dim), layer["k_norm"],
+                                           positions, self.config.rope_theta, self.eps)
             for (state, _), (a, b), (start, at, rows) in zip(items, spans, starts):
                 n = b - a
                 if kernel:
-                    ks = keys[:, a:b]
-                else:
-                    ks = mx.fast.rms_norm(k[a:b].reshape(n, self.kv_heads, self.head_dim), layer["k_norm"], self.eps)
-                    ks = self.rope(ks.transpose(1, 0, 2), at)
+                    state.layers[li].write_joint(start, kv if len(items) == 1 else kv[:, :, a:b], rows)
+                    continue
+                ks = mx.fast.rms_norm(k[a:b].reshape(n, self.kv_heads, self.head_dim), layer["k_norm"], self.eps)
+                ks = self.rope(ks.transpose(1, 0, 2), at)
                 vs = v[a:b].reshape(n, self.kv_heads, self.head_dim).transpose(1, 0, 2)
                 state.layers[li].write(start, ks, vs, rows)
 
@@ -392,19 +394,19 @@ class DFlashDrafter:
         q = q[:rows].reshape(rows, self.heads, self.head_dim)
         k = k[:rows].reshape(rows, self.kv_heads, self.head_dim)
         positions = masks.packed(items, spans)
-        if self.kernel_rope:  # float32 queries (rows, heads, d), as the attention kernel reads them
-            queries, ks = norm_rope_kernel.queries_and_keys(q, k, layer["q_norm"], layer["k_norm"], positions,
+        v = v[:rows].reshape(rows, self.kv_heads, self.head_dim)
+        if self.kernel_rope:  # float32 queries (rows, heads, d), as the attention kernel reads them; K/V joined
+            queries, kv = norm_rope_kernel.queries_and_keys(q, k, v, layer["q_norm"], layer["k_norm"], positions,
                                                             self.config.rope_theta, self.eps)
         else:
             qs = rope_rows(mx.fast.rms_norm(q, layer["q_norm"], self.eps), positions, self.head_dim, self.config.rope_theta)
             ks = rope_rows(mx.fast.rms_norm(k, layer["k_norm"], self.eps), positions, self.head_dim, self.config.rope_theta)
-            queries = qs.transpose(1, 0, 2)
-        vs = v[:rows].reshape(rows, self.kv_heads, self.head_dim).transpose(1, 0, 2)
+            queries, kv = qs.transpose(1, 0, 2), mx.stack([ks, v.transpose(1, 0, 2)])
         launch, ats = [], []
         for p, (a, b) in zip(items, spans):
             cache = p.state.layers[li]
             start, at, low = cache.length, cache.at, cache.low
-            cache.write(start, ks[:, a:b], vs[:, a:b], None if at is None else positions[a:b])
+            cache.write_joint(start, kv if len(items) == 1 else kv[:, :, a:b], None if at is None else positions[a:b])
             launch.append((queries[a:b], cache.k, cache.v, start))
             ats.append(at)
             if at is None:  # the block's K/V are this pass's only

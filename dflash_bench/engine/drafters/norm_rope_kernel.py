@@ -17,7 +17,8 @@ not the chain's: a drafter needs only determinism (the target decides every toke
 depend on its own values and position alone, so rows launched together equal rows launched alone.
 
 Queries come out in float32 (what attention_kernel.py reads; the bf16 value widened, as its cast did) in
-(rows, H, D); keys in bf16 as (H, rows, D), the layout a cache write takes.
+(rows, H, D); keys in bf16 as (2, H, rows, D) with the value rows copied beside them, the layout of the drafter's
+joint K/V cache (cache.py's `JointCache`), so a write is one scatter, not one for keys and one for values.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ import numpy as np
 
 from dflash_bench.engine.baked_kernel import BakedKernel
 
-KEYS_INPUTS = ["x", "w", "positions", "inv_freq", "eps"]
-QK_INPUTS = ["q", "k", "qw", "kw", "positions", "inv_freq", "eps"]
+KEYS_INPUTS = ["x", "v", "w", "positions", "inv_freq", "eps"]
+QK_INPUTS = ["q", "k", "v", "qw", "kw", "positions", "inv_freq", "eps"]
 
 # One warp turns one (row, head): its lane j takes elements j, j + 32, .. below D / 2 and their partners.
 _HEADER = r"""
@@ -61,18 +62,26 @@ __device__ __forceinline__ void nr_turn(const __nv_bfloat16* row, const __nv_bfl
     nr_store(out + j + HALF, __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s)));
   }
 }
+
+// a value row as it is, beside its key (the cache holds both in one array: drafters/dflash.py's JointCache)
+template <int D>
+__device__ __forceinline__ void nr_copy(const __nv_bfloat16* row, __nv_bfloat16* out) {
+  for (int j = threadIdx.x & 31; j < D; j += 32) out[j] = row[j];
+}
 """
 
 # Rows run along the grid's x (a block a row: 2^31 - 1 of them, where y and z stop at 65,535, and an absorb takes
 # a whole prompt chunk's rows), heads along y.
-# keys alone (an absorb's): grid (32 * rows, H, 1) threads, threadgroup (32, 1, 1); out (H, rows, D) bf16
+# keys alone (an absorb's), with their values: grid (32 * rows, H, 1) threads, threadgroup (32, 1, 1); out
+# (2, H, rows, D) bf16, the keys then the values
 _KEYS = r"""
   const int h = blockIdx.y, r = blockIdx.x, rows = gridDim.x;
   nr_turn<D>(x + ((size_t)r * H + h) * D, w, float(positions[r]), inv_freq, eps[0], out + ((size_t)h * rows + r) * D);
+  nr_copy<D>(v + ((size_t)r * H + h) * D, out + ((size_t)(H + h) * rows + r) * D);
 """
 
-# queries and keys of the same rows (a block pass's layer): grid (32 * rows, HQ + HKV, 1); q_out (rows, HQ, D)
-# float32, k_out (HKV, rows, D) bf16
+# queries and keys of the same rows (a block pass's layer), with the values: grid (32 * rows, HQ + HKV, 1); q_out
+# (rows, HQ, D) float32, kv_out (2, HKV, rows, D) bf16
 _QK = r"""
   const int h = blockIdx.y, r = blockIdx.x, rows = gridDim.x;
   const float p = float(positions[r]);
@@ -80,7 +89,8 @@ _QK = r"""
     nr_turn<D>(q + ((size_t)r * HQ + h) * D, qw, p, inv_freq, eps[0], q_out + ((size_t)r * HQ + h) * D);
   } else {
     const int g = h - HQ;
-    nr_turn<D>(k + ((size_t)r * HKV + g) * D, kw, p, inv_freq, eps[0], k_out + ((size_t)g * rows + r) * D);
+    nr_turn<D>(k + ((size_t)r * HKV + g) * D, kw, p, inv_freq, eps[0], kv_out + ((size_t)g * rows + r) * D);
+    nr_copy<D>(v + ((size_t)r * HKV + g) * D, kv_out + ((size_t)(HKV + g) * rows + r) * D);
   }
 """
 
@@ -97,7 +107,7 @@ def _keys_kernel():
 
 @lru_cache(maxsize=1)
 def _qk_kernel():
-    return BakedKernel("dflash_norm_rope_qk", QK_INPUTS, ["q_out", "k_out"], _QK, _HEADER)
+    return BakedKernel("dflash_norm_rope_qk", QK_INPUTS, ["q_out", "kv_out"], _QK, _HEADER)
 
 
 @lru_cache(maxsize=16)
@@ -111,33 +121,34 @@ def _eps(eps: float) -> mx.array:
     return mx.array([eps], dtype=mx.float32)
 
 
-def keys(k: mx.array, w: mx.array, positions: mx.array, theta: float, eps: float) -> mx.array:
+def keys(k: mx.array, v: mx.array, w: mx.array, positions: mx.array, theta: float, eps: float) -> mx.array:
     """Key rows k (rows, H, D) bf16, each (row, head) normed by w (D,) and turned at its row's position
-    (int32, rows), as bf16 (H, rows, D)."""
+    (int32, rows), with their value rows v (rows, H, D) as they are: bf16 (2, H, rows, D), keys then values,
+    what one cache write takes."""
     rows, heads, d = k.shape
     (out,) = _keys_kernel()(
-        inputs=[k, w, positions, _inv_freq(d, theta), _eps(eps)],
+        inputs=[k, v, w, positions, _inv_freq(d, theta), _eps(eps)],
         template=[("H", heads), ("D", d)],
         grid=(32 * rows, heads, 1),
         threadgroup=(32, 1, 1),
-        output_shapes=[(heads, rows, d)],
+        output_shapes=[(2, heads, rows, d)],
         output_dtypes=[mx.bfloat16],
     )
     return out
 
 
-def queries_and_keys(q: mx.array, k: mx.array, qw: mx.array, kw: mx.array, positions: mx.array, theta: float,
-                     eps: float) -> tuple[mx.array, mx.array]:
-    """The same rows' queries q (rows, HQ, D) and keys k (rows, HKV, D), bf16, in one launch: the queries
-    as float32 (rows, HQ, D), the keys as `keys` gives them."""
+def queries_and_keys(q: mx.array, k: mx.array, v: mx.array, qw: mx.array, kw: mx.array, positions: mx.array,
+                     theta: float, eps: float) -> tuple[mx.array, mx.array]:
+    """The same rows' queries q (rows, HQ, D), keys k and values v (rows, HKV, D), bf16, in one launch: the
+    queries as float32 (rows, HQ, D), the keys and values as `keys` gives them."""
     rows, hq, d = q.shape
     hkv = k.shape[1]
-    q_out, k_out = _qk_kernel()(
-        inputs=[q, k, qw, kw, positions, _inv_freq(d, theta), _eps(eps)],
+    q_out, kv_out = _qk_kernel()(
+        inputs=[q, k, v, qw, kw, positions, _inv_freq(d, theta), _eps(eps)],
         template=[("HQ", hq), ("HKV", hkv), ("D", d)],
         grid=(32 * rows, hq + hkv, 1),
         threadgroup=(32, 1, 1),
-        output_shapes=[(rows, hq, d), (hkv, rows, d)],
+        output_shapes=[(rows, hq, d), (2, hkv, rows, d)],
         output_dtypes=[mx.float32, mx.bfloat16],
     )
-    return q_out, k_out
+    return q_out, kv_out
