@@ -52,23 +52,35 @@ class AttentionCache:
         launches a thread for every element of the whole cache, ~20 us a write at 512 rows on an
         H200 and growing with the context, where a scatter launches one per element written
         (docs/profiles/round-kernels-h200.txt). Both put the same values at the same positions."""
-        n = k.shape[1]
+        self.k, self.v = self.placed((self.k, self.v), start, (k, v), rows)
+        self.advance(start, k.shape[1])
+
+    def placed(self, caches: tuple[mx.array, ...], start: int, xs: tuple[mx.array, ...],
+               rows: mx.array | None) -> tuple[mx.array, ...]:
+        """Each cache (positions along its second-to-last axis) with its rows `xs[i]` at positions start,
+        start + 1, .. (at `at` and after while the length is a device value: `write`), grown in whole key
+        tiles first: one zero block and one index for all of them."""
+        axis, n = caches[0].ndim - 2, xs[0].shape[-2]
         end = start + n
-        if end > self.k.shape[1]:
-            grow = tiles_for(end) + GROW - self.k.shape[1]
-            pad = mx.zeros((self.k.shape[0], grow, self.k.shape[2]), dtype=self.k.dtype)
-            self.k = mx.concatenate([self.k, pad], axis=1)
-            self.v = mx.concatenate([self.v, pad], axis=1)
+        if end > caches[0].shape[axis]:
+            shape = list(caches[0].shape)
+            shape[axis] = tiles_for(end) + GROW - shape[axis]
+            pad = mx.zeros(shape, dtype=caches[0].dtype)
+            caches = tuple(mx.concatenate([c, pad], axis=axis) for c in caches)
         if self.at is None:
-            self.k[:, start:end] = k
-            self.v[:, start:end] = v
-            self.low = end
+            for c, x in zip(caches, xs):
+                c[..., start:end, :] = x
+            return caches
+        index = (self.at + mx.arange(n, dtype=mx.int32) if rows is None else rows).reshape(*(1,) * axis, n, 1)
+        return tuple(mx.put_along_axis(c, index, x, axis=axis) for c, x in zip(caches, xs))
+
+    def advance(self, start: int, n: int) -> None:
+        """The lengths after `n` rows written at `start` (`write`)."""
+        if self.at is None:
+            self.low = start + n
         else:
-            index = (self.at + mx.arange(n, dtype=mx.int32) if rows is None else rows).reshape(1, n, 1)
-            self.k = mx.put_along_axis(self.k, index, k, axis=1)
-            self.v = mx.put_along_axis(self.v, index, v, axis=1)
             self.at, self.low = self.at + n, self.low + n
-        self.length = end
+        self.length = start + n
 
     def view(self, length: int) -> tuple[mx.array, mx.array]:
         """Keys and values covering `length` positions in whole key tiles (rows past it are masked)."""
@@ -131,20 +143,8 @@ class JointCache(AttentionCache):
 
     def write_joint(self, start: int, kv: mx.array, rows: mx.array | None = None) -> None:
         """`write` of rows joined as (2, heads, n, head_dim), keys then values: one copy or one scatter."""
-        n = kv.shape[2]
-        end = start + n
-        if end > self.kv.shape[2]:
-            grow = tiles_for(end) + GROW - self.kv.shape[2]
-            pad = mx.zeros((2, self.kv.shape[1], grow, self.kv.shape[3]), dtype=self.kv.dtype)
-            self.kv = mx.concatenate([self.kv, pad], axis=2)
-        if self.at is None:
-            self.kv[:, :, start:end] = kv
-            self.low = end
-        else:
-            index = (self.at + mx.arange(n, dtype=mx.int32) if rows is None else rows).reshape(1, 1, n, 1)
-            self.kv = mx.put_along_axis(self.kv, index, kv, axis=2)
-            self.at, self.low = self.at + n, self.low + n
-        self.length = end
+        (self.kv,) = self.placed((self.kv,), start, (kv,), rows)
+        self.advance(start, kv.shape[2])
 
     def keep_path(self, start: int, rows: list[int]) -> None:
         if rows != list(range(len(rows))):

@@ -198,8 +198,9 @@ class Stacked:
         self.weights = (Weight.stacked(parts),) if joined else tuple(parts)
 
     def leading(self, parts: int) -> "Stacked":
-        """Its first `parts` parts alone: on a stacked weight its leading output rows, views of its arrays (the
-        same bits a stacked weight's own shape gives, matmul_kernel.geometry: a kernel launch of another shape)."""
+        """Its first `parts` parts alone: on a stacked weight its leading output rows, views of its arrays. A
+        launch of that shape has its own reduction order (matmul_kernel.geometry), so its bits may differ from
+        the stacked weight's: only a drafter uses it (its absorb's k and v), where the target decides every token."""
         out = Stacked.__new__(Stacked)
         out.widths = self.widths[:parts]
         if len(self.weights) == 1 and len(self.widths) > 1:

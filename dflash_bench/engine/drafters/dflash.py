@@ -246,7 +246,7 @@ class DFlashDrafter:
             for (state, _), (a, b), (start, at, rows) in zip(items, spans, starts):
                 n = b - a
                 if kernel:
-                    state.layers[li].write_joint(start, kv if len(items) == 1 else kv[:, :, a:b], rows)
+                    state.layers[li].write_joint(start, kv[:, :, a:b], rows)
                     continue
                 ks = mx.fast.rms_norm(k[a:b].reshape(n, self.kv_heads, self.head_dim), layer["k_norm"], self.eps)
                 ks = self.rope(ks.transpose(1, 0, 2), at)
@@ -406,7 +406,7 @@ class DFlashDrafter:
         for p, (a, b) in zip(items, spans):
             cache = p.state.layers[li]
             start, at, low = cache.length, cache.at, cache.low
-            cache.write_joint(start, kv if len(items) == 1 else kv[:, :, a:b], None if at is None else positions[a:b])
+            cache.write_joint(start, kv[:, :, a:b], None if at is None else positions[a:b])
             launch.append((queries[a:b], cache.k, cache.v, start))
             ats.append(at)
             if at is None:  # the block's K/V are this pass's only
