@@ -247,10 +247,9 @@ def install_delta(monkeypatch) -> None:
     for one test."""
     from dflash_bench.engine.targets import delta_kernel as dk
 
-    monkeypatch.setattr(dk, "_kernel", lambda: Emu("dflash_delta_window", dk.INPUTS, dk.OUTPUTS, dk._SOURCE, dk._HEADER))
-    monkeypatch.setattr(dk, "_rollback_kernel", lambda layers, windows: Emu(
-        f"dflash_delta_rollback_{layers}x{windows}", dk.rollback_inputs(layers, windows), dk.ROLLBACK_OUTPUTS,
-        dk.rollback_source(layers, windows), dk._HEADER))
+    monkeypatch.setattr(dk, "_kernel", lambda layers, windows, tail: Emu(
+        f"dflash_delta_{layers}x{windows}_{int(tail)}", dk.inputs(layers, windows, tail), dk.outputs(tail),
+        dk.source(layers, windows, tail), dk._HEADER))
 
 
 def install(monkeypatch) -> None:

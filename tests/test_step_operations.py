@@ -203,6 +203,26 @@ def test_the_recurrence_kernels_states_are_views(monkeypatch) -> None:
     assert ops["Gather"] == 0 and ops["Slice"] >= 2, ops
 
 
+def test_a_launch_takes_each_streams_state_as_it_lies(monkeypatch) -> None:
+    """The recurrence kernel's launch over three streams' windows takes each stream's state as an input of its
+    own (delta_kernel.py's `source` picks a window's), not the states stacked into one array: a copy of every
+    stream's state a layer (2 MB a stream at Qwen3.5-9B's heads) and one operation a layer more."""
+    given = []
+
+    def launch(inputs, output_shapes, output_dtypes, **_):
+        given.append(inputs)
+        return [mx.depends([mx.zeros(shape, dtype=dtype)], inputs)[0] for shape, dtype in zip(output_shapes, output_dtypes)]
+
+    monkeypatch.setattr(delta_kernel, "_kernel", lambda *key: launch)
+    windows = [window((1, 2, 32, 16), n, seed=80 + i) for i, n in enumerate((1, 2, 3))]
+    q, k, v, g, beta = (mx.concatenate([w[i] for w in windows]) for i in range(5))
+    mx.eval(q, k, v, g, beta, [w[5] for w in windows])
+    delta_kernel.delta_packed(delta_kernel.separate(q, k, v), g, beta, [w[5] for w in windows], (0, 1, 3, 6))
+    [inputs] = given
+    assert all(any(a is w[5] for a in inputs) for w in windows)
+    assert census(inputs)["Concatenate"] == 0
+
+
 def test_more_streams_add_no_casts(monkeypatch) -> None:
     """In the gpu mode (bf16 rows, a float32 conv) more streams add no cast to a GatedDeltaNet layer's step."""
     target = kernel_target("qwen3_5", monkeypatch, each_row_alone)
@@ -245,8 +265,7 @@ def test_a_rollback_to_a_device_length_launches_the_kernel_to_it_with_no_mask(mo
     def launch(inputs, output_shapes, output_dtypes, **_):
         return [mx.depends([mx.zeros(shape, dtype=dtype)], inputs)[0] for shape, dtype in zip(output_shapes, output_dtypes)]
 
-    monkeypatch.setattr(delta_kernel, "_kernel", lambda: launch)
-    monkeypatch.setattr(delta_kernel, "_rollback_kernel", lambda layers, windows: launch)
+    monkeypatch.setattr(delta_kernel, "_kernel", lambda *key: launch)
     target = kernel_target("qwen3_5", monkeypatch, each_row_alone)
     linear = [m for m in target.mixer_layers() if isinstance(m, GatedDeltaNet)]
     for m in linear:
@@ -275,7 +294,7 @@ def test_a_window_on_the_kernel_hands_it_q_k_and_v_where_they_lie(monkeypatch) -
     def launch(inputs, output_shapes, output_dtypes, **_):
         return [mx.depends([mx.zeros(shape, dtype=dtype)], inputs)[0] for shape, dtype in zip(output_shapes, output_dtypes)]
 
-    monkeypatch.setattr(delta_kernel, "_kernel", lambda: launch)
+    monkeypatch.setattr(delta_kernel, "_kernel", lambda *key: launch)
     target = kernel_target("qwen3_5", monkeypatch, each_row_alone)
     for m in target.mixer_layers():
         if isinstance(m, GatedDeltaNet):

@@ -75,18 +75,12 @@ def reference_rollback(parts, starts, counts, conv_starts, span):
     return out
 
 
-def one_node_rollback(parts, starts, counts, conv_starts, span):
-    """delta_kernel.rollback as the one launch it is for every layer, stood in for as the kernels are here (a
-    node on every input): the states from it, the tails views of the inputs (the launch writes them)."""
-    states = [st for *_, sts, _ in parts for st in sts]
-    stacked = mx.depends([mx.full((len(states), *states[0].shape), 0.0, dtype=states[0].dtype)],
-                         [a for qkv, g, beta, _, conv in parts for a in (*qkv.arrays, g, beta, conv)] + states + [counts])[0]
-    windows = len(parts[0][3])
-    out = []
-    for i, (*_, conv) in enumerate(parts):
-        tails = conv[: windows * span].reshape(windows, span, conv.shape[1])
-        out.append((delta_kernel._unstacked(stacked[i * windows : (i + 1) * windows]), delta_kernel._unstacked(tails)))
-    return out
+def one_node_launch(inputs, output_shapes, output_dtypes, **_) -> list[mx.array]:
+    """A launch of delta_kernel.py's (a forward's or a rollback's) as the one node it is, on all of its inputs:
+    its first output that node, the others views tied to it (`Depends` is not counted)."""
+    first = mx.depends([mx.zeros(output_shapes[0], dtype=output_dtypes[0])], inputs)[0]
+    return [first] + [mx.depends([mx.broadcast_to(mx.array(0, dtype=dtype), shape)], [first])[0]
+                      for shape, dtype in zip(output_shapes[1:], output_dtypes[1:])]
 
 
 class Launch:
@@ -180,8 +174,8 @@ def main() -> None:
     matmul_kernel._kernel = lambda: Launch(one_node=False)
     attention_kernel.decode_attention = reference_attention
     qwen3_5.RECURRENCES["delta_kernel"] = qwen3_5.per_window_ops
-    if hasattr(delta_kernel, "delta_packed"):
-        delta_kernel.delta_packed = reference_packed
+    launches = delta_kernel.delta_packed, delta_kernel.rollback
+    delta_kernel.delta_packed = reference_packed
     delta_kernel.rollback = reference_rollback  # a rollback to device lengths (qwen3_5.py's redo_fn, PackedRedo)
     root = Path(tempfile.mkdtemp())
     target = Engine(write_big("qwen3_5-9b-4bit", root / "target", "tiny"), None,
@@ -189,11 +183,9 @@ def main() -> None:
     stand_in = Launch(one_node=True)
     matmul_kernel._kernel = lambda: stand_in
     attention_kernel.decode_attention = lambda segs, scale, meta=None: mx.abs(mx.concatenate([s[0] for s in segs]))
-    if hasattr(delta_kernel, "delta_packed"):
-        delta_kernel.delta_packed = lambda qkv, g, beta, states, starts: (  # y in the QKV's y_dtype, as the kernel writes it
-            mx.depends([mx.full(qkv.views()[2].shape, 0.0, dtype=qkv.y_dtype or mx.float32)], [*qkv.arrays, g, beta])[0],
-            [mx.abs(s) for s in states])
-    delta_kernel.rollback = one_node_rollback
+    # the recurrence kernel's own launches, each one node (what their Python asks for beside them is counted)
+    delta_kernel.delta_packed, delta_kernel.rollback = launches
+    delta_kernel._kernel = lambda *key: one_node_launch
     # one node for the recurrence, depending on all of its inputs as the kernel does
     qwen3_5.RECURRENCES["delta_kernel"] = lambda ws: [
         tuple(mx.depends([mx.abs(w[2]).astype(mx.float32), mx.abs(w[5])], list(w[:5]))) for w in ws]
@@ -229,8 +221,8 @@ def main() -> None:
             mx.eval([o.logits for o in outs], [st.arrays() for st in states])
         outs = target.forward([Segment([5], st.length, st, [0]) for st in states])
         counts = census([o.logits for o in outs] + [a for st in states for a in st.arrays()])
-        ops = sum(n for name, n in counts.items() if name not in VIEWS)
-        print(f"{streams} stream(s), {target.config.num_layers} layers: {ops} operations that are not views "
+        count = ops(counts)
+        print(f"{streams} stream(s), {target.config.num_layers} layers: {count} operations that are not views "
               f"({counts.total()} nodes; {counts.get('Matmul', 0)} products), graph build "
               f"{1e3 * statistics.median(times[5:]):.2f} ms (median of {len(times) - 5})", flush=True)
         mx.eval([o.logits for o in outs], [st.arrays() for st in states])
@@ -241,8 +233,8 @@ def main() -> None:
         for st in states:
             st.keep(st.length - 15)
         counts = census([a for st in states for a in st.arrays()])
-        ops = sum(n for name, n in counts.items() if name not in VIEWS)
-        print(f"{streams} stream(s), a 16-row window kept to its first row: {ops} operations that are not views",
+        count = ops(counts)
+        print(f"{streams} stream(s), a 16-row window kept to its first row: {count} operations that are not views",
               flush=True)
         # the same at a device length, as a drafted round keeps its windows (lanes.py's round, cache.py's keep_windows)
         mx.eval([st.arrays() for st in states])
@@ -250,8 +242,8 @@ def main() -> None:
         mx.eval([o.logits for o in outs], [st.arrays() for st in states])
         keep_windows([(st, (mx.array(st.length - 15, dtype=mx.int32), st.length, st.length - 15)) for st in states])
         counts = census([a for st in states for a in st.arrays()])
-        ops = sum(n for name, n in counts.items() if name not in VIEWS)
-        print(f"{streams} stream(s), 16-row windows kept to their first row at a device length: {ops} operations "
+        count = ops(counts)
+        print(f"{streams} stream(s), 16-row windows kept to their first row at a device length: {count} operations "
               "that are not views", flush=True)
 
 

@@ -198,10 +198,9 @@ def templated_kernels() -> None:
                                      source=baked.source, header=baked.header, ensure_row_contiguous=True)
         return lambda inputs, template, **launch: kernel(inputs=inputs, template=list(template), **launch)
 
-    for module, name in ((matmul_kernel, "_kernel"), (delta_kernel, "_kernel"), (attention_kernel, "_combine_kernel")):
-        setattr(module, name, lru_cache(maxsize=1)(lambda baked=getattr(module, name)(): templated(baked)))
-    partial = attention_kernel._partial_kernel
-    attention_kernel._partial_kernel = lru_cache(maxsize=16)(lambda segments: templated(partial(segments)))
+    for module, name in ((matmul_kernel, "_kernel"), (delta_kernel, "_kernel"), (attention_kernel, "_combine_kernel"),
+                         (attention_kernel, "_partial_kernel")):  # each launch object made from its key, as baked
+        setattr(module, name, lru_cache(maxsize=64)(lambda *key, make=getattr(module, name): templated(make(*key))))
 
 
 def main() -> None:

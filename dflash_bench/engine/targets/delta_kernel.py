@@ -28,9 +28,9 @@ a CUDA GPU; the engine's self-check (selfcheck.py) proves it again on the machin
 
 Launch geometry: LANES = min(32, Dk) lanes per dv-row (Dk a multiple of 32, or a power of two below
 32 with 32 // Dk dv-rows sharing a warp), EPL = Dk // LANES; the grid (in threads, as MLX's
-`cuda_kernel` takes it) is (Dv * LANES, Hv, windows) and a block gcd(Dv * LANES, 256) threads, so
+`cuda_kernel` takes it) is (Dv * LANES, Hv, layers * windows) and a block gcd(Dv * LANES, 256) threads, so
 there are no partial blocks or warps: no bounds check, and full-mask shuffles are valid. Inputs are
-row-contiguous: y (rows, Hv, Dv), g and beta (rows, Hv), states (windows, Hv, Dv, Dk), and int32 offsets
+row-contiguous: y (rows, Hv, Dv), g and beta (rows, Hv), each window's state (Hv, Dv, Dk), and int32 offsets
 (windows + 1) and limits (windows): window w owns rows offsets[w] .. offsets[w+1]-1 and walks the first
 limits[w] of them (all of them in a forward; a rollback's kept count, a device value: `rollback`),
 so the rows it walks are those of a launch of them alone. q, k and v are read where they lie
@@ -38,14 +38,15 @@ so the rows it walks are those of a launch of them alone. q, k and v are read wh
 heads at r * ks + ko of k, its v heads (Hv x Dv) at r * vs + vo of v, the six from the int32 input
 `layout`. So the forward hands over its normalized qk and the conv's rows as they are (`in_place`), where
 over a verify window's rows q, k and v are strided views that a row-contiguous launch copied first.
-Each q and k value is multiplied by its float32 scale from the input `qk_scale` (q's, k's) as it is loaded
+Each q and k value is multiplied by its float32 scale from the input `sc` (q's, k's) as it is loaded
 (`__fmul_rn`: the product a scaling launch would have stored; 1 and 1 where the caller scaled them), and y is
 written in YT, rounded once from float32 (what a cast after the launch gives).
 Value head hv reads key head hv // (Hv / Hk), what `mx.repeat(q, Hv // Hk, -2)` gives.
-A rollback (`rollback`) runs the same rows (`_BODY`) for every GatedDeltaNet layer of a round in one launch, each
-(layer, window) pair picking its layer's arrays and its own state (`rollback_source`), with one more step
-(`_TAIL`): each window's conv tail after its kept rows, copied by its blocks' threads. So a kept count the host has
-not read costs one launch a round, not one a layer.
+Every launch's (layer, window) pair picks its layer's arrays and its own state from its inputs (`source`): a
+forward's launch is one layer's windows, each state an input of its own (a stacked input was a copy of every
+stream's state a layer); a rollback (`rollback`) runs the same rows (`_BODY`) for every GatedDeltaNet layer of a
+round in one launch, with one more step (`_TAIL`): each window's conv tail after its kept rows, copied by its
+blocks' threads. So a kept count the host has not read costs one launch a round, not one a layer.
 """
 
 from __future__ import annotations
@@ -159,20 +160,7 @@ def fits(hk: int, hv: int, dk: int, dv: int) -> bool:
     return hv % hk == 0 and lanes is not None and (dv * lanes) % 32 == 0
 
 
-INPUTS = ["q", "k", "v", "g", "beta", "state_in", "offsets", "limits", "layout", "qk_scale"]  # `_launch`'s order
 UNSCALED = mx.array([1.0, 1.0], dtype=mx.float32)  # the kernel's scales for q and k as given: x * 1 is x
-OUTPUTS = ["y", "state_out"]
-
-# A forward's launch: window seg = blockIdx.z of the packed rows, its state at seg of the stacked states.
-_ONE = r"""
-  const int seg = blockIdx.z;
-  const auto* Qp = q; const auto* Kp = k; const auto* Vp = v; const auto* Gp = g; const auto* Bp = beta;
-  const auto* SCp = qk_scale;
-  const auto* SIp = state_in + (long long)seg * Hv * Dv * Dk;
-  auto* SOp = state_out + (long long)seg * Hv * Dv * Dk;
-  auto* Yp = y;
-"""
-_SOURCE = _ONE + _BODY
 
 # A rollback's conv tails, copied by the same launch (`rollback`): window seg's SPAN rows of C conv inputs from
 # row conv_at[seg] + limits[seg] of its layer's conv inputs (the rows ending at its last kept row), every thread
@@ -188,58 +176,60 @@ _TAIL = r"""
     }
   }
 """
-LAYER_INPUTS = ("q", "k", "v", "g", "beta", "sc", "conv")  # each layer's, then every (layer, window)'s state
-SHARED_INPUTS = ["offsets", "limits", "layout", "conv_at"]
-ROLLBACK_OUTPUTS = OUTPUTS + ["conv_out"]
+LAYER_INPUTS = ("q", "k", "v", "g", "beta", "sc")  # each layer's (and its conv inputs, "conv", with a tail)
 
 
-def rollback_inputs(layers: int, windows: int) -> list[str]:
-    """The rollback launch's input names (`rollback`'s order): each layer's arrays, then each layer's windows'
-    states, then what every layer shares (its windows lie alike in every layer)."""
-    per_layer = [f"{name}{i}" for i in range(layers) for name in LAYER_INPUTS]
-    return per_layer + [f"s{i}_{w}" for i in range(layers) for w in range(windows)] + SHARED_INPUTS
+def inputs(layers: int, windows: int, tail: bool) -> list[str]:
+    """A launch's input names (`_launch`'s order): each layer's arrays, then each (layer, window)'s state, then
+    what every layer shares (its windows lie alike in every layer)."""
+    per_layer = (*LAYER_INPUTS, "conv") if tail else LAYER_INPUTS
+    return ([f"{name}{i}" for i in range(layers) for name in per_layer]
+            + [f"s{i}_{w}" for i in range(layers) for w in range(windows)]
+            + ["offsets", "limits", "layout"] + (["conv_at"] if tail else []))
 
 
-def rollback_source(layers: int, windows: int) -> str:
-    """The rollback launch's source: blockIdx.z runs over layer-major (layer, window) pairs; each picks its
-    layer's arrays and its own state (`dl_pick`), then runs the forward's rows (`_BODY`) to its window's
-    kept count and copies its conv tail (`_TAIL`). y goes to the layer's block of the first output."""
+def outputs(tail: bool) -> list[str]:
+    return ["y", "state_out"] + (["conv_out"] if tail else [])
+
+
+def source(layers: int, windows: int, tail: bool) -> str:
+    """A launch's source: blockIdx.z runs over layer-major (layer, window) pairs; each picks its layer's
+    arrays and its own state (`dl_pick`), runs its window's rows (`_BODY`) and, with a tail (a rollback's),
+    copies its conv tail (`_TAIL`). y goes to the layer's block of the first output, the new state to the
+    pair's slot of the second."""
 
     def pick(index: str, names: list[str]) -> str:
         return f"dl_pick({index}, {', '.join(names)})"
 
-    layer_of = {name: [f"{name}{i}" for i in range(layers)] for name in LAYER_INPUTS}
+    def of_layer(name: str) -> str:
+        return pick("layer", [f"{name}{i}" for i in range(layers)])
+
     states = [f"s{i}_{w}" for i in range(layers) for w in range(windows)]
+    conv = f"  const auto* CIp = {of_layer('conv')};\n" if tail else ""
     prologue = f"""
   constexpr int NW = {windows};
   const int seg = blockIdx.z % NW;
-  const int layer = blockIdx.z / NW;
-  const auto* Qp = {pick("layer", layer_of["q"])};
-  const auto* Kp = {pick("layer", layer_of["k"])};
-  const auto* Vp = {pick("layer", layer_of["v"])};
-  const auto* Gp = {pick("layer", layer_of["g"])};
-  const auto* Bp = {pick("layer", layer_of["beta"])};
-  const auto* SCp = {pick("layer", layer_of["sc"])};
-  const auto* CIp = {pick("layer", layer_of["conv"])};
-  const auto* SIp = {pick("(int)blockIdx.z", states)};
+  const int layer = {"0" if layers == 1 else "blockIdx.z / NW"};
+  const auto* Qp = {of_layer("q")};
+  const auto* Kp = {of_layer("k")};
+  const auto* Vp = {of_layer("v")};
+  const auto* Gp = {of_layer("g")};
+  const auto* Bp = {of_layer("beta")};
+  const auto* SCp = {of_layer("sc")};
+{conv}  const auto* SIp = {pick("(int)blockIdx.z", states)};
   auto* SOp = state_out + (long long)blockIdx.z * Hv * Dv * Dk;
   auto* Yp = y + (long long)layer * offsets[NW] * Hv * Dv;
 """
-    return prologue + _BODY + _TAIL
-
-
-@lru_cache(maxsize=1)
-def _kernel():
-    return BakedKernel("dflash_delta_window", INPUTS, OUTPUTS, _SOURCE, _HEADER)
+    return prologue + _BODY + (_TAIL if tail else "")
 
 
 @lru_cache(maxsize=64)
-def _rollback_kernel(layers: int, windows: int):
-    """The rollback launch for `layers` layers of `windows` windows each (its inputs are named per layer and
-    window, so each count is its own source, compiled at its first use: the warm-up's rounds reach every
-    window count, warmup.py)."""
-    return BakedKernel(f"dflash_delta_rollback_{layers}x{windows}", rollback_inputs(layers, windows),
-                       ROLLBACK_OUTPUTS, rollback_source(layers, windows), _HEADER)
+def _kernel(layers: int, windows: int, tail: bool):
+    """The launch for `layers` layers of `windows` windows each: a forward's (one layer, no tail) or a
+    rollback's. Its inputs are named per layer and window, so each count is its own source, compiled at its
+    first use: the warm-up's rounds reach every window count (warmup.py)."""
+    name = f"dflash_delta_rollback_{layers}x{windows}" if tail else f"dflash_delta_window_{windows}"
+    return BakedKernel(name, inputs(layers, windows, tail), outputs(tail), source(layers, windows, tail), _HEADER)
 
 
 @lru_cache(maxsize=256)
@@ -250,14 +240,23 @@ def _int32s(values: tuple[int, ...]) -> mx.array:
 
 
 @lru_cache(maxsize=256)
-def _options(heads: tuple[int, int, int, int], rows: int, windows: int, dtype: mx.Dtype) -> dict:
+def _options(heads: tuple[int, int, int, int], rows: int, layers: int, windows: int, dtype: mx.Dtype,
+             tail: tuple[int, int, mx.Dtype] | None) -> dict:
     """A launch's template, geometry and outputs (module docstring), a function of its shapes alone, built
-    once: a 9B round launches the kernel 24 times and a rollback 24 more, and their Python is the host's."""
+    once: a 9B round launches the kernel 24 times, and its Python is the host's. Outputs: every layer's y,
+    the states (layers * windows, Hv, Dv, Dk) and, with a tail (span, channels, dtype), the conv tails
+    (layers * windows, span, C)."""
     hk, dk, hv, dv = heads
     lanes = _lanes(dk)
-    return dict(template=(("Dk", dk), ("Dv", dv), ("Hk", hk), ("Hv", hv), ("LANES", lanes), ("YT", dtype)),
-                grid=(dv * lanes, hv, windows), threadgroup=(math.gcd(dv * lanes, 256), 1, 1),
-                output_shapes=[(rows, hv, dv), (windows, hv, dv, dk)], output_dtypes=[dtype, mx.float32])
+    template = (("Dk", dk), ("Dv", dv), ("Hk", hk), ("Hv", hv), ("LANES", lanes), ("YT", dtype))
+    shapes, dtypes = [(layers * rows, hv, dv), (layers * windows, hv, dv, dk)], [dtype, mx.float32]
+    if tail is not None:
+        span, channels, conv_dtype = tail
+        template += (("SPAN", span), ("C", channels))
+        shapes.append((layers * windows, span, channels))
+        dtypes.append(conv_dtype)
+    return dict(template=template, grid=(dv * lanes, hv, layers * windows),
+                threadgroup=(math.gcd(dv * lanes, 256), 1, 1), output_shapes=shapes, output_dtypes=dtypes)
 
 
 @dataclass(frozen=True)
@@ -342,13 +341,8 @@ def delta_packed(qkv: QKV, g: mx.array, beta: mx.array, states: list[mx.array],
     assert all(a < b for a, b in zip(starts, starts[1:])), f"every window needs a row: {starts}"
     hk, dk, hv, dv = qkv.heads
     assert fits(hk, hv, dk, dv), f"no launch for {hk}/{hv} heads of {dk}/{dv}"
-    y, new_states = _launch(qkv, g, beta, _stacked(states), _int32s(tuple(starts)), _int32s((qkv.rows,) * len(states)))
+    y, new_states = _launch([(qkv, g, beta, states, None)], _int32s(tuple(starts)), _int32s((qkv.rows,) * len(states)))
     return y, _unstacked(new_states)
-
-
-def _stacked(states: list[mx.array]) -> mx.array:
-    """A launch's input states (windows, Hv, Dv, Dk): one window's is a view of its state."""
-    return mx.stack(states) if len(states) > 1 else states[0][None]
 
 
 def _unstacked(states: mx.array) -> list[mx.array]:
@@ -378,41 +372,30 @@ def rollback(parts: list[Part], starts: tuple[int, ...], counts: mx.array, conv_
     windows in every GatedDeltaNet layer (cache.py's `keep_windows`): one launch a round, where one a layer was
     24 on a Qwen3.5-9B. Returns each layer's (states, tails), one a window."""
     first, windows = parts[0][0], len(parts[0][3])
-    conv_dtype, channels = parts[0][4].dtype, parts[0][4].shape[1]
     for qkv, _, _, states, conv in parts:
         assert (qkv.heads, qkv.rows, qkv.layout, qkv.y_dtype, len(states)) == (first.heads, first.rows, first.layout,
                                                                               first.y_dtype, windows)
-        assert (conv.dtype, conv.shape[1]) == (conv_dtype, channels), "every layer's conv inputs alike"
-    inputs = [a for qkv, g, beta, _, conv in parts
-              for a in (*qkv.arrays, g, beta, UNSCALED if qkv.scale is None else qkv.scale, conv)]
-    inputs += [st for *_, states, _ in parts for st in states]
-    inputs += [_int32s(tuple(starts)), counts.astype(mx.int32), _int32s(first.layout), _int32s(tuple(conv_starts))]
-    dtype = first.y_dtype or first.arrays[0].dtype
-    _, states, tails = _rollback_kernel(len(parts), windows)(
-        inputs=inputs, **_rollback_options(first.heads, first.rows, len(parts), windows, dtype, span, channels,
-                                           conv_dtype))
+        assert (conv.dtype, conv.shape[1]) == (parts[0][4].dtype, parts[0][4].shape[1]), "every layer's conv alike"
+    _, states, tails = _launch(parts, _int32s(tuple(starts)), counts.astype(mx.int32), (tuple(conv_starts), span))
     return [(_unstacked(states[i * windows : (i + 1) * windows]), _unstacked(tails[i * windows : (i + 1) * windows]))
             for i in range(len(parts))]
 
 
-@lru_cache(maxsize=256)
-def _rollback_options(heads: tuple[int, int, int, int], rows: int, layers: int, windows: int, dtype: mx.Dtype,
-                      span: int, channels: int, conv_dtype: mx.Dtype) -> dict:
-    """`_options` for every layer's windows (layer-major along the grid's z), with the conv tails' constants,
-    and outputs: every layer's y, states (layers * windows, ...), tails (layers * windows, span, C)."""
-    base = _options(heads, rows, layers * windows, dtype)
-    (_, hv, dv), states = base["output_shapes"]
-    return dict(base, template=(*base["template"], ("SPAN", span), ("C", channels)),
-                output_shapes=[(layers * rows, hv, dv), states, (layers * windows, span, channels)],
-                output_dtypes=[*base["output_dtypes"], conv_dtype])
-
-
-def _launch(qkv: QKV, g: mx.array, beta: mx.array, states: mx.array, offsets: mx.array,
-            limits: mx.array) -> list[mx.array]:
-    """One forward launch over windows `offsets` (windows + 1 row bounds, int32) of the packed rows, each
-    walking its first `limits` rows (int32, one a window), from the stacked `states`: every row's y and the
-    new states, stacked."""
-    heads, rows, windows, dtype = qkv.heads, qkv.rows, states.shape[0], qkv.y_dtype or qkv.arrays[0].dtype
-    scale = UNSCALED if qkv.scale is None else qkv.scale
-    inputs = [*qkv.arrays, g, beta, states, offsets, limits, _int32s(qkv.layout), scale]
-    return _kernel()(inputs=inputs, **_options(heads, rows, windows, dtype))
+def _launch(parts: list[tuple[QKV, mx.array, mx.array, list[mx.array], mx.array | None]], offsets: mx.array,
+            limits: mx.array, tail: tuple[tuple[int, ...], int] | None = None) -> list[mx.array]:
+    """One launch over each part's (a layer's) windows `offsets` (windows + 1 row bounds, int32) of its packed
+    rows, each walking its first `limits` rows (int32, one a window), from its own state: every row's y and the
+    new states, stacked layer-major. Each window's state is an input of its own, where a stacked input was a
+    copy of every stream's state a layer. With `tail` (each window's first row in the parts' conv inputs, the
+    span), the rollback's launch: a third output, each window's conv tail after its `limits` rows."""
+    first, windows = parts[0][0], len(parts[0][3])
+    arrays = [a for qkv, g, beta, _, conv in parts
+             for a in (*qkv.arrays, g, beta, UNSCALED if qkv.scale is None else qkv.scale, *(() if tail is None else (conv,)))]
+    arrays += [st for *_, states, _ in parts for st in states]
+    arrays += [offsets, limits, _int32s(first.layout)]
+    conv = parts[0][4]
+    if tail is not None:
+        arrays.append(_int32s(tail[0]))
+    options = _options(first.heads, first.rows, len(parts), windows, first.y_dtype or first.arrays[0].dtype,
+                       None if tail is None else (tail[1], conv.shape[1], conv.dtype))
+    return _kernel(len(parts), windows, tail is not None)(inputs=arrays, **options)
