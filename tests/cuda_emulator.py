@@ -66,6 +66,7 @@ inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
 inline float __fsub_rn(float a, float b) { volatile float r = a - b; return r; }
 inline float __fdiv_rn(float a, float b) { volatile float r = a / b; return r; }
 inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
+inline float __uint_as_float(uint32_t i) { float f; memcpy(&f, &i, 4); return f; }
 inline uint4 __ldg(const uint4* p) { return *p; }
 inline uint32_t __byte_perm(uint32_t a, uint32_t b, uint32_t s) {
   const uint64_t v = (uint64_t(b) << 32) | a; uint32_t r = 0;
@@ -80,6 +81,9 @@ inline __nv_bfloat16 bf16_once(double r) {
 inline __nv_bfloat162 __float2bfloat162_rn(float f) { const __nv_bfloat16 b = __float2bfloat16_rn(f); return {b, b}; }
 inline __nv_bfloat162 __hsub2(__nv_bfloat162 a, __nv_bfloat162 b) {
   return {bf16_once(double(float(a.x)) - float(b.x)), bf16_once(double(float(a.y)) - float(b.y))};
+}
+inline __nv_bfloat162 __hmul2(__nv_bfloat162 a, __nv_bfloat162 b) {
+  return {bf16_once(double(float(a.x)) * float(b.x)), bf16_once(double(float(a.y)) * float(b.y))};
 }
 inline __nv_bfloat162 __hfma2(__nv_bfloat162 a, __nv_bfloat162 b, __nv_bfloat162 c) {
   return {bf16_once(double(float(a.x)) * float(b.x) + float(c.x)), bf16_once(double(float(a.y)) * float(b.y) + float(c.y))};

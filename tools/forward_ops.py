@@ -22,6 +22,7 @@ import argparse
 import collections
 import re
 import statistics
+import struct
 import tempfile
 import time
 from pathlib import Path
@@ -90,8 +91,10 @@ class Launch:
         self.one_node, self.zeros = one_node, {}
 
     def __call__(self, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
-        x, w, scales, biases, _, residual = inputs
+        x, w, scales, biases, _, residual, norm = inputs
         t = dict(template)
+        if t["NORM"] and not self.one_node:  # the rows normed in the launch (the reference: MLX's norm first)
+            x = mx.fast.rms_norm(x, norm, struct.unpack("<f", struct.pack("<i", t["EPS"]))[0])
         if self.one_node:
             key = (t["K"], t["N"])
             if key not in self.zeros:

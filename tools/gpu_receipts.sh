@@ -48,7 +48,7 @@ log start "${DFLASH_BENCH_COMMIT:-no DFLASH_BENCH_COMMIT, so receipts name the c
 # the attention kernel's 82 in 600 s on a fresh machine: NVRTC compiles at first use). The attention kernel's 82,
 # whose source is unchanged since job I passed them all, run after the timed steps. (The two server files import
 # `openai`, which the GPU machine's Python lacks; CI runs them.)
-step pytest-gpu 480 python3 -m pytest -p no:cacheprovider -m gpu tests/test_matmul_kernel.py tests/test_delta_kernel.py \
+step pytest-gpu 480 python3 -m pytest -p no:cacheprovider -m gpu tests/test_matmul_kernel.py tests/test_matmul_norm.py tests/test_delta_kernel.py \
   tests/test_norm_rope_kernel.py tests/test_gpu_mode.py &
 {
   run fixture-9b 120 fixture qwen3_5-9b-4bit /root/f9/t

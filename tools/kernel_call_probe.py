@@ -68,7 +68,7 @@ def variant(name: str, header: str, body: str, baked: bool):
                 options["template"] = list(template)
             prepared[id(call)] = (kernels[key], options)
         kernel, options = prepared[id(call)]
-        return kernel(inputs=[x, q, s, b, call.rows, x], **options)[0]  # x: the unread residual (RESID 0)
+        return kernel(inputs=[x, q, s, b, call.rows, x, x], **options)[0]  # x: the unread residual and norm
 
     return f, len(header) + len(body)
 

@@ -76,14 +76,16 @@ def kernel_name(body: str, consts: tuple[int, ...]) -> str:
 
 def module(bodies: dict[str, str], header: str, wanted: list[tuple[str, tuple[int, ...]]]) -> cp.RawModule:
     """One nvcc module of plain `extern "C"` kernels, one per (body, K N BITS G NT SPLITK MT PIPE), each writing
-    its output whole (the parts' starts P1..P3 at N: matmul_kernel.launch without `parts`), with no residual."""
+    its output whole (the parts' starts P1..P3 at N: matmul_kernel.launch without `parts`), with no residual or norm."""
     params = ("const __nv_bfloat16* x, const uint32_t* w, const __nv_bfloat16* scales, "
-              "const __nv_bfloat16* biases, const int* rows, const __nv_bfloat16* residual, __nv_bfloat16* y")
+              "const __nv_bfloat16* biases, const int* rows, const __nv_bfloat16* residual, const __nv_bfloat16* norm, "
+              "__nv_bfloat16* y")
     code = "#include <cuda_bf16.h>\n#include <cstdint>\n" + header
     for body, consts in wanted:
         defs = "".join(f"  constexpr int {n} = {v};\n" for n, v in zip(("K", "N", "BITS", "G", "NT", "SPLITK", "MT", "PIPE"), consts))
         defs += "".join(f"  constexpr int {p} = N;\n" for p in ("P1", "P2", "P3"))  # one output, not parts
         defs += "  constexpr int RESID = 0;\n"  # no residual added (matmul_kernel.rows_matmul's `residual`)
+        defs += "  constexpr int NORM = 0;\n  constexpr int EPS = 0;\n"  # no norm (rows_matmul's `norm`)
         code += f'extern "C" __global__ void {kernel_name(body, consts)}({params}) {{\n{defs}{bodies[body]}\n}}\n'
     return cp.RawModule(code=code, backend="nvcc", options=("-O3", "-std=c++17", "-arch=sm_90"))
 
@@ -151,7 +153,7 @@ class Kernel:
         f = self.mod.get_function(self.expr(mt))
         dummy = w[0]
         f((self.n // (8 * self.nt), -(-m // (16 * mt)), 1), (32 * self.split, 1, 1),
-          (x, w[0], w[1] if w[1] is not None else dummy, w[2] if w[2] is not None else dummy, rows, x, y))
+          (x, w[0], w[1] if w[1] is not None else dummy, w[2] if w[2] is not None else dummy, rows, x, x, y))
 
 
 def timed(kernel: Kernel, copies: list, m: int, k: int, launches: int = 60, reps: int = 7) -> float:

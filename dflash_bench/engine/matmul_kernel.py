@@ -37,6 +37,11 @@ unsplit product bit for bit (tests/test_matmul_kernel.py, on the device and unde
 A layer's output and down projections add the residual stream in their launch (`residual`): each
 output is rounded to bf16 as before, then added to its residual value and rounded once, the bits of
 MLX's bf16 add of the two arrays, one launch a layer fewer each (tests/test_matmul_kernel.py).
+A layer's RMS norm before its projection rides in the projection's launch too (`norm`): each value of x is
+multiplied by the norm's weight there (rounded to bf16) as it is loaded, the row's squares are summed as they
+are loaded, in an order set by the weight's shape (each lane its chunks, then a warp's lanes, then the warps
+in order), and each output's float32 sum is scaled by the row's 1 / sqrt(mean + eps). The kernel's own
+arithmetic, not MLX's norm's bits, but again a function of the row alone.
 
 Only the decode rows take this path, and only on a CUDA GPU (tiles.py `linear`); prompt chunks keep
 MLX's own kernels (their bits need only be a function of the chunk: tiles.py). The engine's
@@ -46,6 +51,7 @@ a CUDA GPU.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import accumulate
@@ -88,6 +94,29 @@ __device__ __forceinline__ __nv_bfloat162 mm_out(float a, float b, const __nv_bf
   return y;
 }
 
+// A row's squares, added in the order of its values (x's eight bf16 values of a 16-byte load, low half first).
+__device__ __forceinline__ float mm_squares(uint4 v, float s) {
+  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float lo = __uint_as_float(words[i] << 16), hi = __uint_as_float(words[i] & 0xFFFF0000u);
+    s = __fmaf_rn(hi, hi, __fmaf_rn(lo, lo, s));
+  }
+  return s;
+}
+
+// x's eight values times the norm's weights at the same places, each product rounded to bf16 once.
+__device__ __forceinline__ uint4 mm_weighted(uint4 v, uint4 w) {
+  const uint32_t a[4] = {v.x, v.y, v.z, v.w}, b[4] = {w.x, w.y, w.z, w.w};
+  uint32_t r[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const __nv_bfloat162 p = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&a[i]), *reinterpret_cast<const __nv_bfloat162*>(&b[i]));
+    r[i] = *reinterpret_cast<const uint32_t*>(&p);
+  }
+  return make_uint4(r[0], r[1], r[2], r[3]);
+}
+
 __device__ __forceinline__ void mm_mma(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                        uint32_t b0, uint32_t b1) {
   asm volatile(
@@ -102,8 +131,9 @@ __device__ __forceinline__ void mm_mma(float* d, uint32_t a0, uint32_t a1, uint3
 # G (group size; unused at 16), NT (8-column MMA tiles a warp), SPLITK (warps a block, splitting K),
 # MT (16-row tiles a block), PIPE (iterations whose weight loads are issued before their math), P1 <=
 # P2 <= P3 (where the output's parts start: `rows_matmul`'s `parts`, N where there are fewer), RESID
-# (1: the input `residual`, (M, N), is added to the output: `rows_matmul`'s `residual`). The source
-# avoids `_shape`, `_strides` and `_ndim` (MLX would add them).
+# (1: the input `residual`, (M, N), is added to the output: `rows_matmul`'s `residual`), NORM (1: the rows are
+# RMS-normed with the input `norm`'s (K,) weights and epsilon EPS, a float's bits: `rows_matmul`'s `norm`). The
+# source avoids `_shape`, `_strides` and `_ndim` (MLX would add them).
 _SOURCE = r"""
   constexpr int PER_WORD = BITS == 16 ? 2 : 32 / BITS;   // values in a uint32
   constexpr int VPT = 4 * PER_WORD;                       // values in a 16-byte chunk
@@ -125,12 +155,15 @@ _SOURCE = r"""
   const uint32_t* wq = reinterpret_cast<const uint32_t*>(w);
 
   float acc[MT][NT][4];
+  float ss[MT][2];  // with NORM: the squares of rows grp and grp + 8 of each tile, over this lane's chunks
 #pragma unroll
-  for (int i = 0; i < MT; ++i)
+  for (int i = 0; i < MT; ++i) {
+    ss[i][0] = ss[i][1] = 0.0f;
 #pragma unroll
     for (int j = 0; j < NT; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+  }
 
   for (int it0 = 0; it0 < ITERS; it0 += PIPE) {
     // the weight words, scales and biases of PIPE iterations, loaded before their math
@@ -200,6 +233,13 @@ _SOURCE = r"""
           uint4 xb = make_uint4(0u, 0u, 0u, 0u);
           if (live && r0 < M) xa = *reinterpret_cast<const uint4*>(x + (size_t)r0 * K + (size_t)c * VPT + h * 8);
           if (live && r1 < M) xb = *reinterpret_cast<const uint4*>(x + (size_t)r1 * K + (size_t)c * VPT + h * 8);
+          if constexpr (NORM != 0) {  // the rows' squares as they come, then x times the norm's weights there
+            const uint4 nw = live ? *reinterpret_cast<const uint4*>(norm + (size_t)c * VPT + h * 8) : make_uint4(0u, 0u, 0u, 0u);
+            ss[i][0] = mm_squares(xa, ss[i][0]);
+            ss[i][1] = mm_squares(xb, ss[i][1]);
+            xa = mm_weighted(xa, nw);
+            xb = mm_weighted(xb, nw);
+          }
           if constexpr (BITS == 4) {  // x's values in the nibble pairs' order: (0,4) (1,5) | (2,6) (3,7)
             xa = make_uint4(__byte_perm(xa.x, xa.z, 0x5410), __byte_perm(xa.x, xa.z, 0x7632),
                             __byte_perm(xa.y, xa.w, 0x5410), __byte_perm(xa.y, xa.w, 0x7632));
@@ -214,6 +254,31 @@ _SOURCE = r"""
         }
       }
     }
+  }
+
+  // With NORM, each row's scale: its squares summed over a warp's four lanes (t), then over the warps in warp
+  // order, then 1 / sqrt(mean + eps); a function of the row and the weight's shape alone.
+  float inv[MT][2];
+  if constexpr (NORM != 0) {
+    __shared__ float sq[SPLITK * MT * 16];
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float v = ss[i][e];
+        v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 1));
+        v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 2));
+        if (t == 0) sq[(warp * MT + i) * 16 + e * 8 + grp] = v;
+      }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float total = sq[i * 16 + e * 8 + grp];
+        for (int s = 1; s < SPLITK; ++s) total = __fadd_rn(total, sq[(s * MT + i) * 16 + e * 8 + grp]);
+        inv[i][e] = __fdiv_rn(1.0f, sqrtf(__fadd_rn(__fdiv_rn(total, float(K)), __int_as_float(EPS))));
+      }
   }
 
   // The warps' partial sums, added in warp order: red = w0; red += w1; ...; out = red + w_last.
@@ -232,6 +297,12 @@ _SOURCE = r"""
             if (s < SPLITK - 1) red[at] = v[e];
           }
           if (s == SPLITK - 1) {
+            if constexpr (NORM != 0) {  // the product of the weighted rows, times each row's scale
+              v[0] = __fmul_rn(v[0], inv[i][0]);
+              v[1] = __fmul_rn(v[1], inv[i][0]);
+              v[2] = __fmul_rn(v[2], inv[i][1]);
+              v[3] = __fmul_rn(v[3], inv[i][1]);
+            }
             // column col of part p (columns [lo, hi): P1..P3 split N) at row r: y[M * lo + r * (hi - lo) + col - lo]
             const int col = n0 + j * 8 + 2 * t;
             const int lo = col < P1 ? 0 : col < P2 ? P1 : col < P3 ? P2 : P3;
@@ -304,7 +375,7 @@ def look_ahead(in_features: int, bits: int, split_k: int, tiles: int) -> int:
     return want
 
 
-INPUTS = ["x", "w", "scales", "biases", "rows", "residual"]
+INPUTS = ["x", "w", "scales", "biases", "rows", "residual", "norm"]
 
 
 @lru_cache(maxsize=1)
@@ -343,16 +414,24 @@ def tiles_a_warp(m: int, k: int, n: int, bits: int) -> int:
     return g.nt
 
 
+def float_bits(value: float) -> int:
+    """A float32's bits as an int (a template constant; the source reads it back with `__int_as_float`)."""
+    return struct.unpack("<i", struct.pack("<f", value))[0]
+
+
 @lru_cache(maxsize=4096)
-def launch(m: int, k: int, n: int, bits: int, group_size: int, parts: tuple[int, ...], residual: bool = False) -> KernelCall:
-    """The launch of `rows_matmul` for m rows of a (n, k) weight: a function of the shapes alone."""
+def launch(m: int, k: int, n: int, bits: int, group_size: int, parts: tuple[int, ...], residual: bool = False,
+           eps: float | None = None) -> KernelCall:
+    """The launch of `rows_matmul` for m rows of a (n, k) weight (rows RMS-normed first where `eps` is given):
+    a function of the shapes alone."""
     g = geometry(k, n, bits)
     nt = tiles_a_warp(m, k, n, bits)
     tiles = min(MAX_TILES, -(-m // MMA_ROWS))
     starts = list(accumulate(parts[:-1])) if parts else []
     template = (("K", k), ("N", n), ("BITS", bits), ("G", group_size if bits != 16 else 1),
                 ("NT", nt), ("SPLITK", g.split_k), ("MT", tiles), ("PIPE", look_ahead(k, bits, g.split_k, tiles)),
-                *zip(("P1", "P2", "P3"), starts + [n] * (MAX_PARTS - 1 - len(starts))), ("RESID", int(residual)))
+                *zip(("P1", "P2", "P3"), starts + [n] * (MAX_PARTS - 1 - len(starts))), ("RESID", int(residual)),
+                ("NORM", int(eps is not None)), ("EPS", 0 if eps is None else float_bits(eps)))
     options = dict(template=template, grid=(n // (8 * nt) * 32 * g.split_k, -(-m // (MMA_ROWS * tiles)), 1),
                    threadgroup=(32 * g.split_k, 1, 1), output_shapes=[(m * n,) if parts else (m, n)],
                    output_dtypes=[mx.bfloat16])
@@ -360,7 +439,8 @@ def launch(m: int, k: int, n: int, bits: int, group_size: int, parts: tuple[int,
 
 
 def rows_matmul(x: mx.array, w: mx.array, scales: mx.array | None, biases: mx.array | None, bits: int,
-                group_size: int, parts: tuple[int, ...] = (), residual: mx.array | None = None) -> mx.array | list[mx.array]:
+                group_size: int, parts: tuple[int, ...] = (), residual: mx.array | None = None,
+                norm: tuple[mx.array, float] | None = None) -> mx.array | list[mx.array]:
     """`x @ W.T` for bf16 rows x (M, K): W packed (N, K * bits / 32) uint32 with bf16 scales and
     biases (N, K / group_size), or a bf16 (N, K) matrix with `bits` 16. Returns (M, N) bf16, or with
     `parts` (column widths summing to N, `splits_output`) one row-contiguous (M, width) array a part:
@@ -370,15 +450,21 @@ def rows_matmul(x: mx.array, w: mx.array, scales: mx.array | None, biases: mx.ar
     With `residual` (M, N) bf16, `residual + x @ W.T` in the same launch, bit for bit the product
     then MLX's add (`mm_out`): a decoder layer's two residual adds, one launch each a layer before
     (docs/gpu-round-profile.md: a decode forward pays per launch). Elementwise, so a row's bits stay
-    its own."""
+    its own.
+
+    With `norm` (weights (K,) bf16, epsilon), the product of the rows RMS-normed: each row's x times the
+    weights (each product rounded to bf16) goes into the product, and its float32 sums are scaled by
+    1 / sqrt(mean(x^2) + eps), the row's squares summed as the launch loads them (`mm_squares`) in an order
+    set by the weight's shape. So a layer's norm before its projection is no launch of its own; the values
+    are the norm-then-product's to bf16 accuracy, not its bits, and a row's bits are its own as before."""
     m, k = x.shape
     if residual is not None and parts:
         raise ValueError("rows_matmul adds a residual to a whole output, not to parts")
-    call = launch(m, k, w.shape[0], bits, group_size, parts, residual is not None)
+    call = launch(m, k, w.shape[0], bits, group_size, parts, residual is not None, None if norm is None else norm[1])
     if bits == 16:
         scales = biases = w[:1, :1]  # unread: the launch still takes four arrays
     resid = x if residual is None else residual  # unread where RESID is 0
-    (y,) = _kernel()(inputs=[x, w, scales, biases, call.rows, resid], **call.options)
+    (y,) = _kernel()(inputs=[x, w, scales, biases, call.rows, resid, x if norm is None else norm[0]], **call.options)
     if not parts:
         return y
     return [part.reshape(m, width) for part, width in zip(mx.split(y, call.splits), parts)]

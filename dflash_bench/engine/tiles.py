@@ -48,6 +48,7 @@ QUERY_TILE = SMALL_TILE
 SMALL_PRODUCT = 64**3
 KEY_TILE = 64
 AttentionPath = Literal["tiled", "elementwise"]  # `attention`'s two ways of multiplying a tile
+Norm = tuple[mx.array, float]  # an RMS norm's weights and epsilon, applied to a product's rows (`linear`)
 
 
 def pad_rows(x: mx.array, multiple: int = ROW_TILE) -> mx.array:
@@ -154,12 +155,14 @@ class Weight:
         return (available(dtype) and held.dtype == mx.bfloat16
                 and fits(self.in_features, self.out_features, self.bits or 16, self.group_size))
 
-    def kernel_product(self, x: mx.array, parts: tuple[int, ...] = (),
-                       residual: mx.array | None = None) -> mx.array | list[mx.array]:
+    def kernel_product(self, x: mx.array, parts: tuple[int, ...] = (), residual: mx.array | None = None,
+                       norm: Norm | None = None) -> mx.array | list[mx.array]:
         """`x @ W.T` for any number of bf16 rows in one call of the row-independent kernel; with `parts`
         (column widths), one row-contiguous array a part; with `residual`, `residual + x @ W.T` in the
-        same launch, the bits of the product then the add (matmul_kernel.rows_matmul)."""
-        return rows_matmul(x, self.w, self.scales, self.biases, self.bits or 16, self.group_size, parts, residual=residual)
+        same launch, the bits of the product then the add; with `norm`, the product of x RMS-normed, the
+        norm in the same launch (matmul_kernel.rows_matmul)."""
+        return rows_matmul(x, self.w, self.scales, self.biases, self.bits or 16, self.group_size, parts,
+                           residual=residual, norm=norm)
 
     def arrays(self) -> list[mx.array]:
         return [a for a in (self.w, self.scales, self.biases) if a is not None]
@@ -209,17 +212,20 @@ class Stacked:
             out.weights = self.weights[:parts]
         return out
 
-    def __call__(self, x: mx.array, layout: Layout | None = None) -> list[mx.array]:
-        """Each part's product of `x`, in the parts' order. Decode rows alone on the row kernel come back
-        as a row-contiguous array a part: column slices of one product would be strided over several
-        rows (a verify window's), and each reshape and kernel after would copy them
-        (docs/gpu-round-profile.md: 222 strided copies in a 9B drafted round against 16 in a plain one)."""
+    def __call__(self, x: mx.array, layout: Layout | None = None, norm: Norm | None = None) -> list[mx.array]:
+        """Each part's product of `x` (RMS-normed first with `norm`: `linear`), in the parts' order. Decode
+        rows alone on the row kernel come back as a row-contiguous array a part: column slices of one product
+        would be strided over several rows (a verify window's), and each reshape and kernel after would copy
+        them (docs/gpu-round-profile.md: 222 strided copies in a 9B drafted round against 16 in a plain one)."""
         if len(self.weights) == 1 and len(self.widths) > 1:
             stacked = self.weights[0]
             if stacked.kernel and splits_output(self.widths) and (layout is None or not layout.blocks):
-                return stacked.kernel_product(x if layout is None else x[: layout.decode_rows], self.widths)
-            return mx.split(linear(x, stacked, layout), list(accumulate(self.widths[:-1])), axis=-1)
-        return [linear(x, w, layout) for w in self.weights]
+                rows = x if layout is None else x[: layout.decode_rows]
+                return stacked.kernel_product(rows, self.widths) if norm is None else stacked.kernel_product(rows, self.widths, norm=norm)
+            return mx.split(linear(x, stacked, layout, norm=norm), list(accumulate(self.widths[:-1])), axis=-1)
+        if norm is not None and len(self.weights) > 1:  # the parts share one norm of x
+            x, norm = mx.fast.rms_norm(x, *norm), None
+        return [linear(x, w, layout, norm=norm) for w in self.weights]
 
 
 def row_tile(in_features: int, out_features: int) -> int:
@@ -289,22 +295,36 @@ class Layout:
 
 
 def linear(x: mx.array, weight: Weight | mx.array, layout: Layout | None = None,
-           residual: mx.array | None = None) -> mx.array:
+           residual: mx.array | None = None, norm: Norm | None = None) -> mx.array:
     """`x @ W.T` for `x` of shape (R, in): one call per row tile, or per `layout` (decode tiles, then
     one call per prompt chunk's block). R is a multiple of ROW_TILE, except for the row kernel, which
     takes any number of decode rows. With `residual` (R, out): `residual + x @ W.T`, a decoder layer's
-    residual add, which the row kernel does in its own launch (matmul_kernel.rows_matmul, the same bits)."""
+    residual add, which the row kernel does in its own launch (matmul_kernel.rows_matmul, the same bits).
+    With `norm` (weights, epsilon): the product of x RMS-normed, which the row kernel does in its own launch
+    for decode rows (its own arithmetic, the same whatever else the forward holds: rows_matmul), and
+    `mx.fast.rms_norm` does before any other product (the bits of the norm then the product; a norm's rows
+    are each its own, so a prompt chunk's block is normed alone)."""
     if not isinstance(weight, Weight):
         weight = Weight(weight)
+    if norm is not None and not weight.kernel:
+        x, norm = mx.fast.rms_norm(x, *norm), None
     rows = x.shape[0]
     if weight.kernel:
-        def kernel(a: int, b: int) -> mx.array:  # rows [a, b) in one kernel call, the residual's in it
-            return weight.kernel_product(x[a:b]) if residual is None else weight.kernel_product(x[a:b], residual=residual[a:b])
+        extra = {} if norm is None else {"norm": norm}
+
+        def kernel(a: int, b: int) -> mx.array:  # rows [a, b) in one kernel call, the residual's and the norm's in it
+            if residual is None:
+                return weight.kernel_product(x[a:b], **extra)
+            return weight.kernel_product(x[a:b], residual=residual[a:b], **extra)
+
+        def block(a: int, b: int) -> mx.array:  # a prompt chunk's block: MLX's norm and product, then the add
+            y = weight.tile(x[a:b] if norm is None else mx.fast.rms_norm(x[a:b], *norm))
+            return y if residual is None else residual[a:b] + y
 
         if layout is None:
             return kernel(0, rows)
         parts = [kernel(0, layout.decode_rows)] if layout.decode_rows else []
-        parts += [weight.tile(x[a:b]) if residual is None else residual[a:b] + weight.tile(x[a:b]) for a, b in layout.blocks]
+        parts += [block(a, b) for a, b in layout.blocks]
         return mx.concatenate(parts) if len(parts) > 1 else parts[0]
     if rows % ROW_TILE:
         raise ValueError(f"linear takes a multiple of {ROW_TILE} rows, got {rows}")
