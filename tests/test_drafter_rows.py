@@ -74,7 +74,7 @@ def test_short_proposals_draft_a_full_blocks_first_rows_and_run_only_their_rows(
 
 def test_a_pass_builds_one_key_mask_per_stream_and_layer_kind(drafter, monkeypatch):
     """Every layer of a stream holds the same positions, so a pass builds each stream's mask once per
-    kind of layer (window, causality), not once per layer (drafters/dflash.py's `BlockMasks`: a GPU
+    kind of layer (window, causality), not once per layer (drafters/block_masks.py's `BlockMasks`: a GPU
     round pays per operation; the DFlash2 fixture's two sliding layers share one), and its drafts are
     the ones each layer's own mask gives."""
     from dflash_bench.engine.drafters import dflash
@@ -141,7 +141,8 @@ def test_where_every_kernel_takes_any_row_count_a_pass_runs_its_rows_unpadded(mo
     by tests/cuda_emulator.py), its rows are not padded to whole ROW_TILEs (`any_rows`): the absorb's
     projection takes the taps' rows and every product of the block pass the block's rows alone, and the
     drafter's logits and K/V equal a padded pass's bit for bit, since each kernel gives a row the same
-    arithmetic whatever rows share its launch."""
+    arithmetic whatever rows share its launch. The block pass's RMS norms (each layer's two, the final one)
+    are in its products' launches: it asks MLX for none (the absorb's one norm feeds every layer's k/v)."""
     from dflash_bench.engine import tiles
     from dflash_bench.engine.drafters import dflash
     from dflash_bench.fixtures.big import write_big
@@ -156,26 +157,38 @@ def test_where_every_kernel_takes_any_row_count_a_pass_runs_its_rows_unpadded(mo
     monkeypatch.setattr(dflash, "kernel_runs_here", lambda *a: True)
     drafter = dflash.load_drafter(path, engine.target, dtype=mx.bfloat16)
     assert drafter.any_rows
+    head = engine.target.lm_head  # the target's head on the kernel too, as in a gpu-mode engine on a GPU
+    assert head.fits_kernel(mx.bfloat16)
+    monkeypatch.setattr(head, "kernel", True)
     taps = engine.target.forward([Segment(list(range(8, 37)), 0, engine.target.new_state(), want_taps=True)],
                                  drafter.taps)[0].taps
     rows: list[int] = []
     rows_matmul = tiles.rows_matmul
     monkeypatch.setattr(tiles, "rows_matmul", lambda x, *a, **kw: rows.append(x.shape[0]) or rows_matmul(x, *a, **kw))
 
+    norms: list[int] = []
+    rms_norm = mx.fast.rms_norm
+    monkeypatch.setattr(mx.fast, "rms_norm", lambda x, *a: norms.append(x.shape[0]) or rms_norm(x, *a))
+
     def run(any_rows: bool) -> tuple[list[int], list[int], list[mx.array]]:
         monkeypatch.setattr(drafter, "any_rows", any_rows)
         state = drafter.new_state()
         rows.clear()
+        norms.clear()
         drafter.absorb([(state, taps)])
         absorbed = list(rows)
+        assert len(norms) == 1
         rows.clear()
+        norms.clear()
         logits = drafter.block_pass([Proposal(state, 9, 5, SamplingParams(0.0))])[1]
+        assert norms == []
         return absorbed, list(rows), [logits, *state.arrays()]
 
     absorbed, passed, unpadded = run(True)
-    assert set(absorbed) == {29} and set(passed) == {6}  # the taps' 29 rows; the anchor and 5 draft rows
+    # the taps' 29 rows; the anchor and 5 draft rows, then the head's 5 drafted rows
+    assert set(absorbed) == {29} and set(passed) == {6, 5}
     absorbed, passed, padded = run(False)
-    assert set(absorbed) == {32} and set(passed) == {16}
+    assert set(absorbed) == {32} and set(passed) == {16, 5}
     assert len(unpadded) == len(padded)
     for got, want in zip(unpadded, padded):
         assert got.shape == want.shape and mx.array_equal(got, want).item()

@@ -57,18 +57,20 @@ def apart(y: mx.array, parts: tuple[int, ...]) -> mx.array | list[mx.array]:
     return [mx.contiguous(c) for c in mx.split(y, list(accumulate(parts[:-1])), axis=-1)]
 
 
-def each_row_alone(self: Weight, x: mx.array, parts: tuple[int, ...] = (),
-                   residual: mx.array | None = None) -> mx.array | list[mx.array]:
-    """The kernel's contract without the kernel: every row through the weight's own product, alone (then
-    the residual added, as the kernel's epilogue does)."""
+def each_row_alone(self: Weight, x: mx.array, parts: tuple[int, ...] = (), residual: mx.array | None = None,
+                   norm: tuple[mx.array, float] | None = None) -> mx.array | list[mx.array]:
+    """The kernel's contract without the kernel: every row (RMS-normed first with `norm`, as the kernel's
+    prologue does) through the weight's own product, alone (then the residual added, as its epilogue does)."""
+    if norm is not None:
+        x = mx.fast.rms_norm(x, *norm)
     y = mx.concatenate([self.tile(x[i : i + 1]) for i in range(x.shape[0])])
     return apart(y if residual is None else residual + y, parts)
 
 
-def count_dependent(self: Weight, x: mx.array, parts: tuple[int, ...] = (),
-                    residual: mx.array | None = None) -> mx.array | list[mx.array]:
+def count_dependent(self: Weight, x: mx.array, parts: tuple[int, ...] = (), residual: mx.array | None = None,
+                    norm: tuple[mx.array, float] | None = None) -> mx.array | list[mx.array]:
     """A product whose rows depend on the call's row count: what the model check must catch."""
-    y = each_row_alone(self, x) + (x.shape[0] - 1) * 1e-2
+    y = each_row_alone(self, x, norm=norm) + (x.shape[0] - 1) * 1e-2
     return apart(y if residual is None else residual + y, parts)
 
 
@@ -120,10 +122,10 @@ def test_kernel_rows_go_unpadded_and_windows_still_equal_steps(family: str, monk
     assert padded["Concatenate"] - unpadded["Concatenate"] >= layers + 1, (padded, unpadded)
 
 
-def one_launch(self: Weight, x: mx.array, parts: tuple[int, ...] = (),
-               residual: mx.array | None = None) -> mx.array | list[mx.array]:
-    """The kernel as one node a call, as it is one launch on a GPU, with its residual added inside (for
-    censuses only: its values are zeros)."""
+def one_launch(self: Weight, x: mx.array, parts: tuple[int, ...] = (), residual: mx.array | None = None,
+               norm: tuple[mx.array, float] | None = None) -> mx.array | list[mx.array]:
+    """The kernel as one node a call, as it is one launch on a GPU, with its residual added and its rows
+    normed inside (for censuses only: its values are zeros)."""
     zeros = mx.zeros((x.shape[1], self.out_features), dtype=x.dtype)
     return apart(x @ zeros if residual is None else mx.addmm(residual, x, zeros), parts)
 
@@ -141,6 +143,36 @@ def test_the_residual_adds_ride_in_the_projections_launches(family: str, monkeyp
     for w in target.projections():
         w.kernel = False
     assert decode_census(target)["Add"] - fused["Add"] >= 2 * layers
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "qwen3_5"])
+def test_the_layer_norms_ride_in_the_projections_launches(family: str, monkeypatch) -> None:
+    """A decoder layer's input and post-attention RMS norms, and the final norm, happen in the launches of the
+    products they feed (tiles.linear's `norm`): a decode step hands each launch its layer's own weights in the
+    layer's order and asks MLX for none of those norms, one launch each fewer; without the kernel MLX norms the
+    rows first, as before. A prompt chunk's block is normed by MLX (its lm_head row on the kernel is not)."""
+    target = kernel_target(family, monkeypatch, one_launch)
+    handed: list[int] = []
+
+    def launch(self, x, parts=(), residual=None, norm=None):
+        if norm is not None:
+            handed.append(id(norm[0]))
+        return one_launch(self, x, parts, residual)
+
+    monkeypatch.setattr(Weight, "kernel_product", launch)
+    norms: list[int] = []
+    rms_norm = mx.fast.rms_norm
+    monkeypatch.setattr(mx.fast, "rms_norm", lambda x, *a: norms.append(1) or rms_norm(x, *a))
+    decode_census(target)
+    on_kernel = len(norms)
+    layers = target.config.num_layers
+    final = [id(target.norm)]
+    assert handed == final + [id(w) for pre_post in target.norms for w in pre_post] + final  # the prompt's row, then the step
+    for w in target.projections():
+        w.kernel = False
+    norms.clear()
+    decode_census(target)
+    assert len(norms) - on_kernel == 2 * layers + 2, (len(norms), on_kernel)
 
 
 def test_the_recurrence_kernel_takes_unscaled_q_and_k_and_hands_the_gated_norm_bf16_rows(monkeypatch) -> None:

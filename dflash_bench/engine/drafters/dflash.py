@@ -18,7 +18,7 @@ the default model decoded 15-24% faster on this CPU at the same tokens a round (
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import accumulate
 from pathlib import Path
 
@@ -29,6 +29,7 @@ from dflash_bench.engine.cache import JointCache, TargetState
 from dflash_bench.engine.checkpoint import all_finite, files_sha256
 from dflash_bench.engine.draft_config import DraftConfig, read_draft_config
 from dflash_bench.engine.drafters import norm_rope_kernel
+from dflash_bench.engine.drafters.block_masks import BlockMasks, StreamBlock
 from dflash_bench.engine.errors import CheckpointError
 from dflash_bench.engine.fused import swiglu
 from dflash_bench.engine.quantize import dequantize_packed
@@ -272,7 +273,7 @@ class DFlashDrafter:
         lattices = self.lattices(*self.block_pass(items), items)
         return [build(p.last, lattice, p.nodes, p.count) for p, lattice in zip(items, lattices)]
 
-    def lattices(self, x: mx.array, logits: mx.array, items: list[Proposal]) -> list[Lattice]:
+    def lattices(self, h: mx.array, logits: mx.array, items: list[Proposal]) -> list[Lattice]:
         """Each stream's tree candidates from its block rows' logits, scored as `drafts` picks."""
         out = []
         for first, p in zip(firsts(items), items):
@@ -291,9 +292,10 @@ class DFlashDrafter:
         return count + 1
 
     def block_pass(self, items: list[Proposal]) -> tuple[mx.array, mx.array]:
-        """One pass over every stream's block `[last, mask x (block_rows - 1)]`: each stream's rows 1..count normed,
-        and their logits (stream i's from row `firsts(items)[i]`). Only the rows a stream drafts from
-        go through the lm_head, the pass's largest product; its row tiles keep each row's bits."""
+        """One pass over every stream's block `[last, mask x (block_rows - 1)]`: each stream's rows 1..count, not
+        yet through the final norm, and their logits (stream i's from row `firsts(items)[i]`: `logits`). Only the
+        rows a stream drafts from go through the lm_head, the pass's largest product; its row tiles keep each
+        row's bits."""
         mask = self.config.mask_token_id
         blocks = [[p.last] + [mask] * (self.block_rows(p.count) - 1) for p in items]
         ends = list(accumulate(len(b) for b in blocks))
@@ -306,20 +308,21 @@ class DFlashDrafter:
             drafted = h[1 : 1 + items[0].count]
         else:
             drafted = h[mx.array([a + r for (a, _), p in zip(spans, items) for r in range(1, 1 + p.count)], dtype=mx.int32)]
-        x = mx.fast.rms_norm(drafted, self.norm, self.eps)
-        return x, self.logits(x)
+        return drafted, self.logits(drafted)
 
     def layer(self, li: int, layer: dict, h: mx.array, items: list[Proposal], spans: list[tuple[int, int]],
               masks: BlockMasks) -> mx.array:
-        """One decoder layer over every stream's block: attention, then the SwiGLU MLP, each residual (the adds
-        in the o and down projections' launches on the row kernel: tiles.linear)."""
-        h = self.attention(li, layer, mx.fast.rms_norm(h, layer["pre"], self.eps), items, spans, masks, residual=h)
-        return self.mlp(layer, mx.fast.rms_norm(h, layer["post"], self.eps), residual=h)
+        """One decoder layer over every stream's block: attention, then the SwiGLU MLP, each after its RMS norm and
+        with its residual (on the row kernel the norms in the k/v/q and gate/up launches, the adds in the o and
+        down projections': tiles.linear)."""
+        h = self.attention(li, layer, h, items, spans, masks, residual=h, norm=layer["pre"])
+        return self.mlp(layer, h, residual=h, norm=layer["post"])
 
     def attention(self, li: int, layer: dict, x: mx.array, items: list[Proposal], spans: list[tuple[int, int]],
-                  masks: BlockMasks, residual: mx.array | None = None) -> mx.array:
-        """The attention sublayer's output, plus `residual` where given."""
-        k, v, q = layer["kvq"](x)
+                  masks: BlockMasks, residual: mx.array | None = None, norm: mx.array | None = None) -> mx.array:
+        """The attention sublayer's output, plus `residual` where given; x RMS-normed with `norm`'s weights
+        first where given, in the k/v/q product's launch on the row kernel (tiles.linear)."""
+        k, v, q = layer["kvq"](x, norm=None if norm is None else (norm, self.eps))
         if self.kernel_attention:
             o = self.attend_launch(li, layer, q, k, v, items, spans, masks)
             return linear(o if o.shape[0] == x.shape[0] else pad_rows(o, x.shape[0]), layer["o"], residual=residual)
@@ -327,11 +330,13 @@ class DFlashDrafter:
                 for i, (p, (a, b)) in enumerate(zip(items, spans))]
         return linear(repack(outs, x.shape[0]), layer["o"], residual=residual)
 
-    def mlp(self, layer: dict, x: mx.array, residual: mx.array | None = None) -> mx.array:
-        """The SwiGLU MLP of `x`, plus `residual` where given."""
-        return linear(swiglu(*layer["gate_up"](x)), layer["down"], residual=residual)
+    def mlp(self, layer: dict, x: mx.array, residual: mx.array | None = None, norm: mx.array | None = None) -> mx.array:
+        """The SwiGLU MLP of `x` (RMS-normed with `norm`'s weights first where given, as `attention`), plus
+        `residual` where given."""
+        return linear(swiglu(*layer["gate_up"](x, norm=None if norm is None else (norm, self.eps))), layer["down"],
+                      residual=residual)
 
-    def drafts(self, x: mx.array, logits: mx.array, items: list[Proposal]) -> list[mx.array]:
+    def drafts(self, h: mx.array, logits: mx.array, items: list[Proposal]) -> list[mx.array]:
         """Each stream's drafts (int32) from its block rows' logits, keyed like the target's own draws."""
         out = []
         for first, p in zip(firsts(items), items):
@@ -339,11 +344,16 @@ class DFlashDrafter:
             out.append(choose(part, draft_positions(p), p.params).astype(mx.int32))
         return out
 
-    def logits(self, x: mx.array) -> mx.array:
-        """Float32 logits of normed block rows through the target's lm_head (with the config's
-        output multiplier and soft cap, where it sets them)."""
-        head = self.target.lm_head  # on the row kernel it takes any row count
-        out = linear(x if head.kernel else pad_rows(x), head)[: x.shape[0]].astype(mx.float32)
+    def logits(self, h: mx.array) -> mx.array:
+        """Float32 logits of block rows through the final norm and the target's lm_head (with the config's
+        output multiplier and soft cap, where it sets them). On the row kernel the head takes any row count
+        and the norm in its launch (tiles.linear)."""
+        head, norm = self.target.lm_head, (self.norm, self.eps)
+        if head.kernel:
+            out = linear(h, head, norm=norm)
+        else:
+            out = linear(pad_rows(mx.fast.rms_norm(h, *norm)), head)[: h.shape[0]]
+        out = out.astype(mx.float32)
         c = self.config
         if c.output_multiplier != 1.0:
             out = out * c.output_multiplier
@@ -416,49 +426,6 @@ class DFlashDrafter:
         meta = masks.launch_meta(launch, ats, layer["causal"])
         o = attention_kernel.decode_attention(launch, self.scale, meta, layer["causal"], layer["window"])
         return o.reshape(rows, self.heads * self.head_dim)
-
-
-class BlockMasks:
-    """A block pass's row positions per stream, and which keys its rows see per stream and layer kind,
-    built once a pass: every layer of a stream holds the same positions (`absorb` writes each layer
-    alike), so its layers share the positions, and those with the same window, causality and key span
-    one mask. On a GPU a decode round is bound by the operations the host encodes
-    (docs/gpu-round-profile.md); a mask is about ten of them."""
-
-    def __init__(self) -> None:
-        self.streams: dict[int, StreamBlock] = {}
-        self.positions: mx.array | None = None  # every stream's rows' positions, one after another
-        self.metas: dict[tuple, mx.array] = {}  # attention_kernel.py's launch layouts, by causality and capacities
-
-    def of(self, stream: int) -> StreamBlock:
-        """The pass's `stream`-th stream's positions and masks."""
-        return self.streams.setdefault(stream, StreamBlock())
-
-    def packed(self, items: list[Proposal], spans: list[tuple[int, int]]) -> mx.array:
-        """The kernel path's row positions (int32), every stream's block from its first position (a device
-        value while the host has not read it), built by the pass's first layer."""
-        if self.positions is None:
-            parts = [mx.arange(b - a, dtype=mx.int32) + p.state.start for p, (a, b) in zip(items, spans)]
-            self.positions = mx.concatenate(parts) if len(parts) > 1 else parts[0]
-        return self.positions
-
-    def launch_meta(self, launch: list[attention_kernel.Rows], ats: list[mx.array | None], causal: bool) -> mx.array:
-        """attention_kernel.py's layout for the pass's launches of one causality (every layer's caches have
-        the same capacity, as `absorb` writes each layer alike), built by the first layer that needs it."""
-        key = (causal, *(k.shape[1] for _, k, _, _ in launch))
-        if key not in self.metas:
-            self.metas[key] = attention_kernel.launch_meta(launch, ats, causal)
-        return self.metas[key]
-
-
-@dataclass
-class StreamBlock:
-    """One stream's block in a pass: its rows' positions (`query_positions`, padded to whole query
-    tiles) and its key masks by (first key, key rows, causal, window), each built by the first layer
-    that needs it."""
-
-    positions: mx.array | None = None
-    masks: dict[tuple, mx.array] = field(default_factory=dict)
 
 
 def firsts(items: list[Proposal]) -> list[int]:

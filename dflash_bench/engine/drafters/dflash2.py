@@ -22,7 +22,8 @@ import mlx.core as mx
 import numpy as np
 
 from dflash_bench.engine.draft_config import DraftConfig
-from dflash_bench.engine.drafters.dflash import BlockMasks, DFlashDrafter, Proposal, draft_positions, firsts
+from dflash_bench.engine.drafters.block_masks import BlockMasks
+from dflash_bench.engine.drafters.dflash import DFlashDrafter, Proposal, draft_positions, firsts
 from dflash_bench.engine.sampling import filtered, gumbel
 from dflash_bench.engine.targets.base import Target
 from dflash_bench.engine.tiles import Weight, linear, pad_rows
@@ -96,10 +97,10 @@ class DFlash2Drafter(DFlashDrafter):
         return pad_rows(out.reshape(rows, hidden))
 
     # -- the selector ---------------------------------------------------------------------------------
-    def drafts(self, x: mx.array, logits: mx.array, items: list[Proposal]) -> list[mx.array]:
+    def drafts(self, h: mx.array, logits: mx.array, items: list[Proposal]) -> list[mx.array]:
         """Each stream's walk (int32) over its positions' top-k candidates, from its anchor."""
         out = []
-        for selector in self.lattices(x, logits, items):
+        for selector in self.lattices(h, logits, items):
             previous, picks = mx.array(selector.proposal.last), []
             for depth in range(1, selector.proposal.count + 1):
                 scores = selector.scores(depth, previous)
@@ -108,9 +109,10 @@ class DFlash2Drafter(DFlashDrafter):
             out.append(mx.stack(picks).astype(mx.int32) if picks else mx.zeros((0,), dtype=mx.int32))
         return out
 
-    def lattices(self, x: mx.array, logits: mx.array, items: list[Proposal]) -> list[SelectorLattice]:
+    def lattices(self, h: mx.array, logits: mx.array, items: list[Proposal]) -> list[SelectorLattice]:
         """Each stream's selector over its positions' top-k candidates: the walk of `drafts`, and the
-        tree candidates (tree.py) of any parent."""
+        tree candidates (tree.py) of any parent. Its pairwise term projects the rows after the final norm."""
+        x = mx.fast.rms_norm(h, self.norm, self.eps)
         candidates = top_k_indices(logits, self.top_k)
         unary = mx.take_along_axis(logits, candidates, axis=-1)
         projected = linear(pad_rows(x), self.hidden_projection)[: x.shape[0]].astype(mx.float32)

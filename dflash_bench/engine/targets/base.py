@@ -25,7 +25,7 @@ import mlx.core as mx
 from dflash_bench.engine.cache import TargetState
 from dflash_bench.engine.fused import swiglu
 from dflash_bench.engine.target_config import TargetConfig
-from dflash_bench.engine.tiles import ROW_TILE, Layout, Stacked, Weight, key_mask, linear, pad_rows, query_positions
+from dflash_bench.engine.tiles import ROW_TILE, Layout, Norm, Stacked, Weight, key_mask, linear, pad_rows, query_positions
 from dflash_bench.engine.tree import Tree
 from dflash_bench.engine.tree_attention import tail_index
 
@@ -223,14 +223,18 @@ class Target:
         return 1 if all(w.kernel for w in self._projections) else ROW_TILE
 
     def logits(self, x: mx.array, rows: list[int]) -> mx.array:
-        """Float32 logits of the packed rows `rows` (their lm_head products run in row tiles)."""
-        h = mx.fast.rms_norm(x[mx.array(rows, dtype=mx.int32)], self.norm, self.eps)
+        """Float32 logits of the packed rows `rows` after the final norm (their lm_head products run in row
+        tiles; on the row kernel, one call with the norm in it: tiles.linear)."""
+        h, norm = x[mx.array(rows, dtype=mx.int32)], (self.norm, self.eps)
+        if self.lm_head.kernel:
+            return linear(h, self.lm_head, norm=norm).astype(mx.float32)
+        h = mx.fast.rms_norm(h, *norm)
         return linear(pad_rows(h, self.row_tile), self.lm_head)[: len(rows)].astype(mx.float32)
 
-    def mlp(self, x: mx.array, layout: Layout, gate_up: Stacked, down: Weight, residual: mx.array) -> mx.array:
-        """`residual` plus the SwiGLU MLP of `x`: the add in the down projection's launch where it runs the
-        row kernel (tiles.linear)."""
-        return linear(swiglu(*gate_up(x, layout)), down, layout, residual)
+    def mlp(self, x: mx.array, layout: Layout, gate_up: Stacked, down: Weight, residual: mx.array, norm: Norm) -> mx.array:
+        """`residual` plus the SwiGLU MLP of x RMS-normed by `norm`: the norm in the gate/up launch and the add
+        in the down projection's where they run the row kernel (tiles.linear)."""
+        return linear(swiglu(*gate_up(x, layout, norm)), down, layout, residual)
 
 
 def repack(parts: list[mx.array], rows: int) -> mx.array:

@@ -17,7 +17,7 @@ from dflash_bench.engine.fused import sigmoid_gate
 from dflash_bench.engine.target_config import TargetConfig
 from dflash_bench.engine.targets import attention_kernel
 from dflash_bench.engine.targets.base import Segment, Target, as_weight, packed_positions, rope_rows
-from dflash_bench.engine.tiles import AttentionPath, Layout, Stacked, Weight, attention, linear, pad_queries
+from dflash_bench.engine.tiles import AttentionPath, Layout, Norm, Stacked, Weight, attention, linear, pad_queries
 from dflash_bench.engine.tree_attention import tree_attention, tree_keys
 
 # How a layer runs its decode rows: `tiles.attention` per segment (its two paths), or attention_kernel.py's
@@ -71,11 +71,12 @@ class SelfAttention:
     def projections(self) -> tuple[Weight, ...]:
         return (*self.qkv.weights, self.o)
 
-    def __call__(self, x: mx.array, segments: list[Segment], layout: Layout, layer: int, residual: mx.array) -> mx.array:
-        """`residual` plus each segment's rows over its own stream's cache (the add in o_proj's launch on
-        the row kernel: tiles.linear). A prompt chunk takes MLX's SDPA alone; the decode segments share
-        their norms, RoPE and gate (`decode`)."""
-        q, k, v = self.qkv(x, layout)
+    def __call__(self, x: mx.array, segments: list[Segment], layout: Layout, layer: int, residual: mx.array,
+                 norm: Norm) -> mx.array:
+        """`residual` plus each segment's rows of x RMS-normed by `norm` over its own stream's cache (the norm
+        in the q/k/v launch and the add in o_proj's on the row kernel: tiles.linear). A prompt chunk takes
+        MLX's SDPA alone; the decode segments share their norms, RoPE and gate (`decode`)."""
+        q, k, v = self.qkv(x, layout, norm)
         decoding = [(seg, span) for seg, span in zip(segments, layout.spans) if not seg.prefill]
         decoded = self.decode(q, k, v, decoding, layer) if decoding else None
         prompts = [self.prompt_chunk(q[lo:hi], k[lo:hi], v[lo:hi], seg, layer)
@@ -208,5 +209,5 @@ class DenseTarget(Target):
 
     def layer(self, i: int, x: mx.array, segments: list[Segment], layout: Layout) -> mx.array:
         pre, post = self.norms[i]
-        x = self.attn[i](mx.fast.rms_norm(x, pre, self.eps), segments, layout, i, residual=x)
-        return self.mlp(mx.fast.rms_norm(x, post, self.eps), layout, *self.mlps[i], residual=x)
+        x = self.attn[i](x, segments, layout, i, residual=x, norm=(pre, self.eps))
+        return self.mlp(x, layout, *self.mlps[i], residual=x, norm=(post, self.eps))

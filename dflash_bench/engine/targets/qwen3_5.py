@@ -45,7 +45,7 @@ from dflash_bench.engine.targets import delta_kernel
 from dflash_bench.engine.targets.base import Segment, Target, as_weight
 from dflash_bench.engine.targets.chunked_delta import chunked_gated_delta, log_gate
 from dflash_bench.engine.targets.dense import SelfAttention
-from dflash_bench.engine.tiles import Layout, Stacked, Weight, linear
+from dflash_bench.engine.tiles import Layout, Norm, Stacked, Weight, linear
 
 
 # a decode recurrence: a forward's decode windows to each one's (y, new state)
@@ -134,10 +134,11 @@ class GatedDeltaNet:
             state=mx.zeros((self.hv, self.dv, self.dk), dtype=mx.float32),
         )
 
-    def __call__(self, x: mx.array, segments: list[Segment], layout: Layout, layer: int, residual: mx.array) -> mx.array:
-        """`residual` plus the layer's output for every segment's rows (the add in out_proj's launch on the
-        row kernel: tiles.linear)."""
-        qkv, z, b, a = self.in_proj(x, layout)
+    def __call__(self, x: mx.array, segments: list[Segment], layout: Layout, layer: int, residual: mx.array,
+                 norm: Norm) -> mx.array:
+        """`residual` plus the layer's output for every segment's rows of x RMS-normed by `norm` (the norm in
+        in_proj's launch and the add in out_proj's on the row kernel: tiles.linear)."""
+        qkv, z, b, a = self.in_proj(x, layout, norm)
         decoding = [(seg, span) for seg, span in zip(segments, layout.spans) if not seg.prefill]
         decoded = self.decode(qkv, z, b, a, decoding, layer) if decoding else None
         prompts = [self.prompt_chunk(qkv[lo:hi], z[lo:hi], b[lo:hi], a[lo:hi], seg, layer)
@@ -309,8 +310,8 @@ class HybridTarget(Target):
 
     def layer(self, i: int, x: mx.array, segments: list[Segment], layout: Layout) -> mx.array:
         pre, post = self.norms[i]
-        x = self.mixers[i](mx.fast.rms_norm(x, pre, self.eps), segments, layout, i, residual=x)
-        return self.mlp(mx.fast.rms_norm(x, post, self.eps), layout, *self.mlps[i], residual=x)
+        x = self.mixers[i](x, segments, layout, i, residual=x, norm=(pre, self.eps))
+        return self.mlp(x, layout, *self.mlps[i], residual=x, norm=(post, self.eps))
 
 
 class PackedRedo:
