@@ -112,6 +112,11 @@ def test_bad_arguments_are_refused_before_any_launch() -> None:
         with pytest.raises(ValueError):
             decode_attention(segments, 0.125)
             pytest.fail(why)
+    for why, block in {"a block of other rows": mx.zeros((2, 2, 3, 64)), "a block in another dtype": mx.zeros(
+            (2, 2, 2, 64), dtype=mx.bfloat16), "a block without its values": mx.zeros((1, 2, 2, 64))}.items():
+        with pytest.raises(ValueError):
+            decode_attention([(q, k, k, 0)], 0.125, block=block)
+            pytest.fail(why)
 
 
 def test_every_decode_segment_goes_through_one_launch_a_layer_onto_its_own_rows(monkeypatch) -> None:
@@ -292,6 +297,60 @@ def test_the_kernel_source_runs_a_drafter_blocks_masks(monkeypatch, causal, wind
     ats = [mx.array(start, dtype=mx.int32) for _, _, _, start in segments]
     meta = attention_kernel.launch_meta(bounds, ats, causal)
     assert same(decode_attention(bounds, scale, meta, causal, window), got), f"seed {seed}"
+
+
+BLOCK_MASKS = pytest.mark.parametrize("causal, window", [(True, None), (False, None), (True, 40), (False, PARTITION + 3)],
+                                      ids=["causal", "bidirectional", "causal-window", "window-past-a-partition"])
+
+
+@cuda_emulator.needs_gxx
+@BLOCK_MASKS
+def test_the_kernel_source_reads_a_blocks_keys_from_its_own_rows_as_from_the_cache(monkeypatch, causal, window) -> None:
+    """`block`: a drafter's block K/V read from the launch's own (2, Hkv, rows, D) rows, keys before each
+    segment's start from its cache, give the bits of the same block written into the caches at its start first,
+    at host starts and at device starts (the stale rows past each block left as junk in the caches); a cache
+    need not hold the block (the third's capacity ends at its start). The control changes one block value: the
+    rows that see it change (`block_rows_as_written`)."""
+    cuda_emulator.install(monkeypatch)
+    block_rows_as_written(causal, window)
+
+
+@BLOCK_MASKS
+@on_cuda
+def test_on_the_device_a_blocks_keys_from_its_own_rows_equal_them_written_first(causal, window) -> None:
+    """The same on the device: the launch that reads a drafter's block K/V from its own rows has the bits of
+    the block written into the caches first (`block_rows_as_written`)."""
+    block_rows_as_written(causal, window)
+
+
+def block_rows_as_written(causal: bool, window: int | None) -> None:
+    """`decode_attention` with `block` against the same block written into the caches, at host and device
+    starts, and a changed block value moving exactly the rows that see it."""
+    seed = secrets.randbits(31)
+    heads, scale = (4, 2, 64), 64**-0.5
+    segments = inputs(heads, [4, 1, 5], [PARTITION - 2, 300, 64], mx.bfloat16, seed)
+    [(_, block_k, block_v, _)] = inputs(heads, [10], [0], mx.bfloat16, seed + 1)
+    block = mx.stack([block_k[:, :10], block_v[:, :10]])  # every segment's rows' keys, then values
+    written, bare, row0 = [], [], 0
+    for q, k, v, start in segments:
+        n = q.shape[0]
+        written.append((q, mx.concatenate([k[:, :start], block_k[:, row0 : row0 + n], k[:, start + n :]], axis=1),
+                        mx.concatenate([v[:, :start], block_v[:, row0 : row0 + n], v[:, start + n :]], axis=1), start))
+        cap = start if start % CHUNK == 0 else k.shape[1]  # the third: no room for its block
+        bare.append((q, k[:, :cap], v[:, :cap], start))
+        row0 += n
+    want = decode_attention(written, scale, causal=causal, window=window)
+    got = decode_attention(bare, scale, attention_kernel.launch_meta(bare, causal=causal), causal, window, block=block)
+    assert same(got, want), f"seed {seed}"
+    bounds = [(q, k, v, start + extra) for (q, k, v, start), extra in zip(bare, (15, 0, 0))]
+    ats = [mx.array(start, dtype=mx.int32) for _, _, _, start in bare]
+    meta = attention_kernel.launch_meta(bounds, ats, causal)
+    assert same(decode_attention(bounds, scale, meta, causal, window, block=block), want), f"seed {seed}"
+    changed = mx.array(block)
+    changed[0, 1, 4 + 1 + 2, 3] = changed[0, 1, 4 + 1 + 2, 3] + 4.0  # the third segment's row 2, kv head 1
+    moved = mx.all(decode_attention(bare, scale, None, causal, window, block=changed) == got, axis=(1, 2)).tolist()
+    seen = [r >= 2 or not causal for r in range(5)]  # the third's rows that see its row 2
+    assert moved == [True] * 5 + [not s for s in seen], f"seed {seed}: {moved}"
 
 
 # -- on a CUDA GPU: the kernel itself ------------------------------------------------------------------

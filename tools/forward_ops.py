@@ -113,12 +113,13 @@ class Launch:
         return [y]
 
 
-def drafter_attention(segs, scale, meta=None, causal=True, window=None) -> mx.array:
+def drafter_attention(segs, scale, meta=None, causal=True, window=None, block=None) -> mx.array:
     """attention_kernel.decode_attention's operations with its launches as one node: the segments' queries
     joined (more than one) and made float32 (unless they are), then the kernel, whose output has K's dtype."""
     q = mx.concatenate([s[0] for s in segs]) if len(segs) > 1 else segs[0][0]
     q = q.astype(mx.float32)
-    return mx.depends([mx.full(q.shape, 0.0, dtype=segs[0][1].dtype)], [q, meta, *(a for s in segs for a in s[1:3])])[0]
+    return mx.depends([mx.full(q.shape, 0.0, dtype=segs[0][1].dtype)],
+                      [q, meta, *(a for s in segs for a in s[1:3]), *([] if block is None else [block])])[0]
 
 
 def joint_launch(q, k, v, qw, kw, positions, theta, eps) -> tuple[mx.array, mx.array]:

@@ -45,11 +45,13 @@ log start "${DFLASH_BENCH_COMMIT:-no DFLASH_BENCH_COMMIT, so receipts name the c
 # Correctness first, in parallel (no speed is read from these): every GPU test, and beside it the 9B
 # fixtures and the default model's exactness. A step's limit stops it and lets the rest go on.
 # The GPU tests of the kernels the engine's changes touch (the drafter's norm-and-RoPE launch among them) and of gpu mode's contracts (job J ran these 36 and 19 of
-# the attention kernel's 82 in 600 s on a fresh machine: NVRTC compiles at first use). The attention kernel's 82,
-# whose source is unchanged since job I passed them all, run after the timed steps. (The two server files import
+# the attention kernel's 82 in 600 s on a fresh machine: NVRTC compiles at first use). The attention kernel's
+# others run after the timed steps; its source changed in session 34 (a drafter's block K/V read from the launch's
+# own rows), whose device test runs here first. (The two server files import
 # `openai`, which the GPU machine's Python lacks; CI runs them.)
 step pytest-gpu 480 python3 -m pytest -p no:cacheprovider -m gpu tests/test_matmul_kernel.py tests/test_matmul_norm.py tests/test_delta_kernel.py \
-  tests/test_norm_rope_kernel.py tests/test_gpu_mode.py &
+  tests/test_norm_rope_kernel.py tests/test_gpu_mode.py \
+  "tests/test_attention_kernel.py::test_on_the_device_a_blocks_keys_from_its_own_rows_equal_them_written_first" &
 {
   run fixture-9b 120 fixture qwen3_5-9b-4bit /root/f9/t
   run fixture-9b-drafter 120 fixture dflash-9b /root/f9/d

@@ -229,7 +229,10 @@ class DFlashDrafter:
             spans.append((total, total + taps.shape[0]))
             total += taps.shape[0]
         taps = mx.concatenate([t for _, t in items]) if len(items) > 1 else items[0][1]
-        fused = mx.fast.rms_norm(linear(self.padded(taps), self.fc), self.hidden_norm, self.eps)
+        fused, norm = linear(self.padded(taps), self.fc), (self.hidden_norm, self.eps)
+        if not all(len(layer["kv"].weights) == 1 and layer["kv"].weights[0].kernel for layer in self.layers):
+            fused, norm = mx.fast.rms_norm(fused, *norm), None  # one norm for every layer's k/v products
+        # else every layer's k/v launch norms the rows itself (tiles.linear): no launch for the norm
         # read once: writing layer 0 advances them; at a device length, the rows' positions for every layer
         starts = [(state.length, state.start, None if isinstance(state.start, int)
                    else mx.arange(b - a, dtype=mx.int32) + state.start) for (state, _), (a, b) in zip(items, spans)]
@@ -239,7 +242,7 @@ class DFlashDrafter:
                      for (_, at, rows), (a, b) in zip(starts, spans)]
             positions = mx.concatenate(parts) if len(parts) > 1 else parts[0]
         for li, layer in enumerate(self.layers):
-            k, v = layer["kv"](fused)
+            k, v = layer["kv"](fused, norm=norm)
             if kernel:  # keys and values (2, heads, rows, d), as the joint cache holds them
                 kv = norm_rope_kernel.keys(k[:total].reshape(total, self.kv_heads, self.head_dim),
                                            v[:total].reshape(total, self.kv_heads, self.head_dim), layer["k_norm"],
@@ -412,19 +415,12 @@ class DFlashDrafter:
             qs = rope_rows(mx.fast.rms_norm(q, layer["q_norm"], self.eps), positions, self.head_dim, self.config.rope_theta)
             ks = rope_rows(mx.fast.rms_norm(k, layer["k_norm"], self.eps), positions, self.head_dim, self.config.rope_theta)
             queries, kv = qs.transpose(1, 0, 2), mx.stack([ks, v.transpose(1, 0, 2)])
-        launch, ats = [], []
-        for p, (a, b) in zip(items, spans):
-            cache = p.state.layers[li]
-            start, at, low = cache.length, cache.at, cache.low
-            cache.write_joint(start, kv[:, :, a:b], None if at is None else positions[a:b])
-            launch.append((queries[a:b], cache.k, cache.v, start))
-            ats.append(at)
-            if at is None:  # the block's K/V are this pass's only
-                cache.keep(start)
-            else:
-                cache.keep_at(at, start, low)
-        meta = masks.launch_meta(launch, ats, layer["causal"])
-        o = attention_kernel.decode_attention(launch, self.scale, meta, layer["causal"], layer["window"])
+        # the block's K/V are this pass's only: the launch reads them from kv itself, where the cache holds the
+        # context (no write into the cache, one scatter a layer and stream)
+        launch = [(queries[a:b], p.state.layers[li].k, p.state.layers[li].v, p.state.layers[li].length)
+                  for p, (a, b) in zip(items, spans)]
+        meta = masks.launch_meta(launch, [p.state.layers[li].at for p in items], layer["causal"])
+        o = attention_kernel.decode_attention(launch, self.scale, meta, layer["causal"], layer["window"], block=kv)
         return o.reshape(rows, self.heads * self.head_dim)
 
 

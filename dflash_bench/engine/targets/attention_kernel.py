@@ -103,11 +103,35 @@ __device__ __forceinline__ void da_stage(T* dst, const T* src) {
     }
   }
 }
+
+// The same chunk from c0, its keys before `start` from the cache and the rest from a block's own rows (key
+// start + i at row row0 + i of `blk`, none past its n rows: those stay unstaged, as no row sees them). The same
+// values land where the cache would have held them had the block been written there first.
+template <typename T, int D, int DP, int NT>
+__device__ __forceinline__ void da_stage_split(T* dst, const T* cache, const T* blk, int c0, int start, int n, int row0) {
+  constexpr int VEC = 16 / (int)sizeof(T);
+  constexpr int PIECES = 32 * D / VEC;
+#pragma unroll
+  for (int u = 0; u < (PIECES + NT - 1) / NT; ++u) {
+    const int idx = threadIdx.x + u * NT;
+    if (PIECES % NT == 0 || idx < PIECES) {
+      const int key = idx / (D / VEC);
+      const int piece = idx % (D / VEC);
+      const int at = c0 + key;
+      if (at < start || at - start < n) {
+        const T* row = at < start ? cache + (long long)at * D : blk + (long long)(row0 + at - start) * D;
+        *reinterpret_cast<uint4*>(dst + key * DP + piece * VEC) = reinterpret_cast<const uint4*>(row)[piece];
+      }
+    }
+  }
+}
 """
 
 # Pass 1. Template constants: T (K/V dtype; q arrives float32), D, G (q heads per kv head), HQ, HKV, RB (rows a block),
 # NW (warps), QPW (pairs a warp), P (PARTITION), CAUSAL (0: a row sees its whole segment, a drafter's block),
-# WINDOW (keys a row sees back from its own position, itself included; 0: all). `{select}` picks segment `seg`'s cache pointers.
+# WINDOW (keys a row sees back from its own position, itself included; 0: all), BLOCK (1: a segment's keys from its
+# start on come from the input `blk`, (2, HKV, rows, D): `decode_attention`'s `block`). `{select}` picks segment
+# `seg`'s cache pointers.
 # The source avoids the substrings `_shape`, `_strides` and `_ndim`, which would add MLX parameters.
 _PARTIAL = r"""
   constexpr int C = 32;
@@ -144,6 +168,8 @@ _PARTIAL = r"""
 {select}
   kp += (long long)hk * cap * D;
   vp += (long long)hk * cap * D;
+  const T* bk = {block_k};
+  const T* bv = {block_v};
   const float sc = scale[0];
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -168,8 +194,13 @@ _PARTIAL = r"""
   }
 
   for (int c0 = c_lo; c0 < k_end; c0 += C) {
-    da_stage<T, D, DP, NT>(kbuf, kp + (long long)c0 * D);
-    if constexpr (!SPLIT) da_stage<T, D, DP, NT>(vown, vp + (long long)c0 * D);
+    if constexpr (BLOCK != 0) {
+      da_stage_split<T, D, DP, NT>(kbuf, kp, bk, c0, start, n, row0);
+      if constexpr (!SPLIT) da_stage_split<T, D, DP, NT>(vown, vp, bv, c0, start, n, row0);
+    } else {
+      da_stage<T, D, DP, NT>(kbuf, kp + (long long)c0 * D);
+      if constexpr (!SPLIT) da_stage<T, D, DP, NT>(vown, vp + (long long)c0 * D);
+    }
     __syncthreads();
 
     // scores: lane j holds key c0 + j, summed over d in ascending order
@@ -213,7 +244,11 @@ _PARTIAL = r"""
     }
     if constexpr (SPLIT) {
       __syncthreads();
-      da_stage<T, D, DP, NT>(kbuf, vp + (long long)c0 * D);
+      if constexpr (BLOCK != 0) {
+        da_stage_split<T, D, DP, NT>(kbuf, vp, bv, c0, start, n, row0);
+      } else {
+        da_stage<T, D, DP, NT>(kbuf, vp + (long long)c0 * D);
+      }
       __syncthreads();
     } else {
       __syncwarp();
@@ -305,22 +340,29 @@ def geometry(group: int, max_rows: int) -> Geometry:
     return Geometry(rb=rb, nw=nw, qpw=-(-pairs // nw), rg=-(-max_rows // rb))
 
 
-def partial_inputs(segments: int) -> list[str]:
-    """Pass 1's input names for `segments` caches."""
-    return ["q", "meta", "scale", *(f"k{i}" for i in range(segments)), *(f"v{i}" for i in range(segments))]
+def partial_inputs(segments: int, block: bool = False) -> list[str]:
+    """Pass 1's input names for `segments` caches (and the block's rows, `blk`)."""
+    names = ["q", "meta", "scale", *(f"k{i}" for i in range(segments)), *(f"v{i}" for i in range(segments))]
+    return names + ["blk"] if block else names
 
 
-def partial_source(segments: int) -> str:
-    """Pass 1's body for `segments` caches: segment i's pointers are inputs k{i} and v{i}."""
+def partial_source(segments: int, block: bool = False) -> str:
+    """Pass 1's body for `segments` caches: segment i's pointers are inputs k{i} and v{i}; with `block`, its
+    keys and values from its start on are rows of `blk` (a kv head's K rows, then its V rows half a block on)."""
     cases = "\n".join(f"    case {i}: kp = k{i}; vp = v{i}; break;" for i in range(segments))
-    return _PARTIAL.replace("{select}", f"  switch (seg) {{\n{cases}\n    default: return;\n  }}")
+    body = _PARTIAL.replace("{select}", f"  switch (seg) {{\n{cases}\n    default: return;\n  }}")
+    if not block:
+        return body.replace("{block_k}", "nullptr").replace("{block_v}", "nullptr")
+    return (body.replace("{block_k}", "blk + (long long)hk * rows_all * D")
+            .replace("{block_v}", "blk + (long long)(HKV + hk) * rows_all * D"))
 
 
 @lru_cache(maxsize=16)
-def _partial_kernel(segments: int):
-    """Pass 1 for `segments` caches, under its own name (the source differs by segment count)."""
-    return BakedKernel(f"dflash_attention_partial_{segments}", partial_inputs(segments), ["ml", "part_out"],
-                       partial_source(segments), _HEADER)
+def _partial_kernel(segments: int, block: bool = False):
+    """Pass 1 for `segments` caches (with the block's rows apart), under its own name (the source differs by
+    segment count and block)."""
+    return BakedKernel(f"dflash_attention_partial_{segments}{'_block' if block else ''}", partial_inputs(segments, block),
+                       ["ml", "part_out"], partial_source(segments, block), _HEADER)
 
 
 @lru_cache(maxsize=1)
@@ -340,9 +382,10 @@ def _meta(values: tuple[int, ...]) -> mx.array:
     return mx.array(values, dtype=mx.int32)
 
 
-def check_segments(segments: list[Rows]) -> tuple[int, int, int, mx.Dtype]:
+def check_segments(segments: list[Rows], block: mx.array | None = None) -> tuple[int, int, int, mx.Dtype]:
     """(Hq, Hkv, D, dtype) shared by every segment, or ValueError: each segment has rows, one dtype
-    and one head layout the kernel covers, a cache of CHUNK-multiple capacity holding its rows."""
+    and one head layout the kernel covers, a cache of CHUNK-multiple capacity holding its rows (with `block`,
+    the keys before its start, and `block` (2, Hkv, rows, D) in K's dtype holding every segment's rows)."""
     if not segments:
         raise ValueError("decode attention needs at least one segment")
     for q, k, v, _ in segments:
@@ -358,8 +401,11 @@ def check_segments(segments: list[Rows]) -> tuple[int, int, int, mx.Dtype]:
             raise ValueError(f"mismatched heads: q {q.shape}, k {k.shape}, v {v.shape} against {hq}/{hkv} of {d}")
         if not k.dtype == v.dtype == dtype or q.dtype not in (dtype, mx.float32):
             raise ValueError(f"one dtype for K and V, and q in it or float32, got {q.dtype}, {k.dtype}, {v.dtype} (and {dtype})")
-        if n < 1 or start < 0 or start + n > cap or cap % CHUNK:
+        if n < 1 or start < 0 or (start if block is not None else start + n) > cap or cap % CHUNK:
             raise ValueError(f"{n} rows from {start} need a cache of a multiple of {CHUNK} rows holding them, got {cap}")
+    rows = sum(q.shape[0] for q, _, _, _ in segments)
+    if block is not None and (block.shape != (2, hkv, rows, d) or block.dtype != dtype):
+        raise ValueError(f"a block's K/V are (2, {hkv}, {rows}, {d}) in {dtype}, got {block.shape} in {block.dtype}")
     return hq, hkv, d, dtype
 
 
@@ -412,7 +458,7 @@ def launch_meta(segments: list[Rows], ats: list[mx.array | None] | None = None, 
 
 
 def decode_attention(segments: list[Rows], scale: float, meta: mx.array | None = None, causal: bool = True,
-                     window: int | None = None) -> mx.array:
+                     window: int | None = None, block: mx.array | None = None) -> mx.array:
     """Every segment's attention over its own cache, in two launches: (sum n_i, Hq, D) in K's dtype,
     the segments' rows in order.
 
@@ -426,8 +472,13 @@ def decode_attention(segments: list[Rows], scale: float, meta: mx.array | None =
     launched at a host start. A drafter's block pass (drafters/dflash.py) takes the other two masks its
     layers have: `causal` False, every row of a segment seeing all of it, and a sliding `window`, a row
     seeing only the last `window` positions up to its own (a partition below a row's window is combined
-    as an exact zero: pass 1 writes it as having seen nothing)."""
-    hq, hkv, d, dtype = check_segments(segments)
+    as an exact zero: pass 1 writes it as having seen nothing).
+
+    With `block` (2, Hkv, sum n_i, D: every segment's rows' keys, then their values, in the segments' order), a
+    segment's keys from its start on are its rows of `block`, not its cache's: a drafter's block K/V, which only
+    its pass reads, need no write into the cache first (one scatter a layer and stream). The same values at the
+    same positions, so the same bits as the cache written first."""
+    hq, hkv, d, dtype = check_segments(segments, block)
     lengths = [q.shape[0] for q, _, _, _ in segments]
     rows = sum(lengths)
     pmax = max(-(-(start + n) // PARTITION) for (_, _, _, start), n in zip(segments, lengths))
@@ -438,11 +489,12 @@ def decode_attention(segments: list[Rows], scale: float, meta: mx.array | None =
     # float32 queries: converted once here (no operation where they come in float32), not at every key chunk of every block
     q = mx.concatenate([s[0] for s in segments]) if len(segments) > 1 else segments[0][0]
     q = q.astype(mx.float32)
-    caches = [s[1] for s in segments] + [s[2] for s in segments]
-    ml, part_out = _partial_kernel(len(segments))(
+    caches = [s[1] for s in segments] + [s[2] for s in segments] + ([] if block is None else [block])
+    ml, part_out = _partial_kernel(len(segments), block is not None)(
         inputs=[q, meta, _scale(scale), *caches],
         template=[("T", dtype), ("D", d), ("G", group), ("HQ", hq), ("HKV", hkv), ("RB", geo.rb), ("NW", geo.nw),
-                  ("QPW", geo.qpw), ("P", PARTITION), ("CAUSAL", int(causal)), ("WINDOW", window or 0)],
+                  ("QPW", geo.qpw), ("P", PARTITION), ("CAUSAL", int(causal)), ("WINDOW", window or 0),
+                  ("BLOCK", int(block is not None))],
         grid=(pmax * nt, hkv * geo.rg, len(segments)),
         threadgroup=(nt, 1, 1),
         output_shapes=[(rows, hq, pmax, 2), (rows, hq, pmax, d)],
