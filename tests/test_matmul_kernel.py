@@ -226,19 +226,27 @@ def test_the_kernel_source_run_on_a_cpu_stays_in_bounds_and_keeps_rows_alone(mon
     w = weight(k, n, bits, group, seed=8)
     x = mx.random.normal((70, k), key=mx.random.key(9)).astype(mx.bfloat16)
     ref = x.astype(mx.float32) @ dequantized(w, bits, group).T
-    alone = {i: matmul_kernel.rows_matmul(x[i : i + 1], w.w, w.scales, w.biases, bits, group) for i in (0, 2, 16, 69)}
+    got = rows_alone_and_right(lambda rows: matmul_kernel.rows_matmul(rows, w.w, w.scales, w.biases, bits, group), x, ref)
+    changed = mx.array(x[:17])
+    changed[2, 5] = changed[2, 5] + 1.0
+    same = mx.all(matmul_kernel.rows_matmul(changed, w.w, w.scales, w.biases, bits, group) == got[:17], axis=1)
+    assert same.tolist() == [i != 2 for i in range(17)]
+
+
+def rows_alone_and_right(product, x: mx.array, ref: mx.array) -> mx.array:
+    """Calls of 1, 3, 17 and 70 rows of x through `product`: every element written, the values `ref`'s rows' to
+    bf16 accuracy, and rows 0, 2, 16 and 69 each equal to the row in a call of one row, bit for bit. Returns the
+    70-row call's output."""
+    alone = {i: product(x[i : i + 1]) for i in (0, 2, 16, 69)}
     for m in (1, 3, 17, 70):
-        got = matmul_kernel.rows_matmul(x[:m], w.w, w.scales, w.biases, bits, group)
-        assert got.shape == (m, n) and bool(mx.all(mx.isfinite(got)).item()), f"{m} rows: elements left unwritten"
+        got = product(x[:m])
+        assert got.shape == (m, ref.shape[1]) and bool(mx.all(mx.isfinite(got)).item()), f"{m} rows: elements left unwritten"
         err = (mx.linalg.norm(got.astype(mx.float32) - ref[:m]) / mx.linalg.norm(ref[:m])).item()
         assert err < 1e-2, (m, err)
         for i, row in alone.items():
             if i < m:
                 assert mx.array_equal(got[i : i + 1], row).item(), (m, i)
-    changed = mx.array(x[:17])
-    changed[2, 5] = changed[2, 5] + 1.0
-    same = mx.all(matmul_kernel.rows_matmul(changed, w.w, w.scales, w.biases, bits, group) == got[:17], axis=1)
-    assert same.tolist() == [i != 2 for i in range(17)]
+    return got
 
 
 @cuda_emulator.needs_gxx
@@ -340,12 +348,9 @@ def test_the_self_check_picks_the_kernel_in_gpu_mode_and_windows_equal_steps(fam
         assert w.kernel == w.fits_kernel(mx.bfloat16), selfcheck.weight_key(w)
 
 
-@cuda_emulator.needs_gxx
-def test_a_forward_on_the_kernels_parts_equals_one_on_column_slices(monkeypatch, tmp_path) -> None:
-    """The 9B-shaped tiny target in gpu mode with every projection on the row kernel (its CUDA source
-    run by tests/cuda_emulator.py): a decode step of one stream and a 5-row window of another, through
-    the stacked weights' parts (qwen3_5's in_proj qkv/z/b/a, gated attention's q/k/v, each MLP's
-    gate/up), give the logits and taps of the same forward on one product's column slices, bit for bit."""
+def emulated_target(monkeypatch, tmp_path):
+    """The 9B-shaped tiny target in gpu mode with every projection on the row kernel, its CUDA source run by
+    tests/cuda_emulator.py, and a state after a 32-token prompt."""
     from dflash_bench.engine import tiles
     from dflash_bench.engine.targets import Segment
     from dflash_bench.engine.engine import Engine, Settings
@@ -361,6 +366,19 @@ def test_a_forward_on_the_kernels_parts_equals_one_on_column_slices(monkeypatch,
     for w in target.projections():
         w.kernel = w.fits_kernel(target.dtype)
     assert all(w.kernel for w in target.projections())
+    return target, base
+
+
+@cuda_emulator.needs_gxx
+def test_a_forward_on_the_kernels_parts_equals_one_on_column_slices(monkeypatch, tmp_path) -> None:
+    """The 9B-shaped tiny target in gpu mode with every projection on the row kernel (its CUDA source
+    run by tests/cuda_emulator.py): a decode step of one stream and a 5-row window of another, through
+    the stacked weights' parts (qwen3_5's in_proj qkv/z/b/a, gated attention's q/k/v, each MLP's
+    gate/up), give the logits and taps of the same forward on one product's column slices, bit for bit."""
+    from dflash_bench.engine import tiles
+    from dflash_bench.engine.targets import Segment
+
+    target, base = emulated_target(monkeypatch, tmp_path)
     widths = []
     parts = matmul_kernel.rows_matmul
     monkeypatch.setattr(tiles, "rows_matmul", lambda *a, **kw: widths.append(a[-1]) or parts(*a, **kw))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import cuda_emulator
 import pytest
 from gpu import on_cuda
-from test_matmul_kernel import CASES, dequantized, weight
+from test_matmul_kernel import CASES, dequantized, emulated_target, rows_alone_and_right, weight
 
 import mlx.core as mx
 
@@ -47,15 +47,7 @@ def test_the_kernel_source_norms_each_row_in_its_launch(monkeypatch, case) -> No
     def product(rows: mx.array, how: tuple[mx.array, float] | None = norm) -> mx.array:
         return matmul_kernel.rows_matmul(rows, w.w, w.scales, w.biases, bits, group, norm=how)
 
-    alone = {i: product(x[i : i + 1]) for i in (0, 2, 16, 69)}
-    for m in (1, 3, 17, 70):
-        got = product(x[:m])
-        assert got.shape == (m, n) and bool(mx.all(mx.isfinite(got)).item()), f"{m} rows: elements left unwritten"
-        err = (mx.linalg.norm(got.astype(mx.float32) - ref[:m]) / mx.linalg.norm(ref[:m])).item()
-        assert err < 1e-2, (m, err)
-        for i, row in alone.items():
-            if i < m:
-                assert mx.array_equal(got[i : i + 1], row).item(), (m, i)
+    got = rows_alone_and_right(product, x, ref)
     changed = mx.array(x[:17])
     changed[2, 5] = changed[2, 5] * 4.0 + 1.0
     assert mx.all(product(changed) == got[:17], axis=1).tolist() == [i != 2 for i in range(17)]
@@ -146,21 +138,9 @@ def test_a_decode_rows_normed_launches_do_not_see_a_prompt_chunk_beside_them(mon
     same step's in a forward that also runs another stream's prompt chunk (whose block MLX norms alone:
     tiles.linear), bit for bit. The control norms every row with MLX first, as a forward holding a chunk would
     if the chunk's norm took the decode rows along, and differs."""
-    from dflash_bench.engine import tiles
     from dflash_bench.engine.targets import Segment
-    from dflash_bench.engine.engine import Engine, Settings
-    from dflash_bench.fixtures.big import write_big
 
-    target = Engine(write_big("qwen3_5-9b-4bit", tmp_path / "t", "tiny"), None,
-                    Settings(context=256, chunk=32, backend="gpu")).target
-    base = target.new_state()
-    target.forward([Segment(list(range(40, 72)), 0, base, [], prefill=True)])
-    base.keep(32)
-    cuda_emulator.install_matmul(monkeypatch)
-    monkeypatch.setattr(tiles, "available", lambda dtype: dtype == mx.bfloat16)
-    for w in target.projections():
-        w.kernel = w.fits_kernel(target.dtype)
-    assert all(w.kernel for w in target.projections())
+    target, base = emulated_target(monkeypatch, tmp_path)
 
     def step(chunk: bool) -> list[mx.array]:
         segs = [Segment([7], 32, base.snapshot(32), [0], want_taps=True)]

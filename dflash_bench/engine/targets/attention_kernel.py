@@ -88,9 +88,10 @@ __device__ __forceinline__ void da_load(const T* p, float* out) {
   }
 }
 
-// A chunk of 32 keys (32 * D contiguous elements at src) into shared rows of pitch DP.
-template <typename T, int D, int DP, int NT>
-__device__ __forceinline__ void da_stage(T* dst, const T* src) {
+// A chunk of 32 keys into shared rows of pitch DP, in 16-byte loads: key i's D elements from row(i), or none
+// where row(i) is null (no row of the launch sees that key, so it stays unstaged).
+template <typename T, int D, int DP, int NT, typename Row>
+__device__ __forceinline__ void da_stage_rows(T* dst, Row row) {
   constexpr int VEC = 16 / (int)sizeof(T);
   constexpr int PIECES = 32 * D / VEC;
 #pragma unroll
@@ -99,31 +100,27 @@ __device__ __forceinline__ void da_stage(T* dst, const T* src) {
     if (PIECES % NT == 0 || idx < PIECES) {
       const int key = idx / (D / VEC);
       const int piece = idx % (D / VEC);
-      *reinterpret_cast<uint4*>(dst + key * DP + piece * VEC) = reinterpret_cast<const uint4*>(src)[idx];
+      const T* src = row(key);
+      if (src != nullptr) *reinterpret_cast<uint4*>(dst + key * DP + piece * VEC) = reinterpret_cast<const uint4*>(src)[piece];
     }
   }
 }
 
-// The same chunk from c0, its keys before `start` from the cache and the rest from a block's own rows (key
-// start + i at row row0 + i of `blk`, none past its n rows: those stay unstaged, as no row sees them). The same
-// values land where the cache would have held them had the block been written there first.
+// A chunk of 32 keys, 32 * D contiguous elements at src.
+template <typename T, int D, int DP, int NT>
+__device__ __forceinline__ void da_stage(T* dst, const T* src) {
+  da_stage_rows<T, D, DP, NT>(dst, [src](int key) { return src + (long long)key * D; });
+}
+
+// The chunk from c0, its keys before `start` from the cache and the rest from a block's own rows (key start + i
+// at row row0 + i of `blk`, none past its n rows). The same values land where the cache would have held them had
+// the block been written there first.
 template <typename T, int D, int DP, int NT>
 __device__ __forceinline__ void da_stage_split(T* dst, const T* cache, const T* blk, int c0, int start, int n, int row0) {
-  constexpr int VEC = 16 / (int)sizeof(T);
-  constexpr int PIECES = 32 * D / VEC;
-#pragma unroll
-  for (int u = 0; u < (PIECES + NT - 1) / NT; ++u) {
-    const int idx = threadIdx.x + u * NT;
-    if (PIECES % NT == 0 || idx < PIECES) {
-      const int key = idx / (D / VEC);
-      const int piece = idx % (D / VEC);
-      const int at = c0 + key;
-      if (at < start || at - start < n) {
-        const T* row = at < start ? cache + (long long)at * D : blk + (long long)(row0 + at - start) * D;
-        *reinterpret_cast<uint4*>(dst + key * DP + piece * VEC) = reinterpret_cast<const uint4*>(row)[piece];
-      }
-    }
-  }
+  da_stage_rows<T, D, DP, NT>(dst, [=](int key) -> const T* {
+    const int at = c0 + key;
+    return at < start ? cache + (long long)at * D : at - start < n ? blk + (long long)(row0 + at - start) * D : nullptr;
+  });
 }
 """
 
