@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from dflash_bench.checks import engine_speed, memory, selfcheck
-from dflash_bench.checks.lifecycle import receipt_run
+from dflash_bench.checks.lifecycle import interrupt_pending, receipt_run
 from dflash_bench.checks.receipt import Receipt
 from dflash_bench.cli import app
 from dflash_bench.engine.errors import DFlashBenchError
@@ -56,6 +56,46 @@ def test_the_receipt_is_written_whatever_ends_the_run(tmp_path, body, code, reas
     data = json.loads((tmp_path / "r.json").read_text())
     assert data["complete"] is (reason is None)
     assert reason is None or reason in data["incomplete_reason"]
+
+
+def finalized_under_a_signal(signum: int) -> None:
+    """A generator finalized while `signum` arrives (as an HTTP stream closes): the handler's KeyboardInterrupt
+    is raised inside the finalizer, and Python drops it (sys.unraisablehook) instead of raising it here."""
+    def stream():
+        try:
+            yield 1
+        finally:
+            os.kill(os.getpid(), signum)
+
+    chunks = stream()
+    next(chunks)
+    del chunks
+
+
+@pytest.mark.parametrize("signum, reason", [(signal.SIGTERM, "SIGTERM"), (signal.SIGINT, "Ctrl-C")])
+def test_a_signal_whose_interrupt_python_dropped_still_ends_the_run_as_interrupted(tmp_path, monkeypatch, signum, reason):
+    """Seen in CI: SIGTERM landed while an HTTP stream's generator was closing, its KeyboardInterrupt was dropped
+    ("Exception ignored in: <generator ...>"), and the run finished with exit 0. The signal is remembered: the
+    body's next `interrupt_pending` (the HTTP client asks between chunks and before each request) raises it,
+    and a body that returns anyway still ends as interrupted. The control: without the signal the same body
+    completes."""
+    dropped: list[str] = []
+    monkeypatch.setattr("sys.unraisablehook", lambda u: dropped.append(type(u.exc_value).__name__))
+    for stop_at_next_request in (True, False):
+        receipt, ran_on = Receipt.new("suite", ["test"], {}), []
+        with receipt_run(receipt, tmp_path / "r.json") as run:
+            finalized_under_a_signal(signum)
+            ran_on.append("after the dropped interrupt")  # Python carried on: the raise was dropped
+            if stop_at_next_request:
+                interrupt_pending()
+                ran_on.append("after the next request's check")
+        assert dropped and dropped[-1] == "KeyboardInterrupt"
+        assert ran_on == ["after the dropped interrupt"] and run.code == 130
+        data = json.loads((tmp_path / "r.json").read_text())
+        assert data["complete"] is False and data["incomplete_reason"] == f"interrupted ({reason})"
+    with receipt_run(Receipt.new("suite", ["test"], {}), tmp_path / "r.json") as run:
+        interrupt_pending()
+    assert run.code == 0
 
 
 def test_hooks_run_before_the_write_even_when_the_run_is_cut_short(tmp_path):

@@ -17,6 +17,7 @@ from typing import Iterable, Iterator
 
 import httpx
 
+from dflash_bench.checks.lifecycle import interrupt_pending
 from dflash_bench.engine.reply_block import DflashBlock
 from dflash_bench.engine.request import token_sha  # noqa: F401  (the one formula; checks re-export it)
 
@@ -319,6 +320,7 @@ class Client:
         tokens; with `drop_after_seconds` it is closed if no token came by then, or at the first token;
         with `hang_up_after` (streamed or not) it is closed about that many seconds after sending, whatever
         has come (a stream is checked between chunks, and no read waits longer than that)."""
+        interrupt_pending()  # a signal whose interrupt was dropped stops the run here (lifecycle.py)
         rec = Record(prompt_id=req.prompt_id, endpoint=req.path, draft=req.draft, temperature=req.temperature,
                      seed=req.seed, max_tokens=req.max_tokens, stream=req.stream, labels=dict(labels or {}))
         req, body = self.prepare(req)
@@ -357,6 +359,7 @@ class Client:
                     rec.elapsed = time.perf_counter() - t0
                     return rec
                 for data in sse_events(r.iter_lines()):
+                    interrupt_pending()
                     if data.strip() == "[DONE]":
                         break
                     carried = reply.feed(json.loads(data))

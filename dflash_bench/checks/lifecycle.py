@@ -44,12 +44,16 @@ def receipt_run(receipt: Receipt, path: Path, expected: tuple[type[BaseException
 
     `expected` exceptions (the run's own failures: a refused model, the server gone) need no traceback;
     any other is a bug, and its traceback goes to stderr as well. A body that finished marks the
-    receipt complete unless it called receipt.finish itself. SIGTERM is taken as Ctrl-C while inside.
+    receipt complete unless it called receipt.finish itself. SIGTERM is taken as Ctrl-C while inside, and
+    either signal is remembered (`interrupt_pending`): Python drops an exception raised while a generator
+    is being finalized (an HTTP stream closing, say), so a run whose interrupt was dropped that way still
+    ends as interrupted, at the client's next chunk or request or else when the body returns.
     """
     state = RunState(receipt, Path(path))
-    previous = _term_as_interrupt()
+    previous = _signals_as_interrupt()
     try:
         yield state
+        interrupt_pending()
         if not receipt.finished_at:
             receipt.finish(True)
     except KeyboardInterrupt as err:
@@ -67,17 +71,37 @@ def receipt_run(receipt: Receipt, path: Path, expected: tuple[type[BaseException
                 hook()
         finally:
             receipt.write(state.path)
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
+            _pending.clear()
+            for signum, handler in (previous or {}).items():
+                signal.signal(signum, signal.SIG_DFL if handler is None else handler)  # None: not set from Python
     state.code = exit_code(receipt, state.interrupted)
 
 
-def _term_as_interrupt():
-    """SIGTERM (a timeout, a job runner stopping us) ends the run as Ctrl-C does: receipt written,
-    marked incomplete. Returns the previous handler (None off the main thread, where it cannot be set)."""
+_pending: list[str] = []  # the signals received inside a run, by name, until it ends
+
+
+def interrupt_pending() -> None:
+    """Raises KeyboardInterrupt again for a signal the run received whose own raise was dropped (`receipt_run`);
+    nothing when none came. The HTTP client asks between chunks and before each request (checks/client.py)."""
+    if _pending:
+        raise KeyboardInterrupt(_pending[0])
+
+
+def _signals_as_interrupt() -> dict[int, object] | None:
+    """SIGTERM (a timeout, a job runner stopping us) ends the run as Ctrl-C does: receipt written, marked
+    incomplete; each signal is also remembered (`interrupt_pending`). Returns the previous handlers (None off
+    the main thread, where none can be set)."""
     def handler(signum, frame):
-        raise KeyboardInterrupt("SIGTERM")
+        name = "SIGTERM" if signum == signal.SIGTERM else "Ctrl-C"
+        _pending.append(name)
+        raise KeyboardInterrupt(name)
 
     if threading.current_thread() is not threading.main_thread():
         return None
-    return signal.signal(signal.SIGTERM, handler)
+    _pending.clear()
+    previous = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
+    if previous[signal.SIGINT] == signal.SIG_IGN:  # a background job's Ctrl-C is not ours to take
+        del previous[signal.SIGINT]
+    for signum in previous:
+        signal.signal(signum, handler)
+    return previous
