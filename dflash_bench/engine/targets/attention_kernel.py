@@ -7,8 +7,9 @@ segment starting at position `start` seeing the keys [0, start + r]. It replaces
 per-segment tile products on a CUDA GPU (dense.py's `kernel_runs_here`), which cost 0.57-0.64 ms
 a layer per stream at 1,024 keys on an H200 (docs/gpu-round-profile.md), once per stream. A drafter's
 block pass takes it too (drafters/dflash.py), with its layers' other masks: bidirectional inside the
-block, and a sliding window (`decode_attention`'s `causal` and `window`); a drafter needs only
-determinism, which the kernel has.
+block, and a sliding window (`decode_attention`'s `causal` and `window`), and reads its block's K/V from
+its own rows (`block`) where the target's rows are in the caches; a drafter needs only determinism, which the
+kernel has.
 
 Why a row's bits do not depend on its segment's row count, its place in it, or the other segments of
 the launch (what drafted == plain needs, targets/base.py): a row's arithmetic is a fixed function of
