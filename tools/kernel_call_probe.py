@@ -32,7 +32,7 @@ import mlx.core as mx
 from dflash_bench.engine import baked_kernel, matmul_kernel
 from dflash_bench.engine.matmul_kernel import launch, rows_matmul
 
-NAMES = ("K", "N", "BITS", "G", "NT", "SPLITK", "MT", "PIPE", "P1", "P2", "P3", "RESID")
+NAMES = ("K", "N", "BITS", "G", "NT", "SPLITK", "MT", "PIPE", "P1", "P2", "P3", "RESID", "NORM", "EPS")
 
 
 def header_file(folder: Path) -> Path:
@@ -43,7 +43,7 @@ def header_file(folder: Path) -> Path:
         "#pragma once\n" + matmul_kernel._HEADER
         + f"\ntemplate <{params}, typename WT>\n__device__ __forceinline__ void dflash_rows_body("
         "const __nv_bfloat16* x, const WT* w, const __nv_bfloat16* scales, const __nv_bfloat16* biases, "
-        "const int32_t* rows, const __nv_bfloat16* residual, __nv_bfloat16* y) {\n" + matmul_kernel._SOURCE + "\n}\n")
+        "const int32_t* rows, const __nv_bfloat16* residual, const __nv_bfloat16* norm, __nv_bfloat16* y) {\n" + matmul_kernel._SOURCE + "\n}\n")
     return path
 
 
@@ -89,7 +89,7 @@ def per_op(f, args, n: int = 200) -> tuple[float, float]:
 def main() -> None:
     folder = Path(tempfile.mkdtemp())
     include = f'#include "{header_file(folder)}"\n'
-    call = f"  dflash_rows_body<{', '.join(NAMES)}>(x, w, scales, biases, rows, residual, y);\n"
+    call = f"  dflash_rows_body<{', '.join(NAMES)}>(x, w, scales, biases, rows, residual, norm, y);\n"
     paths = {"templated": variant("templated", matmul_kernel._HEADER, matmul_kernel._SOURCE, False),
              "baked": variant("baked", matmul_kernel._HEADER, matmul_kernel._SOURCE, True),
              "engine": (lambda x, q, s, b, bits, gs: rows_matmul(x, q, s, b, bits, gs),
