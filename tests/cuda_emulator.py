@@ -234,8 +234,8 @@ def install_matmul(monkeypatch) -> None:
     as MLX's `cuda_kernel` takes them."""
     from dflash_bench.engine import matmul_kernel as mk
 
-    monkeypatch.setattr(mk, "_kernel", lambda: Emu("dflash_rows_matmul", mk.INPUTS, ["y"],
-                                                   mk._SOURCE, emulated(mk._HEADER)))
+    monkeypatch.setattr(mk, "_kernel", lambda parts=0: Emu(f"dflash_rows_matmul_{parts}", mk.INPUTS, mk.outputs(parts),
+                                                           mk.source(parts), emulated(mk._HEADER)))
 
 
 def install_cuda_kernel(monkeypatch) -> None:

@@ -124,7 +124,8 @@ def test_a_stacked_weight_returns_contiguous_parts_for_decode_rows_and_splits_a_
 @pytest.mark.parametrize("case", [(128, (64, 32, 16, 16), 4, 64), (64, (16, 24), 16, 0)], ids=["q4-four-parts", "bf16-two-parts"])
 def test_the_kernel_source_writes_parts_that_equal_the_columns_of_one_product(monkeypatch, case) -> None:
     """`parts`: each part of a call of 1, 5 and 17 rows equals its columns of the same call without
-    parts, bit for bit (only where a column is written changes)."""
+    parts, bit for bit (only where a column is written changes); each part is an output of the launch
+    (no split and reshape of one flat output for the host to build)."""
     cuda_emulator.install_matmul(monkeypatch)
     k, widths, bits, group = case
     w = weight(k, sum(widths), bits, group, seed=3)
@@ -132,6 +133,8 @@ def test_the_kernel_source_writes_parts_that_equal_the_columns_of_one_product(mo
     for m in (1, 5, 17):
         whole = matmul_kernel.rows_matmul(x[:m], w.w, w.scales, w.biases, bits, group)
         got = matmul_kernel.rows_matmul(x[:m], w.w, w.scales, w.biases, bits, group, widths)
+        assert matmul_kernel.launch(m, k, sum(widths), bits, group or 64, widths).options["output_shapes"] == [
+            (m, width) for width in widths]
         lo = 0
         for part, width in zip(got, widths):
             assert part.shape == (m, width) and mx.array_equal(part, whole[:, lo : lo + width]).item(), (m, lo)
@@ -166,8 +169,8 @@ def test_the_kernel_source_adds_a_residual_with_the_bits_of_the_product_then_the
                                          "__float2bfloat16_rn(b + (RESID ? (float)r[1] : 0.0f))};")
     once = once.replace("if constexpr (RESID != 0) {", "if constexpr (false) {")
     assert once.count("(float)r[0]") == 1
-    monkeypatch.setattr(matmul_kernel, "_kernel", lambda: cuda_emulator.Emu(
-        "dflash_rows_matmul", matmul_kernel.INPUTS, ["y"], matmul_kernel._SOURCE, cuda_emulator.emulated(once)))
+    monkeypatch.setattr(matmul_kernel, "_kernel", lambda parts=0: cuda_emulator.Emu(
+        "dflash_rows_matmul", matmul_kernel.INPUTS, ["y"], matmul_kernel.source(0), cuda_emulator.emulated(once)))
     single = matmul_kernel.rows_matmul(x, w.w, w.scales, w.biases, bits, group, residual=residual)
     alone = matmul_kernel.rows_matmul(x, w.w, w.scales, w.biases, bits, group)
     assert not mx.array_equal(single, residual + alone).item()

@@ -95,22 +95,24 @@ class Launch:
         t = dict(template)
         if t["NORM"] and not self.one_node:  # the rows normed in the launch (the reference: MLX's norm first)
             x = mx.fast.rms_norm(x, norm, struct.unpack("<f", struct.pack("<i", t["EPS"]))[0])
-        if self.one_node:
-            key = (t["K"], t["N"])
+        if self.one_node:  # a stacked weight's parts are outputs of the one launch: the first the node, the rest tied to it
+            key = (t["K"], output_shapes[0][1])
             if key not in self.zeros:
                 self.zeros[key] = mx.zeros(key, dtype=mx.bfloat16)
             if t["RESID"]:  # the residual added in the same launch: still one node
                 return [mx.addmm(residual, x, self.zeros[key])]
-            return [(x @ self.zeros[key]).reshape(output_shapes[0])]
+            first = x @ self.zeros[key]
+            return [first] + [mx.depends([mx.broadcast_to(mx.array(0, dtype=mx.bfloat16), shape)], [first])[0]
+                              for shape in output_shapes[1:]]
         y = x @ w.T if t["BITS"] == 16 else mx.quantized_matmul(x, w, scales, biases, transpose=True,
                                                                 group_size=t["G"], bits=t["BITS"])
         y = y.astype(mx.bfloat16)
         if t["RESID"]:
             y = residual + y
-        if len(output_shapes[0]) == 1:  # a stacked weight's parts, one after another (rows_matmul's `parts`)
-            starts = sorted({0, t["P1"], t["P2"], t["P3"], t["N"]})
-            y = mx.concatenate([y[:, a:b].reshape(-1) for a, b in zip(starts, starts[1:])])
-        return [y]
+        if len(output_shapes) == 1:
+            return [y]
+        starts = sorted({0, t["P1"], t["P2"], t["P3"], t["N"]})  # a stacked weight's parts (rows_matmul's `parts`)
+        return [mx.contiguous(y[:, a:b]) for a, b in zip(starts, starts[1:])]
 
 
 def drafter_attention(segs, scale, meta=None, causal=True, window=None, block=None) -> mx.array:
@@ -175,7 +177,7 @@ def main() -> None:
     dense.kernel_runs_here = lambda heads, device, cuda: attention_kernel.fits(*heads)
     qwen3_5.decode_recurrence = lambda heads, device, cuda: "delta_kernel" if delta_kernel.fits(*heads) else "gated_delta_ops"
     tiles.available = lambda dtype: dtype == mx.bfloat16
-    matmul_kernel._kernel = lambda: Launch(one_node=False)
+    matmul_kernel._kernel = lambda parts=0: Launch(one_node=False)
     attention_kernel.decode_attention = reference_attention
     qwen3_5.RECURRENCES["delta_kernel"] = qwen3_5.per_window_ops
     launches = delta_kernel.delta_packed, delta_kernel.rollback
@@ -185,7 +187,7 @@ def main() -> None:
     target = Engine(write_big("qwen3_5-9b-4bit", root / "target", "tiny"), None,
                     Settings(parallel=4, context=256, chunk=32, backend="gpu")).target
     stand_in = Launch(one_node=True)
-    matmul_kernel._kernel = lambda: stand_in
+    matmul_kernel._kernel = lambda parts=0: stand_in
     attention_kernel.decode_attention = lambda segs, scale, meta=None: mx.abs(mx.concatenate([s[0] for s in segs]))
     # the recurrence kernel's own launches, each one node (what their Python asks for beside them is counted)
     delta_kernel.delta_packed, delta_kernel.rollback = launches

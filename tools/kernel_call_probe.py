@@ -43,7 +43,8 @@ def header_file(folder: Path) -> Path:
         "#pragma once\n" + matmul_kernel._HEADER
         + f"\ntemplate <{params}, typename WT>\n__device__ __forceinline__ void dflash_rows_body("
         "const __nv_bfloat16* x, const WT* w, const __nv_bfloat16* scales, const __nv_bfloat16* biases, "
-        "const int32_t* rows, const __nv_bfloat16* residual, const __nv_bfloat16* norm, __nv_bfloat16* y) {\n" + matmul_kernel._SOURCE + "\n}\n")
+        "const int32_t* rows, const __nv_bfloat16* residual, const __nv_bfloat16* norm, __nv_bfloat16* y) {\n"
+        + matmul_kernel.source(0) + "\n}\n")
     return path
 
 
@@ -90,10 +91,10 @@ def main() -> None:
     folder = Path(tempfile.mkdtemp())
     include = f'#include "{header_file(folder)}"\n'
     call = f"  dflash_rows_body<{', '.join(NAMES)}>(x, w, scales, biases, rows, residual, norm, y);\n"
-    paths = {"templated": variant("templated", matmul_kernel._HEADER, matmul_kernel._SOURCE, False),
-             "baked": variant("baked", matmul_kernel._HEADER, matmul_kernel._SOURCE, True),
-             "engine": (lambda x, q, s, b, bits, gs: rows_matmul(x, q, s, b, bits, gs),
-                        len(matmul_kernel._HEADER) + len(matmul_kernel._SOURCE)),
+    body = matmul_kernel.source(0)
+    paths = {"templated": variant("templated", matmul_kernel._HEADER, body, False),
+             "baked": variant("baked", matmul_kernel._HEADER, body, True),
+             "engine": (lambda x, q, s, b, bits, gs: rows_matmul(x, q, s, b, bits, gs), len(matmul_kernel._HEADER) + len(body)),
              "included": variant("included", include, call, False),
              "included+baked": variant("included+baked", include, call, True)}
     for k, n in [(4096, 4096), (4096, 24576)]:

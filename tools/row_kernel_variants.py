@@ -42,7 +42,7 @@ def engine_source() -> tuple[str, str]:
     tree = ast.parse((ROOT / "dflash_bench/engine/matmul_kernel.py").read_text())
     found = {t.targets[0].id: ast.literal_eval(t.value) for t in tree.body
              if isinstance(t, ast.Assign) and isinstance(t.targets[0], ast.Name) and t.targets[0].id in ("_HEADER", "_SOURCE")}
-    return found["_HEADER"], found["_SOURCE"]
+    return found["_HEADER"], found["_SOURCE"].replace("{part}", "y + (size_t)M * lo")  # one output (matmul_kernel.source)
 
 
 def float_dequant(engine: str) -> str:

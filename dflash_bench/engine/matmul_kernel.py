@@ -303,11 +303,12 @@ _SOURCE = r"""
               v[2] = __fmul_rn(v[2], inv[i][1]);
               v[3] = __fmul_rn(v[3], inv[i][1]);
             }
-            // column col of part p (columns [lo, hi): P1..P3 split N) at row r: y[M * lo + r * (hi - lo) + col - lo]
+            // column col of its part (columns [lo, hi): P1..P3 split N) at row r: that part's output, row-contiguous,
+            // at r * (hi - lo) + col - lo (`source` puts in the part's own output, or y + M * lo where one holds all)
             const int col = n0 + j * 8 + 2 * t;
             const int lo = col < P1 ? 0 : col < P2 ? P1 : col < P3 ? P2 : P3;
             const int hi = col < P1 ? P1 : col < P2 ? P2 : col < P3 ? P3 : N;
-            __nv_bfloat16* part = y + (size_t)M * lo + (col - lo);
+            __nv_bfloat16* part = {part} + (col - lo);
             const int r0 = m0 + i * 16 + grp;
             if (r0 < M) *reinterpret_cast<__nv_bfloat162*>(part + (size_t)r0 * (hi - lo)) = mm_out<RESID>(v[0], v[1], residual + (size_t)r0 * N + col);
             if (r0 + 8 < M) *reinterpret_cast<__nv_bfloat162*>(part + (size_t)(r0 + 8) * (hi - lo)) = mm_out<RESID>(v[2], v[3], residual + (size_t)(r0 + 8) * N + col);
@@ -378,9 +379,28 @@ def look_ahead(in_features: int, bits: int, split_k: int, tiles: int) -> int:
 INPUTS = ["x", "w", "scales", "biases", "rows", "residual", "norm"]
 
 
-@lru_cache(maxsize=1)
-def _kernel():
-    return BakedKernel("dflash_rows_matmul", INPUTS, ["y"], _SOURCE, _HEADER)
+def outputs(parts: int) -> list[str]:
+    """The launch's output names: one (`y`), or one a part (`y0`..) where a stacked weight's launch writes its
+    parts apart."""
+    return [f"y{i}" for i in range(parts)] if parts else ["y"]
+
+
+def source(parts: int) -> str:
+    """The kernel body writing one output, or `parts` outputs (a column's part picked by P1..P3)."""
+    if not parts:
+        return _SOURCE.replace("{part}", "y + (size_t)M * lo")
+    names = outputs(parts)
+    pick = names[-1]
+    for bound, name in reversed(list(zip(("P1", "P2", "P3"), names[:-1]))):
+        pick = f"col < {bound} ? {name} : {pick}"
+    return _SOURCE.replace("{part}", f"({pick})")
+
+
+@lru_cache(maxsize=None)
+def _kernel(parts: int = 0):
+    """The launch object for one output, or for `parts` outputs (each part count is its own source)."""
+    return BakedKernel(f"dflash_rows_matmul{f'_{parts}parts' if parts else ''}", INPUTS, outputs(parts), source(parts),
+                       _HEADER)
 
 
 def splits_output(widths: tuple[int, ...]) -> bool:
@@ -396,7 +416,6 @@ class KernelCall:
 
     rows: mx.array  # the row count, the kernel's input `rows`
     options: dict  # template, grid, threadgroup, output shapes and dtypes
-    splits: list[int]  # where the flat output divides into parts (with `parts`)
 
 
 def tiles_a_warp(m: int, k: int, n: int, bits: int) -> int:
@@ -433,9 +452,9 @@ def launch(m: int, k: int, n: int, bits: int, group_size: int, parts: tuple[int,
                 *zip(("P1", "P2", "P3"), starts + [n] * (MAX_PARTS - 1 - len(starts))), ("RESID", int(residual)),
                 ("NORM", int(eps is not None)), ("EPS", 0 if eps is None else float_bits(eps)))
     options = dict(template=template, grid=(n // (8 * nt) * 32 * g.split_k, -(-m // (MMA_ROWS * tiles)), 1),
-                   threadgroup=(32 * g.split_k, 1, 1), output_shapes=[(m * n,) if parts else (m, n)],
-                   output_dtypes=[mx.bfloat16])
-    return KernelCall(mx.array([m], dtype=mx.int32), options, [m * lo for lo in starts])
+                   threadgroup=(32 * g.split_k, 1, 1), output_shapes=[(m, width) for width in parts] or [(m, n)],
+                   output_dtypes=[mx.bfloat16] * max(1, len(parts)))
+    return KernelCall(mx.array([m], dtype=mx.int32), options)
 
 
 def rows_matmul(x: mx.array, w: mx.array, scales: mx.array | None, biases: mx.array | None, bits: int,
@@ -443,9 +462,10 @@ def rows_matmul(x: mx.array, w: mx.array, scales: mx.array | None, biases: mx.ar
                 norm: tuple[mx.array, float] | None = None) -> mx.array | list[mx.array]:
     """`x @ W.T` for bf16 rows x (M, K): W packed (N, K * bits / 32) uint32 with bf16 scales and
     biases (N, K / group_size), or a bf16 (N, K) matrix with `bits` 16. Returns (M, N) bf16, or with
-    `parts` (column widths summing to N, `splits_output`) one row-contiguous (M, width) array a part:
-    a stacked weight's products (tiles.Stacked), which a column slice of (M, N) would leave strided
-    for every later reshape and kernel to copy. Where a column is written, never how it is summed.
+    `parts` (column widths summing to N, `splits_output`) one row-contiguous (M, width) array a part, each
+    an output of the launch: a stacked weight's products (tiles.Stacked), which a column slice of (M, N)
+    would leave strided for every later reshape and kernel to copy (and a split of one flat output costs the
+    host a split and a reshape a part). Where a column is written, never how it is summed.
 
     With `residual` (M, N) bf16, `residual + x @ W.T` in the same launch, bit for bit the product
     then MLX's add (`mm_out`): a decoder layer's two residual adds, one launch each a layer before
@@ -462,9 +482,8 @@ def rows_matmul(x: mx.array, w: mx.array, scales: mx.array | None, biases: mx.ar
         raise ValueError("rows_matmul adds a residual to a whole output, not to parts")
     call = launch(m, k, w.shape[0], bits, group_size, parts, residual is not None, None if norm is None else norm[1])
     if bits == 16:
-        scales = biases = w[:1, :1]  # unread: the launch still takes four arrays
+        scales = biases = w  # unread: the launch still takes four arrays (w itself: a slice would be an operation)
     resid = x if residual is None else residual  # unread where RESID is 0
-    (y,) = _kernel()(inputs=[x, w, scales, biases, call.rows, resid, x if norm is None else norm[0]], **call.options)
-    if not parts:
-        return y
-    return [part.reshape(m, width) for part, width in zip(mx.split(y, call.splits), parts)]
+    ys = _kernel(len(parts))(inputs=[x, w, scales, biases, call.rows, resid, x if norm is None else norm[0]],
+                             **call.options)
+    return list(ys) if parts else ys[0]
