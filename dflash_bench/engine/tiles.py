@@ -212,6 +212,12 @@ class Stacked:
             out.weights = self.weights[:parts]
         return out
 
+    @property
+    def one_launch(self) -> bool:
+        """Whether its parts are one row-kernel launch (one stacked weight on the kernel), which then norms the
+        rows of a `norm` handed to it itself; otherwise the parts share one MLX norm of the rows (`__call__`)."""
+        return len(self.weights) == 1 and self.weights[0].kernel
+
     def __call__(self, x: mx.array, layout: Layout | None = None, norm: Norm | None = None) -> list[mx.array]:
         """Each part's product of `x` (RMS-normed first with `norm`: `linear`), in the parts' order. Decode
         rows alone on the row kernel come back as a row-contiguous array a part: column slices of one product
@@ -220,8 +226,7 @@ class Stacked:
         if len(self.weights) == 1 and len(self.widths) > 1:
             stacked = self.weights[0]
             if stacked.kernel and splits_output(self.widths) and (layout is None or not layout.blocks):
-                rows = x if layout is None else x[: layout.decode_rows]
-                return stacked.kernel_product(rows, self.widths) if norm is None else stacked.kernel_product(rows, self.widths, norm=norm)
+                return stacked.kernel_product(x if layout is None else x[: layout.decode_rows], self.widths, norm=norm)
             return mx.split(linear(x, stacked, layout, norm=norm), list(accumulate(self.widths[:-1])), axis=-1)
         if norm is not None and len(self.weights) > 1:  # the parts share one norm of x
             x, norm = mx.fast.rms_norm(x, *norm), None
@@ -310,12 +315,8 @@ def linear(x: mx.array, weight: Weight | mx.array, layout: Layout | None = None,
         x, norm = mx.fast.rms_norm(x, *norm), None
     rows = x.shape[0]
     if weight.kernel:
-        extra = {} if norm is None else {"norm": norm}
-
         def kernel(a: int, b: int) -> mx.array:  # rows [a, b) in one kernel call, the residual's and the norm's in it
-            if residual is None:
-                return weight.kernel_product(x[a:b], **extra)
-            return weight.kernel_product(x[a:b], residual=residual[a:b], **extra)
+            return weight.kernel_product(x[a:b], residual=None if residual is None else residual[a:b], norm=norm)
 
         def block(a: int, b: int) -> mx.array:  # a prompt chunk's block: MLX's norm and product, then the add
             y = weight.tile(x[a:b] if norm is None else mx.fast.rms_norm(x[a:b], *norm))

@@ -230,7 +230,7 @@ class DFlashDrafter:
             total += taps.shape[0]
         taps = mx.concatenate([t for _, t in items]) if len(items) > 1 else items[0][1]
         fused, norm = linear(self.padded(taps), self.fc), (self.hidden_norm, self.eps)
-        if not all(len(layer["kv"].weights) == 1 and layer["kv"].weights[0].kernel for layer in self.layers):
+        if not all(layer["kv"].one_launch for layer in self.layers):
             fused, norm = mx.fast.rms_norm(fused, *norm), None  # one norm for every layer's k/v products
         # else every layer's k/v launch norms the rows itself (tiles.linear): no launch for the norm
         # read once: writing layer 0 advances them; at a device length, the rows' positions for every layer
@@ -351,12 +351,8 @@ class DFlashDrafter:
         """Float32 logits of block rows through the final norm and the target's lm_head (with the config's
         output multiplier and soft cap, where it sets them). On the row kernel the head takes any row count
         and the norm in its launch (tiles.linear)."""
-        head, norm = self.target.lm_head, (self.norm, self.eps)
-        if head.kernel:
-            out = linear(h, head, norm=norm)
-        else:
-            out = linear(pad_rows(mx.fast.rms_norm(h, *norm)), head)[: h.shape[0]]
-        out = out.astype(mx.float32)
+        head = self.target.lm_head
+        out = linear(h if head.kernel else pad_rows(h), head, norm=(self.norm, self.eps))[: h.shape[0]].astype(mx.float32)
         c = self.config
         if c.output_multiplier != 1.0:
             out = out * c.output_multiplier

@@ -168,6 +168,15 @@ _PARTIAL = r"""
   vp += (long long)hk * cap * D;
   const T* bk = {block_k};
   const T* bv = {block_v};
+  // a chunk of K or V rows from c0 (from `cache`, and with BLOCK the keys from the segment's start on from `blk`)
+  int c0 = 0;
+  auto stage = [&](T* dst, const T* cache, const T* blk) {
+    if constexpr (BLOCK != 0) {
+      da_stage_split<T, D, DP, NT>(dst, cache, blk, c0, start, n, row0);
+    } else {
+      da_stage<T, D, DP, NT>(dst, cache + (long long)c0 * D);
+    }
+  };
   const float sc = scale[0];
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -191,14 +200,9 @@ _PARTIAL = r"""
     for (int e = 0; e < E; ++e) acc[i][e] = 0.0f;
   }
 
-  for (int c0 = c_lo; c0 < k_end; c0 += C) {
-    if constexpr (BLOCK != 0) {
-      da_stage_split<T, D, DP, NT>(kbuf, kp, bk, c0, start, n, row0);
-      if constexpr (!SPLIT) da_stage_split<T, D, DP, NT>(vown, vp, bv, c0, start, n, row0);
-    } else {
-      da_stage<T, D, DP, NT>(kbuf, kp + (long long)c0 * D);
-      if constexpr (!SPLIT) da_stage<T, D, DP, NT>(vown, vp + (long long)c0 * D);
-    }
+  for (c0 = c_lo; c0 < k_end; c0 += C) {
+    stage(kbuf, kp, bk);
+    if constexpr (!SPLIT) stage(vown, vp, bv);
     __syncthreads();
 
     // scores: lane j holds key c0 + j, summed over d in ascending order
@@ -242,11 +246,7 @@ _PARTIAL = r"""
     }
     if constexpr (SPLIT) {
       __syncthreads();
-      if constexpr (BLOCK != 0) {
-        da_stage_split<T, D, DP, NT>(kbuf, vp, bv, c0, start, n, row0);
-      } else {
-        da_stage<T, D, DP, NT>(kbuf, vp + (long long)c0 * D);
-      }
+      stage(kbuf, vp, bv);
       __syncthreads();
     } else {
       __syncwarp();

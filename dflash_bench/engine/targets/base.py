@@ -225,11 +225,8 @@ class Target:
     def logits(self, x: mx.array, rows: list[int]) -> mx.array:
         """Float32 logits of the packed rows `rows` after the final norm (their lm_head products run in row
         tiles; on the row kernel, one call with the norm in it: tiles.linear)."""
-        h, norm = x[mx.array(rows, dtype=mx.int32)], (self.norm, self.eps)
-        if self.lm_head.kernel:
-            return linear(h, self.lm_head, norm=norm).astype(mx.float32)
-        h = mx.fast.rms_norm(h, *norm)
-        return linear(pad_rows(h, self.row_tile), self.lm_head)[: len(rows)].astype(mx.float32)
+        h = pad_rows(x[mx.array(rows, dtype=mx.int32)], self.row_tile)
+        return linear(h, self.lm_head, norm=(self.norm, self.eps))[: len(rows)].astype(mx.float32)
 
     def mlp(self, x: mx.array, layout: Layout, gate_up: Stacked, down: Weight, residual: mx.array, norm: Norm) -> mx.array:
         """`residual` plus the SwiGLU MLP of x RMS-normed by `norm`: the norm in the gate/up launch and the add
