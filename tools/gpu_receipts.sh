@@ -44,14 +44,14 @@ fi
 log start "${DFLASH_BENCH_COMMIT:-no DFLASH_BENCH_COMMIT, so receipts name the commit of the copy .git}"
 # Correctness first, in parallel (no speed is read from these): every GPU test, and beside it the 9B
 # fixtures and the default model's exactness. A step's limit stops it and lets the rest go on.
-# The GPU tests of the kernels the engine's changes touch (the drafter's norm-and-RoPE launch among them) and of gpu mode's contracts (job J ran these 36 and 19 of
-# the attention kernel's 82 in 600 s on a fresh machine: NVRTC compiles at first use). The attention kernel's
-# others run after the timed steps; its source changed in session 34 (a drafter's block K/V read from the launch's
-# own rows), whose device test runs here first. (The two server files import
-# `openai`, which the GPU machine's Python lacks; CI runs them.)
-step pytest-gpu 480 python3 -m pytest -p no:cacheprovider -m gpu tests/test_matmul_kernel.py tests/test_matmul_norm.py tests/test_delta_kernel.py \
-  tests/test_norm_rope_kernel.py tests/test_gpu_mode.py \
-  "tests/test_attention_kernel.py::test_on_the_device_a_blocks_keys_from_its_own_rows_equal_them_written_first" &
+# The GPU tests of the kernels the engine launches and of gpu mode's contracts, those job L (bc2fdf7) did not reach
+# first: it passed the row kernel's, the norm's, the recurrence kernel's and the norm-and-RoPE kernel's 29 and 2 of
+# gpu mode's before this step's limit (docs/profiles/pytest-gpu-h200-16.txt: NVRTC compiles at first use). The
+# attention kernel's others run after the timed steps. (The two server files import `openai`, which the GPU
+# machine's Python lacks; CI runs them.)
+step pytest-gpu 480 python3 -m pytest -p no:cacheprovider -m gpu tests/test_gpu_mode.py \
+  "tests/test_attention_kernel.py::test_on_the_device_a_blocks_keys_from_its_own_rows_equal_them_written_first" \
+  tests/test_matmul_kernel.py tests/test_matmul_norm.py tests/test_delta_kernel.py tests/test_norm_rope_kernel.py &
 {
   run fixture-9b 120 fixture qwen3_5-9b-4bit /root/f9/t
   run fixture-9b-drafter 120 fixture dflash-9b /root/f9/d
@@ -66,6 +66,10 @@ if [ -f "$gguf" ]; then
     --out "$out/concurrent-default-gpu-h200.json" &
 fi
 wait
+# First, what the device does in a round as the engine runs it (job L's round split found the 9B's drafted round
+# waiting 5.9 ms on the device on the code probe): busy and idle time a round, plain and drafted, with each
+# kernel kind's share, from CUPTI's records through PyTorch's profiler (docs/profiles/round-timeline-h200.txt)
+step round-timeline-9b 360 python3 tools/round_timeline.py /root/f9/t --drafter /root/f9/d --out /root/f9/timeline
 # Then the timed runs, one at a time and alone on the machine, the receipts the README quotes first.
 # the drafter in bf16 and as 4-bit copies: its bf16 products were ~1.9 ms of a 9B drafted round's device time
 # (docs/gpu-round-profile.md), so a 4-bit drafter is the serving choice to weigh against the bar (job A's pair decided nothing)

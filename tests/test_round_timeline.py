@@ -1,0 +1,57 @@
+"""tools/round_timeline.py's reading of a PyTorch profiler trace: the device's busy time a round is the union
+of its kernels' intervals between the first marked round's start and the next-to-last's end, idle time is
+binned by gap length, and kernels outside the span or GPU echoes of the host's marks are left out."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+from round_timeline import ROUND, Interval, describe, read_trace, summarize  # noqa: E402  (tools/ is not a package)
+
+
+def kernel(name: str, ts: float, dur: float) -> dict:
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": 7}
+
+
+def mark(ts: float, dur: float, cat: str = "user_annotation") -> dict:
+    return {"ph": "X", "cat": cat, "name": ROUND, "ts": ts, "dur": dur, "pid": 1, "tid": 1}
+
+
+def test_busy_time_is_the_union_of_kernels_and_gaps_are_binned_by_length(tmp_path) -> None:
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps({"traceEvents": [
+        mark(1000, 900), mark(2000, 900), mark(3000, 900),  # three marked rounds: the span is 1000..3000
+        mark(1000, 900, cat="gpu_user_annotation"),  # the GPU track's echo of a mark: not a round
+        kernel("void mlx::copy_v<float>(const float *)", 900, 50),  # starts before the span: left out
+        kernel("mlx::custom_kernel_dflash_rows_matmul_4096_4096_4_64_2_8_1_1", 1000, 400),
+        kernel("void mlx::copy_v<float>(const float *)", 1200, 100),  # inside the one before: no busy time of its own
+        kernel("void mlx::copy_v<bf16>(const bf16 *)", 1350, 100),  # overlaps its end: 50 us more
+        kernel("mlx::custom_kernel_dflash_rows_matmul_4096_4096_4_64_2_8_1_1", 1455, 45),  # a 5 us gap
+        kernel("void mlx::rms_norm_small<float>(float *)", 1550, 450),  # a 50 us gap
+        kernel("mlx::custom_kernel_dflash_rows_matmul_4096_4096_4_64_2_8_1_1", 2500, 600),  # a 500 us gap
+        kernel("void mlx::copy_v<float>(const float *)", 3000, 10),  # starts at the span's end: left out
+        {"ph": "i", "name": "instant", "ts": 1500},  # not a duration event
+    ]}))
+    kernels, rounds = read_trace(str(trace))
+    assert [r.start for r in rounds] == [1000, 2000, 3000]
+    t = summarize(kernels, rounds)
+    assert t.rounds == 2 and t.wall_ms == 1.0
+    assert t.busy_ms == pytest.approx((450 + 45 + 450 + 600) / 2 / 1e3)
+    assert t.kernels == 3.0
+    assert t.gaps_ms == pytest.approx({"< 10 us": 0.0025, "10-100 us": 0.025, ">= 100 us": 0.25})
+    # busy and idle together reach from the first counted kernel's start to the last one's end
+    assert t.busy_ms + sum(t.gaps_ms.values()) == pytest.approx((3100 - 1000) / 2 / 1e3)
+    matmul = "mlx::custom_kernel_dflash_rows_matmul_4096_4096_4_64_2_8_1_1"
+    assert t.kinds[0] == (matmul, pytest.approx(0.5225), 1.5)
+    assert dict((k, n) for k, _, n in t.kinds) == {matmul: 1.5, "void mlx::rms_norm_small": 0.5, "void mlx::copy_v": 1.0}
+    assert describe("drafted", t).startswith("== drafted: 2 rounds, 1.00 ms a round; the device busy 0.77 ms (77%)")
+
+
+def test_a_trace_with_too_few_marked_rounds_is_refused() -> None:
+    with pytest.raises(ValueError, match="need 3 marked rounds, got 2"):
+        summarize([Interval("k", 0, 1)], [Interval(ROUND, 0, 1), Interval(ROUND, 2, 3)], 2)

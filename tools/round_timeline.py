@@ -1,0 +1,174 @@
+"""The device's timeline over decode rounds: how long it is busy a round, and how long it waits between kernels.
+
+usage (on the GPU machine): python3 tools/round_timeline.py TARGET --drafter DRAFTER [--streams N] [--rounds R]
+                            [--out TRACE_DIR]
+       python3 tools/round_timeline.py --report TRACE.json [--rounds R]
+
+round_split.py times a round from the host: where a drafted round's `read` waits, the device is behind, but
+not whether its kernels are long or it idles between them. round_kernels.py (Nsight Compute) runs each kernel
+alone, so it gives each kernel's time and no gaps. This records the kernels as they ran, in the engine's own
+order and overlap, with CUPTI through PyTorch's profiler in the same process as MLX (the GPU machine's python3
+holds PyTorch; CUPTI's kernel records cover every kernel of the process, MLX's too). The engine serves TARGET
+with DRAFTER as engine-speed does (gpu mode, warmed); on engine-speed's code probe one plain and one drafted
+request decode a few warm rounds each, then R rounds under the profiler, each `Engine.step` marked. Per mode:
+the rounds' wall time from the host's marks, the device's busy time (the union of kernel intervals) and idle
+time inside the same span, the idle time split by gap length (a gap under 10 us is a launch's own latency;
+longer ones wait on the host), kernels a round, and the kernel kinds by busy time. The device runs a round's
+work behind its host round (lanes.py queues the next round before reading the last), so the span is from the
+first marked step's start to the start of the step after the last, and the kernels counted are those starting in it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from round_kernels import kernel_kind
+
+ROUND = "dflash_bench_round"
+WARM_ROUNDS = 6
+
+
+@dataclass(frozen=True)
+class Interval:
+    name: str
+    start: float  # us
+    end: float  # us
+
+
+@dataclass(frozen=True)
+class Timeline:
+    rounds: int
+    wall_ms: float  # a round, from the host's marks
+    busy_ms: float  # a round: the union of the kernels' intervals
+    kernels: float  # a round
+    gaps_ms: dict[str, float]  # idle ms a round by gap length
+    kinds: list[tuple[str, float, float]]  # (kind, busy ms a round, launches a round), most busy first
+
+
+GAP_BINS = ((10.0, "< 10 us"), (100.0, "10-100 us"), (float("inf"), ">= 100 us"))
+
+
+def read_trace(path: str) -> tuple[list[Interval], list[Interval]]:
+    """The kernels and the marked rounds of a Chrome trace PyTorch's profiler wrote."""
+    events = json.loads(Path(path).read_text())
+    events = events.get("traceEvents", events) if isinstance(events, dict) else events
+    kernels, rounds = [], []
+    for e in events:
+        if e.get("ph") != "X" or "dur" not in e:
+            continue
+        span = Interval(e.get("name", ""), float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+        if e.get("cat") == "kernel":
+            kernels.append(span)
+        elif e.get("name") == ROUND and not str(e.get("cat", "")).startswith("gpu_"):  # the host's mark, not its GPU echo
+            rounds.append(span)
+    return kernels, sorted(rounds, key=lambda r: r.start)
+
+
+def summarize(kernels: list[Interval], rounds: list[Interval], count: int | None = None) -> Timeline:
+    """The first `count` marked rounds (all but the last where None: its start ends the span) and the
+    kernels that start inside their span."""
+    count = len(rounds) - 1 if count is None else count
+    if count < 1 or len(rounds) < count + 1:
+        raise ValueError(f"need {count + 1} marked rounds, got {len(rounds)}")
+    lo, hi = rounds[0].start, rounds[count].start
+    inside = sorted((k for k in kernels if lo <= k.start < hi), key=lambda k: k.start)
+    busy, gaps = 0.0, collections.Counter()
+    end = None
+    for k in inside:
+        if end is not None and k.start > end:
+            gap = k.start - end
+            gaps[next(label for limit, label in GAP_BINS if gap < limit)] += gap
+        if end is None or k.start > end:
+            busy += k.end - k.start
+            end = k.end
+        elif k.end > end:
+            busy += k.end - end
+            end = k.end
+    per_kind, launches = collections.Counter(), collections.Counter()
+    for k in inside:
+        per_kind[kernel_kind(k.name)] += k.end - k.start
+        launches[kernel_kind(k.name)] += 1
+    return Timeline(count, (hi - lo) / count / 1e3, busy / count / 1e3, len(inside) / count,
+                    {label: gaps[label] / count / 1e3 for _, label in GAP_BINS},
+                    [(kind, us / count / 1e3, launches[kind] / count) for kind, us in per_kind.most_common()])
+
+
+def describe(mode: str, t: Timeline, top: int = 15) -> str:
+    idle = t.wall_ms - t.busy_ms
+    lines = [f"== {mode}: {t.rounds} rounds, {t.wall_ms:.2f} ms a round; the device busy {t.busy_ms:.2f} ms "
+             f"({100 * t.busy_ms / t.wall_ms:.0f}%), idle {idle:.2f} ms, {t.kernels:.0f} kernels a round; idle by gap: "
+             + ", ".join(f"{label} {ms:.2f} ms" for label, ms in t.gaps_ms.items())]
+    lines += [f"  {ms:8.3f} ms {n:7.1f}x {kind}" for kind, ms, n in t.kinds[:top]]
+    return "\n".join(lines)
+
+
+def record(engine, prompt: list[int], draft: bool, rounds: int, trace: Path) -> None:
+    """Warm rounds of one request, then `rounds` + 1 marked rounds under the profiler, the trace to `trace`."""
+    import mlx.core as mx
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from dflash_bench.engine.request import Request
+
+    engine.submit(Request(prompt, max_tokens=(WARM_ROUNDS + rounds + 4) * 17, ignore_eos=True, seed=0, draft=draft))
+    for _ in range(WARM_ROUNDS):
+        engine.step()
+    mx.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(rounds + 1):
+            with record_function(ROUND):
+                engine.step()
+        mx.synchronize()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(str(trace))
+    while engine.lanes.busy:
+        engine.step()
+
+
+def run(target: str, drafter: str, rounds: int, out: Path) -> None:
+    import dflash_bench  # noqa: F401  (loads the BLAS before mlx.core)
+
+    from dflash_bench.engine.engine import Engine, Settings
+    from round_split import probe_ids
+
+    engine = Engine(target, drafter, Settings(parallel=4, context=4096, backend="gpu"))
+    print(engine.startup_line(), flush=True)
+    prompts = probe_ids(engine) if engine.loaded is not None and engine.loaded.tokenizer is not None else {}
+    prompt = prompts.get("code", list(range(100, 356)))
+    out.mkdir(parents=True, exist_ok=True)
+    got = {}
+    for mode in ("plain", "drafted"):
+        trace = out / f"round-timeline-{mode}.json"
+        record(engine, prompt, mode == "drafted", rounds, trace)
+        kernels, marks = read_trace(str(trace))
+        if not kernels:
+            raise SystemExit(f"{trace} holds no kernel records: CUPTI did not see the engine's launches")
+        got[mode] = summarize(kernels, marks, rounds)
+        print(describe(mode, got[mode]), flush=True)
+    print(f"drafted / plain: a round {got['drafted'].wall_ms / got['plain'].wall_ms:.2f}x, "
+          f"the device's busy time {got['drafted'].busy_ms / got['plain'].busy_ms:.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("target", nargs="?")
+    parser.add_argument("--drafter")
+    parser.add_argument("--rounds", type=int, help="marked rounds to profile (16), or to report (all but the last)")
+    parser.add_argument("--out", default="round-timeline", help="where the traces go")
+    parser.add_argument("--report", metavar="TRACE", help="summarize a trace this tool wrote")
+    args = parser.parse_args()
+    if args.report:
+        print(describe(Path(args.report).stem, summarize(*read_trace(args.report), args.rounds)))
+    elif args.target and args.drafter:
+        run(args.target, args.drafter, args.rounds or 16, Path(args.out))
+    else:
+        parser.error("give TARGET and --drafter, or --report TRACE")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
