@@ -70,6 +70,10 @@ wait
 # waiting 5.9 ms on the device on the code probe): busy and idle time a round, plain and drafted, with each
 # kernel kind's share, from CUPTI's records through PyTorch's profiler (docs/profiles/round-timeline-h200.txt)
 step round-timeline-9b 360 python3 tools/round_timeline.py /root/f9/t --drafter /root/f9/d --out /root/f9/timeline
+# the row kernel beside variants for a verify window's rows (column groups a block sharing their rows of x, more
+# column tiles a warp, weight loads past L1), each checked for the engine's bits and timed from CUDA graphs (CuPy
+# and nvcc, in the machine's image; needs no MLX): whether a 16-row product can cost what a 1-row one does
+step row-kernel-variants 300 python3 tools/row_kernel_variants.py
 # Then the timed runs, one at a time and alone on the machine, the receipts the README quotes first.
 # the drafter in bf16 and as 4-bit copies: its bf16 products were ~1.9 ms of a 9B drafted round's device time
 # (docs/gpu-round-profile.md), so a 4-bit drafter is the serving choice to weigh against the bar (job A's pair decided nothing)
@@ -90,9 +94,6 @@ step round-split-9b 300 python3 tools/round_split.py /root/f9/t --backend gpu --
 step round-split-9b-templated 300 python3 tools/round_split.py /root/f9/t --backend gpu --drafter /root/f9/d --tokens 64 --templated
 # what a kernel call costs the host, templated against baked (engine/baked_kernel.py), alone on the machine this time
 step kernel-call-probe 200 python3 tools/kernel_call_probe.py
-# the row kernel beside variants for a verify window's rows (more column tiles a warp, weight loads past L1), each
-# checked for the engine's bits and timed from CUDA graphs (CuPy and nvcc, in the machine's image; needs no MLX)
-step row-kernel-variants 300 python3 tools/row_kernel_variants.py
 # and at 4 streams, where a drafted round rolls back every stream's window in one launch a layer (cache.py's keep_windows)
 step round-split-9b-4 300 python3 tools/round_split.py /root/f9/t --backend gpu --drafter /root/f9/d --tokens 64 --streams 4
 if [ -f "$gguf" ]; then

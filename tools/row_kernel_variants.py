@@ -5,20 +5,18 @@ usage (GPU machine, repo root): python3 tools/row_kernel_variants.py [--ncu]
 The engine's kernel (dflash_bench/engine/matmul_kernel.py, read as text, so MLX is not needed) is
 compiled beside variants of it with nvcc through CuPy, launched on the same weights, and timed from
 CUDA graphs of many launches (device time; no host launch cost), cold (rotating over weight copies
-that overflow the 60 MB L2) at 1, 16 and 64 rows. Each variant says what it keeps:
-- `same bits`: its output must equal the engine kernel's, bit for bit, at every row count tried (a
-  look-ahead only moves loads);
-- `rows alone`: another function of the weights (more warps split the sum; float dequantizing), so
-  only row independence (every row of a 64-row call equals the row alone) and the error against a
-  float32 product are checked.
+that overflow the 60 MB L2) at 1, 16 and 64 rows. Each variant must keep the engine's bits (`same bits`: its
+output equals the engine kernel's, bit for bit, at every row count tried) and rows alone (every row of a 64-row
+call equals the row alone), with an error against a float32 product under 1e-2.
 The variants asked of a verify window's 16 rows (a 9B drafted round's 16-row products cost 1.3-1.4x its
-one-row ones: docs/gpu-round-profile.md): `t4` and `t8`, 4 or 8 column tiles a warp (the engine takes 4
-for several rows of wide weights: matmul_kernel.tiles_a_warp), and `stream`, whose weight loads skip L1
-(`ld.global.nc.L1::no_allocate`), so the rows of x every warp re-reads for each chunk are not evicted by
-weights read once. Which warp computes a column and where a load is cached never enter a sum, so all
-three must give the engine's bits.
-`--ncu` launches the engine kernel and the float-dequantizing one once each on the 9B's gate/up
-shape, for Nsight Compute to profile.
+one-row ones: docs/gpu-round-profile.md; at the geometry's 2 column tiles a warp loads 4 bytes of x from L1 or
+L2 for every byte of 4-bit weight at 16 rows, since each block re-reads the rows of x for its own columns):
+`t4`, 4 column tiles a warp (what the engine takes for several rows of wide weights:
+matmul_kernel.tiles_a_warp); `c2` and `c4`, 2 or 4 column groups a block (`columns`), so a block's warps share
+their rows of x through one SM's L1; and `stream`, whose weight loads skip L1 (`ld.global.nc.L1::no_allocate`),
+so the rows of x are not evicted by weights read once. Which warp computes a column and where a load is cached
+never enter a sum, so every variant must give the engine's bits.
+`--ncu` launches the engine kernel and `c4` once each on the 9B's gate/up shape, for Nsight Compute to profile.
 docs/gpu-round-profile.md records what the runs found.
 """
 
@@ -30,8 +28,12 @@ import statistics
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-import cupy as cp
 import numpy as np
+
+try:
+    import cupy as cp
+except ImportError:  # where there is no GPU: the source variants alone (tests/test_row_kernel_variants.py)
+    cp = None
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 L2_BYTES = 60 * 2**20
@@ -43,14 +45,6 @@ def engine_source() -> tuple[str, str]:
     found = {t.targets[0].id: ast.literal_eval(t.value) for t in tree.body
              if isinstance(t, ast.Assign) and isinstance(t.targets[0], ast.Name) and t.targets[0].id in ("_HEADER", "_SOURCE")}
     return found["_HEADER"], found["_SOURCE"].replace("{part}", "y + (size_t)M * lo")  # one output (matmul_kernel.source)
-
-
-def float_dequant(engine: str) -> str:
-    """The engine kernel with its 4-bit pairs turned off: every value made a float32 and fma'd with its
-    scale and bias, then rounded to bf16, x in its own order. The kernel's arithmetic before the pairs
-    (dflash_bench/engine/matmul_kernel.py at 361ab02), kept to show what they bought."""
-    assert engine.count("if constexpr (BITS == 4)") == 2, "the engine kernel's 4-bit branches moved"
-    return engine.replace("if constexpr (BITS == 4)", "if constexpr (false)")
 
 
 STREAM_LOAD = r"""
@@ -70,19 +64,44 @@ def streamed(engine: str) -> str:
     return engine.replace(load, "mm_stream(reinterpret_cast<const uint4*>(wq")
 
 
+def columns(engine: str) -> str:
+    """The engine kernel with COLW warp groups a block side by side along the output columns, each its own
+    8 * NT columns and SPLITK warps along the input width as before: a verify window's rows of x, which every
+    warp loads for each of its chunks, are then read by COLW warps of one block (one SM's L1) instead of COLW
+    blocks that may sit on other SMs. A group's warps split the input width and add their sums in warp order
+    as the engine's do, so its bits must be the engine's (tests/test_row_kernel_variants.py runs both under
+    the CUDA emulator)."""
+    swaps = [
+        ("  const int warp = threadIdx.x >> 5;\n",
+         "  const int warp = (threadIdx.x >> 5) % SPLITK;  // the warp's place along the input width\n"
+         "  const int wc = (threadIdx.x >> 5) / SPLITK;     // its column group\n"),
+        ("  const int n0 = blockIdx.x * (8 * NT);\n", "  const int n0 = (blockIdx.x * COLW + wc) * (8 * NT);\n"),
+        ("    __shared__ float sq[SPLITK * MT * 16];\n",
+         "    __shared__ float sq_groups[COLW][SPLITK * MT * 16];\n    float* sq = sq_groups[wc];\n"),
+        ("  __shared__ float red[MT * NT * 4 * 32];\n",
+         "  __shared__ float red_groups[COLW][MT * NT * 4 * 32];\n  float* red = red_groups[wc];\n"),
+    ]
+    for old, new in swaps:
+        assert engine.count(old) == 1, f"the engine kernel's line moved: {old.strip()}"
+        engine = engine.replace(old, new)
+    return engine
+
+
 def kernel_name(body: str, consts: tuple[int, ...]) -> str:
     return body + "_" + "_".join(map(str, consts))
 
 
 def module(bodies: dict[str, str], header: str, wanted: list[tuple[str, tuple[int, ...]]]) -> cp.RawModule:
-    """One nvcc module of plain `extern "C"` kernels, one per (body, K N BITS G NT SPLITK MT PIPE), each writing
-    its output whole (the parts' starts P1..P3 at N: matmul_kernel.launch without `parts`), with no residual or norm."""
+    """One nvcc module of plain `extern "C"` kernels, one per (body, K N BITS G NT SPLITK MT PIPE COLW),
+    each writing its output whole (the parts' starts P1..P3 at N: matmul_kernel.launch without `parts`), with no
+    residual or norm."""
     params = ("const __nv_bfloat16* x, const uint32_t* w, const __nv_bfloat16* scales, "
               "const __nv_bfloat16* biases, const int* rows, const __nv_bfloat16* residual, const __nv_bfloat16* norm, "
               "__nv_bfloat16* y")
     code = "#include <cuda_bf16.h>\n#include <cstdint>\n" + header
     for body, consts in wanted:
-        defs = "".join(f"  constexpr int {n} = {v};\n" for n, v in zip(("K", "N", "BITS", "G", "NT", "SPLITK", "MT", "PIPE"), consts))
+        defs = "".join(f"  constexpr int {n} = {v};\n"
+                       for n, v in zip(("K", "N", "BITS", "G", "NT", "SPLITK", "MT", "PIPE", "COLW"), consts))
         defs += "".join(f"  constexpr int {p} = N;\n" for p in ("P1", "P2", "P3"))  # one output, not parts
         defs += "  constexpr int RESID = 0;\n"  # no residual added (matmul_kernel.rows_matmul's `residual`)
         defs += "  constexpr int NORM = 0;\n  constexpr int EPS = 0;\n"  # no norm (rows_matmul's `norm`)
@@ -143,16 +162,17 @@ def as_f32(h: np.ndarray) -> np.ndarray:
 
 
 class Kernel:
-    def __init__(self, mod: cp.RawModule, name: str, k: int, n: int, bits: int, group: int, nt: int, split: int, pipe: int):
-        self.n, self.nt, self.split = n, nt, split
-        self.expr = lambda mt: kernel_name(name, (k, n, bits, group if bits != 16 else 1, nt, split, mt, pipe))
+    def __init__(self, mod: cp.RawModule, name: str, k: int, n: int, bits: int, group: int, nt: int, split: int, pipe: int,
+                 colw: int = 1):
+        self.n, self.nt, self.split, self.colw = n, nt, split, colw
+        self.expr = lambda mt: kernel_name(name, (k, n, bits, group if bits != 16 else 1, nt, split, mt, pipe, colw))
         self.mod = mod
 
     def __call__(self, x: cp.ndarray, w: tuple, m: int, rows: cp.ndarray, y: cp.ndarray) -> None:
         mt = min(4, -(-m // 16))
         f = self.mod.get_function(self.expr(mt))
         dummy = w[0]
-        f((self.n // (8 * self.nt), -(-m // (16 * mt)), 1), (32 * self.split, 1, 1),
+        f((self.n // (8 * self.nt * self.colw), -(-m // (16 * mt)), 1), (32 * self.split * self.colw, 1, 1),
           (x, w[0], w[1] if w[1] is not None else dummy, w[2] if w[2] is not None else dummy, rows, x, x, y))
 
 
@@ -190,42 +210,41 @@ def run(kernel: Kernel, w: tuple, x: np.ndarray) -> np.ndarray:
     return cp.asnumpy(y)
 
 
-def plans(bits: int) -> list[tuple[str, str, int, int, str, int]]:
-    """(label, body, warp target, look-ahead, claim, column tiles a warp or 0 for the geometry's) for one
-    shape: the engine kernel without look-ahead, then with look-aheads (same bits), more column tiles a
-    warp and weight loads past L1 (same bits), more warps, and float dequantizing."""
-    out = [("engine", "engine", 2048, 1, "reference", 0)]
-    out += [(f"engine p{p}", "engine", 2048, p, "same bits", 0) for p in (2, 4)]
-    out += [(f"engine t{t}", "engine", 2048, 1, "same bits", t) for t in (4, 8)]
-    out += [("stream", "stream", 2048, 1, "same bits", 0), ("stream t4", "stream", 2048, 1, "same bits", 4)]
-    out += [("engine p2 w4096", "engine", 4096, 2, "rows alone", 0)]
-    if bits == 4:
-        out += [(f"float p{p}", "float", 2048, p, "rows alone", 0) for p in (1, 2)]
+def plans(bits: int) -> list[tuple[str, str, int, int, str, int, int]]:
+    """(label, body, warp target, look-ahead, claim, column tiles a warp or 0 for the geometry's, column groups a
+    block) for one shape: the engine kernel, then with 4 column tiles a warp (what the engine takes for several
+    rows of wide weights: matmul_kernel.tiles_a_warp), 2 and 4 column groups a block (`columns`), both together,
+    and with weight loads past L1; all must give the engine's bits. Session 33's look-aheads, 8 tiles a warp, more
+    warps along the input width and float dequantizing were measured (docs/profiles/row-kernel-variants-h200.txt)."""
+    out = [("engine", "engine", 2048, 1, "reference", 0, 1), ("engine t4", "engine", 2048, 1, "same bits", 4, 1)]
+    out += [(f"cols c{c}", "columns", 2048, 1, "same bits", 0, c) for c in (2, 4)]
+    out += [(f"cols t4 c{c}", "columns", 2048, 1, "same bits", 4, c) for c in (2, 4)]
+    out += [("stream t4", "stream", 2048, 1, "same bits", 4, 1)]
     return out
 
 
 def main() -> int:
     header, engine = engine_source()
     header += STREAM_LOAD
-    bodies = {"engine": engine, "float": float_dequant(engine), "stream": streamed(engine)}
+    bodies = {"engine": engine, "columns": columns(engine), "stream": streamed(engine)}
     ncu = "--ncu" in sys.argv
     shapes = SHAPES[:1] if ncu else SHAPES
     kernels = {}
     for name, k, n, bits, group in shapes:
         names, found = [], []
-        for label, body, target, pipe, claim, tiles in plans(bits):
+        for label, body, target, pipe, claim, tiles, colw in plans(bits):
             shape = geometry(k, n, bits, target, tiles)
             if shape is None:
                 continue
             nt, split = shape
-            if -(-(k // (128 // bits)) // (4 * split)) % pipe:
+            if -(-(k // (128 // bits)) // (4 * split)) % pipe or (n // (8 * nt)) % colw or 32 * split * colw > 1024:
                 continue
-            if any((body, nt, split, pipe) == (f[1], f[2], f[3], f[4]) for f in found):
+            if any((body, nt, split, pipe, colw) == (f[1], f[2], f[3], f[4], f[6]) for f in found):
                 continue  # the larger warp target gave the same geometry
-            if ncu and label not in ("engine", "float p1"):
+            if ncu and label not in ("engine", "cols c4"):
                 continue
-            found.append((label, body, nt, split, pipe, claim))
-            names += [(body, (k, n, bits, group if bits != 16 else 1, nt, split, mt, pipe)) for mt in (1, 4)]
+            found.append((label, body, nt, split, pipe, claim, colw))
+            names += [(body, (k, n, bits, group if bits != 16 else 1, nt, split, mt, pipe, colw)) for mt in (1, 4)]
         kernels[name] = (module(bodies, header, names), found)
     with ThreadPoolExecutor(8) as pool:  # nvcc runs per module: compile them side by side
         list(pool.map(lambda mod: mod.compile(), [m for m, _ in kernels.values()]))
@@ -241,24 +260,34 @@ def main() -> int:
         copies = [w] + [weights(k, n, bits, group, np.random.default_rng(9 + c))
                         for c in range(0 if ncu else max(0, min(12, -(-2 * L2_BYTES // wbytes)) - 1))]
         base = {}
-        for label, body, nt, split, pipe, claim in found:
-            kern = Kernel(mod, body, k, n, bits, group, nt, split, pipe)
+        for label, body, nt, split, pipe, claim, colw in found:
+            kern = Kernel(mod, body, k, n, bits, group, nt, split, pipe, colw)
             if ncu:
                 run(kern, w, x[:1])
                 continue
-            outs = {m: run(kern, w, x[:m]) for m in (1, 16, 64)}
-            alone = np.concatenate([run(kern, w, x[i : i + 1]) for i in range(64)])
+            outs, refused = {}, []
+            for m in (1, 16, 64):  # more warps a block than the registers allow (column groups at 64 rows) refuse to launch
+                try:
+                    outs[m] = run(kern, w, x[:m])
+                except cp.cuda.driver.CUDADriverError:
+                    refused.append(m)
+            if 1 not in outs:
+                print(f"{name:18s} {label:15s} nt{nt} sk{split} does not launch", flush=True)
+                continue
+            alone = np.concatenate([run(kern, w, x[i : i + 1]) for i in range(max(outs))])
             ok = all((outs[m] == alone[:m]).all() for m in outs) and not np.isnan(as_f32(alone)).any()
             if claim == "reference":
                 base = outs
-            elif claim == "same bits":
+            else:
                 ok &= all((outs[m] == base[m]).all() for m in outs)
-            err = float(np.linalg.norm(as_f32(outs[64][:, :cols]) - ref) / np.linalg.norm(ref))
+            top = max(outs)
+            err = float(np.linalg.norm(as_f32(outs[top][:, :cols]) - ref[:top]) / np.linalg.norm(ref[:top]))
             ok &= err < 1e-2
             fails += not ok
-            us = {m: timed(kern, copies, m, k) for m in (1, 16, 64)}
+            us = {m: timed(kern, copies, m, k) for m in outs}
             line = (f"{name:18s} {label:15s} nt{nt} sk{split} {claim:10s} {'PASS' if ok else 'FAIL'} err {err:.1e}  "
-                    + "  ".join(f"M{m} {v:7.1f}us" for m, v in us.items()) + f"  @1 {wbytes / us[1] / 1e3:5.0f} GB/s")
+                    + "  ".join(f"M{m} {v:7.1f}us" for m, v in us.items()) + f"  @1 {wbytes / us[1] / 1e3:5.0f} GB/s"
+                    + "".join(f"  M{m} does not launch" for m in refused))
             table.append(line)
             print(line, flush=True)
     print("\n".join(table))
