@@ -11,12 +11,12 @@ call equals the row alone), with an error against a float32 product under 1e-2.
 The variants asked of a verify window's 16 rows (a 9B drafted round's 16-row products cost 1.3-1.4x its
 one-row ones: docs/gpu-round-profile.md; at the geometry's 2 column tiles a warp loads 4 bytes of x from L1 or
 L2 for every byte of 4-bit weight at 16 rows, since each block re-reads the rows of x for its own columns):
-`t4`, 4 column tiles a warp (what the engine takes for several rows of wide weights:
-matmul_kernel.tiles_a_warp); `c2` and `c4`, 2 or 4 column groups a block (`columns`), so a block's warps share
-their rows of x through one SM's L1; and `stream`, whose weight loads skip L1 (`ld.global.nc.L1::no_allocate`),
-so the rows of x are not evicted by weights read once. Which warp computes a column and where a load is cached
-never enter a sum, so every variant must give the engine's bits.
-`--ncu` launches the engine kernel and `c4` once each on the 9B's gate/up shape, for Nsight Compute to profile.
+`t4`, 4 column tiles a warp (matmul_kernel.tiles_a_warp's rule for several rows of wide weights); `c2` and `c4`,
+2 or 4 column groups a block (matmul_kernel.column_groups, the kernel's COLW), so a block's warps share their rows
+of x through one SM's L1; and `stream`, whose weight loads skip L1 (`ld.global.nc.L1::no_allocate`), so the rows
+of x are not evicted by weights read once. Which warp computes a column and where a load is cached never enter a
+sum, so every variant must give the geometry's bits.
+`--ncu` launches the geometry's kernel and `t4 c4` once each on the 9B's gate/up shape, for Nsight Compute.
 docs/gpu-round-profile.md records what the runs found.
 """
 
@@ -62,29 +62,6 @@ def streamed(engine: str) -> str:
     load = "__ldg(reinterpret_cast<const uint4*>(wq"
     assert engine.count(load) == 1, "the engine kernel's weight load moved"
     return engine.replace(load, "mm_stream(reinterpret_cast<const uint4*>(wq")
-
-
-def columns(engine: str) -> str:
-    """The engine kernel with COLW warp groups a block side by side along the output columns, each its own
-    8 * NT columns and SPLITK warps along the input width as before: a verify window's rows of x, which every
-    warp loads for each of its chunks, are then read by COLW warps of one block (one SM's L1) instead of COLW
-    blocks that may sit on other SMs. A group's warps split the input width and add their sums in warp order
-    as the engine's do, so its bits must be the engine's (tests/test_row_kernel_variants.py runs both under
-    the CUDA emulator)."""
-    swaps = [
-        ("  const int warp = threadIdx.x >> 5;\n",
-         "  const int warp = (threadIdx.x >> 5) % SPLITK;  // the warp's place along the input width\n"
-         "  const int wc = (threadIdx.x >> 5) / SPLITK;     // its column group\n"),
-        ("  const int n0 = blockIdx.x * (8 * NT);\n", "  const int n0 = (blockIdx.x * COLW + wc) * (8 * NT);\n"),
-        ("    __shared__ float sq[SPLITK * MT * 16];\n",
-         "    __shared__ float sq_groups[COLW][SPLITK * MT * 16];\n    float* sq = sq_groups[wc];\n"),
-        ("  __shared__ float red[MT * NT * 4 * 32];\n",
-         "  __shared__ float red_groups[COLW][MT * NT * 4 * 32];\n  float* red = red_groups[wc];\n"),
-    ]
-    for old, new in swaps:
-        assert engine.count(old) == 1, f"the engine kernel's line moved: {old.strip()}"
-        engine = engine.replace(old, new)
-    return engine
 
 
 def kernel_name(body: str, consts: tuple[int, ...]) -> str:
@@ -212,13 +189,15 @@ def run(kernel: Kernel, w: tuple, x: np.ndarray) -> np.ndarray:
 
 def plans(bits: int) -> list[tuple[str, str, int, int, str, int, int]]:
     """(label, body, warp target, look-ahead, claim, column tiles a warp or 0 for the geometry's, column groups a
-    block) for one shape: the engine kernel, then with 4 column tiles a warp (what the engine takes for several
-    rows of wide weights: matmul_kernel.tiles_a_warp), 2 and 4 column groups a block (`columns`), both together,
-    and with weight loads past L1; all must give the engine's bits. Session 33's look-aheads, 8 tiles a warp, more
-    warps along the input width and float dequantizing were measured (docs/profiles/row-kernel-variants-h200.txt)."""
-    out = [("engine", "engine", 2048, 1, "reference", 0, 1), ("engine t4", "engine", 2048, 1, "same bits", 4, 1)]
-    out += [(f"cols c{c}", "columns", 2048, 1, "same bits", 0, c) for c in (2, 4)]
-    out += [(f"cols t4 c{c}", "columns", 2048, 1, "same bits", 4, c) for c in (2, 4)]
+    block) for one shape: the engine kernel at the weight's geometry (2 tiles a warp, one column group), then at 4
+    tiles a warp (matmul_kernel.tiles_a_warp's rule for several rows of wide weights), 2 and 4 column groups a
+    block (matmul_kernel.column_groups), both together (what the engine launches for several rows of the 9B's
+    gate/up and lm_head since session 35), and 4 tiles with weight loads past L1; all must give the geometry's
+    bits. Session 33's look-aheads, 8 tiles a warp, more warps along the input width and float dequantizing were
+    measured then (docs/profiles/row-kernel-variants-h200.txt)."""
+    out = [("geometry", "engine", 2048, 1, "reference", 0, 1), ("t4", "engine", 2048, 1, "same bits", 4, 1)]
+    out += [(f"c{c}", "engine", 2048, 1, "same bits", 0, c) for c in (2, 4)]
+    out += [(f"t4 c{c}", "engine", 2048, 1, "same bits", 4, c) for c in (2, 4)]
     out += [("stream t4", "stream", 2048, 1, "same bits", 4, 1)]
     return out
 
@@ -226,7 +205,7 @@ def plans(bits: int) -> list[tuple[str, str, int, int, str, int, int]]:
 def main() -> int:
     header, engine = engine_source()
     header += STREAM_LOAD
-    bodies = {"engine": engine, "columns": columns(engine), "stream": streamed(engine)}
+    bodies = {"engine": engine, "stream": streamed(engine)}
     ncu = "--ncu" in sys.argv
     shapes = SHAPES[:1] if ncu else SHAPES
     kernels = {}
@@ -241,7 +220,7 @@ def main() -> int:
                 continue
             if any((body, nt, split, pipe, colw) == (f[1], f[2], f[3], f[4], f[6]) for f in found):
                 continue  # the larger warp target gave the same geometry
-            if ncu and label not in ("engine", "cols c4"):
+            if ncu and label not in ("geometry", "t4 c4"):
                 continue
             found.append((label, body, nt, split, pipe, claim, colw))
             names += [(body, (k, n, bits, group if bits != 16 else 1, nt, split, mt, pipe, colw)) for mt in (1, 4)]
