@@ -72,8 +72,19 @@ def finalized_under_a_signal(signum: int) -> None:
     del chunks
 
 
+@pytest.fixture
+def interactive_sigint():
+    """SIGINT as a terminal's run has it (Python's own handler) for one test: a shell's background job (CI
+    under nohup, `cmd &`) inherits SIGINT ignored, which receipt_run leaves alone, and a Ctrl-C raised in the
+    test would then never reach Python (a CI run started so failed the Ctrl-C case below)."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.parametrize("signum, reason", [(signal.SIGTERM, "SIGTERM"), (signal.SIGINT, "Ctrl-C")])
-def test_a_signal_whose_interrupt_python_dropped_still_ends_the_run_as_interrupted(tmp_path, monkeypatch, signum, reason):
+def test_a_signal_whose_interrupt_python_dropped_still_ends_the_run_as_interrupted(tmp_path, monkeypatch, signum, reason,
+                                                                                     interactive_sigint):
     """Seen in CI: SIGTERM landed while an HTTP stream's generator was closing, its KeyboardInterrupt was dropped
     ("Exception ignored in: <generator ...>"), and the run finished with exit 0. The signal is remembered: the
     body's next `interrupt_pending` (the HTTP client asks between chunks and before each request) raises it,
