@@ -44,14 +44,14 @@ fi
 log start "${DFLASH_BENCH_COMMIT:-no DFLASH_BENCH_COMMIT, so receipts name the commit of the copy .git}"
 # Correctness first, in parallel (no speed is read from these): every GPU test, and beside it the 9B
 # fixtures and the default model's exactness. A step's limit stops it and lets the rest go on.
-# The GPU tests of the kernels the engine launches and of gpu mode's contracts, those job L (bc2fdf7) did not reach
-# first: it passed the row kernel's, the norm's, the recurrence kernel's and the norm-and-RoPE kernel's 29 and 2 of
-# gpu mode's before this step's limit (docs/profiles/pytest-gpu-h200-16.txt: NVRTC compiles at first use). The
-# attention kernel's others run after the timed steps. (The two server files import `openai`, which the GPU
-# machine's Python lacks; CI runs them.)
-step pytest-gpu 480 python3 -m pytest -p no:cacheprovider -m gpu tests/test_gpu_mode.py \
+# The GPU tests of the kernels the engine launches and of gpu mode's contracts: the row kernel's first (its column
+# groups for several rows are new since job L), then those job L (bc2fdf7) did not reach (it passed the row
+# kernel's, the norm's, the recurrence kernel's and the norm-and-RoPE kernel's 29 and 2 of gpu mode's before this
+# step's limit: docs/profiles/pytest-gpu-h200-16.txt; NVRTC compiles at first use). The attention kernel's others
+# run after the timed steps. (The two server files import `openai`, which the GPU machine's Python lacks; CI runs them.)
+step pytest-gpu 480 python3 -m pytest -p no:cacheprovider -m gpu tests/test_matmul_kernel.py tests/test_gpu_mode.py \
   "tests/test_attention_kernel.py::test_on_the_device_a_blocks_keys_from_its_own_rows_equal_them_written_first" \
-  tests/test_matmul_kernel.py tests/test_matmul_norm.py tests/test_delta_kernel.py tests/test_norm_rope_kernel.py &
+  tests/test_matmul_norm.py tests/test_delta_kernel.py tests/test_norm_rope_kernel.py &
 {
   run fixture-9b 120 fixture qwen3_5-9b-4bit /root/f9/t
   run fixture-9b-drafter 120 fixture dflash-9b /root/f9/d
