@@ -68,8 +68,9 @@ fi
 wait
 # First, what the device does in a round as the engine runs it (job L's round split found the 9B's drafted round
 # waiting 5.9 ms on the device on the code probe): busy and idle time a round, plain and drafted, with each
-# kernel kind's share, from CUPTI's records through PyTorch's profiler (docs/profiles/round-timeline-h200.txt)
-step round-timeline-9b 360 python3 tools/round_timeline.py /root/f9/t --drafter /root/f9/d --out /root/f9/timeline
+# kernel kind's share, from CUPTI's records through PyTorch's profiler (docs/profiles/round-timeline-h200.txt); the
+# 9B's self-check runs here first (up to 212 s on a fresh machine), then is cached for the steps after
+step round-timeline-9b 480 python3 tools/round_timeline.py /root/f9/t --drafter /root/f9/d --out /root/f9/timeline
 # the row kernel beside variants for a verify window's rows (column groups a block sharing their rows of x, more
 # column tiles a warp, weight loads past L1), each checked for the engine's bits and timed from CUDA graphs (CuPy
 # and nvcc, in the machine's image; needs no MLX): whether a 16-row product can cost what a 1-row one does
