@@ -445,10 +445,13 @@ def column_groups(m: int, k: int, n: int, bits: int) -> int:
     of the input width they sum, and every block does so for its own columns: at 16 rows and 4 column tiles a
     warp the lanes load 1.8 bytes of x for each byte of 4-bit weight, at 64 rows 7.1 (docs/gpu-round-profile.md,
     session 35), where one row loads 0.22. Groups side by side in one block load the same chunks of x at the
-    same time, through one SM's L1, so several rows take 2 or 4 groups where the block's warps stay within
-    MAX_BLOCK_WARPS and every SM keeps a block. A group's SPLITK warps sum their columns as a block's did, so
-    the bits are the geometry's (tests/test_matmul_kernel.py); one row keeps one group, its launch unchanged."""
-    if m == 1:
+    same time, through one SM's L1, so 2 to 32 rows (one or two row tiles: a stream's or two streams' verify
+    windows) take 2 or 4 groups where the block's warps stay within MAX_BLOCK_WARPS and every SM keeps a block.
+    One row keeps one group, its launch unchanged; so do 3 and 4 row tiles, where nvcc gives a normed launch all
+    255 registers with groups against 180 without (at one tile 86 against 80, at two 138 against 174), until
+    the GPU says which is faster. A group's SPLITK warps sum their columns as a block's did, so the bits are the
+    geometry's (tests/test_matmul_kernel.py)."""
+    if m == 1 or m > 2 * MMA_ROWS:
         return 1
     g = geometry(k, n, bits)
     blocks = n // (8 * tiles_a_warp(m, k, n, bits))
