@@ -67,7 +67,7 @@ MAX_PARTS = 4  # separate outputs a launch can write (qwen3_5's in_proj: qkv, z,
 TARGET_WARPS = 2048  # enough warps in flight to keep the H200's memory busy (132 SMs)
 SMS = 132  # the H200's multiprocessors: column groups leave at least a block for each
 MAX_BLOCK_WARPS = 8  # a block of column groups launches at any register count (255 x 256 threads fit an SM's 64K)
-MAX_GROUPS = 4  # column groups a block: their sums' buffers stay in static shared memory (32 KB at 4 row tiles)
+MAX_GROUPS = 4  # column groups a block: their sums' buffers stay in static shared memory (17 KB at 2 row tiles)
 
 _HEADER = r"""
 __device__ __forceinline__ uint32_t mm_pack(float lo, float hi) {
@@ -132,8 +132,9 @@ __device__ __forceinline__ void mm_mma(float* d, uint32_t a0, uint32_t a1, uint3
 
 # Template constants: K, N (the weight's in and out widths), BITS (4, 8, or 16 for bf16 weights),
 # G (group size; unused at 16), NT (8-column MMA tiles a warp), SPLITK (warps a column group, splitting K),
-# COLW (column groups a block, each its own 8 * NT columns: `column_groups`), MT (16-row tiles a block), PIPE (iterations whose weight loads are issued before their math), P1 <=
-# P2 <= P3 (where the output's parts start: `rows_matmul`'s `parts`, N where there are fewer), RESID
+# COLW (column groups a block, each its own 8 * NT columns: `column_groups`), MT (16-row tiles a block), PIPE
+# (iterations whose weight loads are issued before their math), P1 <= P2 <= P3 (where the output's parts
+# start: `rows_matmul`'s `parts`, N where there are fewer), RESID
 # (1: the input `residual`, (M, N), is added to the output: `rows_matmul`'s `residual`), NORM (1: the rows are
 # RMS-normed with the input `norm`'s (K,) weights and epsilon EPS, a float's bits: `rows_matmul`'s `norm`). The
 # source avoids `_shape`, `_strides` and `_ndim` (MLX would add them).
@@ -478,11 +479,13 @@ def launch(m: int, k: int, n: int, bits: int, group_size: int, parts: tuple[int,
     tiles = min(MAX_TILES, -(-m // MMA_ROWS))
     starts = list(accumulate(parts[:-1])) if parts else []
     template = (("K", k), ("N", n), ("BITS", bits), ("G", group_size if bits != 16 else 1),
-                ("NT", nt), ("SPLITK", g.split_k), ("COLW", groups), ("MT", tiles), ("PIPE", look_ahead(k, bits, g.split_k, tiles)),
+                ("NT", nt), ("SPLITK", g.split_k), ("COLW", groups), ("MT", tiles),
+                ("PIPE", look_ahead(k, bits, g.split_k, tiles)),
                 *zip(("P1", "P2", "P3"), starts + [n] * (MAX_PARTS - 1 - len(starts))), ("RESID", int(residual)),
                 ("NORM", int(eps is not None)), ("EPS", 0 if eps is None else float_bits(eps)))
     options = dict(template=template, grid=(n // (8 * nt) * 32 * g.split_k, -(-m // (MMA_ROWS * tiles)), 1),
-                   threadgroup=(32 * g.split_k * groups, 1, 1), output_shapes=[(m, width) for width in parts] or [(m, n)],
+                   threadgroup=(32 * g.split_k * groups, 1, 1),
+                   output_shapes=[(m, width) for width in parts] or [(m, n)],
                    output_dtypes=[mx.bfloat16] * max(1, len(parts)))
     return KernelCall(mx.array([m], dtype=mx.int32), options)
 
