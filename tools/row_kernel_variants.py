@@ -28,12 +28,8 @@ import statistics
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+import cupy as cp
 import numpy as np
-
-try:
-    import cupy as cp
-except ImportError:  # where there is no GPU: the source variants alone (tests/test_row_kernel_variants.py)
-    cp = None
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 L2_BYTES = 60 * 2**20
