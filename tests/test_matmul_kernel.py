@@ -291,7 +291,10 @@ def test_the_kernel_source_in_column_groups_equals_one_group(monkeypatch, case) 
     picks = [matmul_kernel.column_groups(m, k, n, 4) for m, k, n in ((16, 4096, 24576), (16, 4096, 12352),
                                                                        (16, 12288, 4096), (1, 4096, 24576),
                                                                        (32, 4096, 248320), (33, 4096, 248320))]
-    assert picks == [4, 2, 1, 1, 4, 1]  # gate/up, GatedDeltaNet in, down (8 warps already), one row, lm_head at 2 and 3 tiles
+    # gate/up in 2 (4 would leave 192 blocks on 132 SMs), GatedDeltaNet in (193 blocks in 2), down (8 warps
+    # already), one row, lm_head at 2 and at 3 row tiles
+    assert picks == [2, 1, 1, 1, 4, 1]
+    assert matmul_kernel.spread(192) < 0.9 <= matmul_kernel.spread(384)
     cuda_emulator.install_matmul(monkeypatch)
     k, n, bits, group, counts = case
     w = weight(k, n, bits, group, seed=30)

@@ -65,7 +65,7 @@ MMA_ROWS = 16  # rows of one tensor-core tile
 MAX_TILES = 4  # row tiles a block carries (64 rows read the weights once)
 MAX_PARTS = 4  # separate outputs a launch can write (qwen3_5's in_proj: qkv, z, b, a)
 TARGET_WARPS = 2048  # enough warps in flight to keep the H200's memory busy (132 SMs)
-SMS = 132  # the H200's multiprocessors: column groups leave at least a block for each
+SMS = 132  # the H200's multiprocessors: column groups keep the blocks spread evenly over them (`column_groups`)
 MAX_BLOCK_WARPS = 8  # a block of column groups launches at any register count (255 x 256 threads fit an SM's 64K)
 MAX_GROUPS = 4  # column groups a block: their sums' buffers stay in static shared memory (17 KB at 2 row tiles)
 
@@ -447,20 +447,26 @@ def column_groups(m: int, k: int, n: int, bits: int) -> int:
     warp the lanes load 1.8 bytes of x for each byte of 4-bit weight, at 64 rows 7.1 (docs/gpu-round-profile.md,
     session 35), where one row loads 0.22. Groups side by side in one block load the same chunks of x at the
     same time, through one SM's L1, so 2 to 32 rows (one or two row tiles: a stream's or two streams' verify
-    windows) take 2 or 4 groups where the block's warps stay within MAX_BLOCK_WARPS and every SM keeps a block.
-    One row keeps one group, its launch unchanged; so do 3 and 4 row tiles, where nvcc gives a normed launch all
-    255 registers with groups against 180 without (at one tile 86 against 80, at two 138 against 174), until
-    the GPU says which is faster. A group's SPLITK warps sum their columns as a block's did, so the bits are the
-    geometry's (tests/test_matmul_kernel.py)."""
+    windows) take 2 or 4 groups where the block's warps stay within MAX_BLOCK_WARPS and the fewer, larger blocks
+    still spread evenly over the SMs (`spread` at least 0.9: the 9B's gate/up in 4 groups would be 192 blocks on
+    132 SMs, some SMs holding two and most one, so it takes 2). One row keeps one group, its launch unchanged;
+    so do 3 and 4 row tiles, where nvcc gives a normed launch all 255 registers with groups against 180 without
+    (at one tile 86 against 80, at two 138 against 174), until the GPU says which is faster. A group's SPLITK
+    warps sum their columns as a block's did, so the bits are the geometry's (tests/test_matmul_kernel.py)."""
     if m == 1 or m > 2 * MMA_ROWS:
         return 1
     g = geometry(k, n, bits)
     blocks = n // (8 * tiles_a_warp(m, k, n, bits))
     groups = 1
     while (groups < MAX_GROUPS and g.split_k * groups * 2 <= MAX_BLOCK_WARPS and blocks % (groups * 2) == 0
-           and blocks // (groups * 2) >= SMS):
+           and spread(blocks // (groups * 2)) >= 0.9):
         groups *= 2
     return groups
+
+
+def spread(blocks: int) -> float:
+    """How evenly `blocks` equal blocks fill the SMs: their mean count an SM over the most any SM holds."""
+    return blocks / (SMS * -(-blocks // SMS))
 
 
 def float_bits(value: float) -> int:
