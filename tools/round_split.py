@@ -110,18 +110,20 @@ def split(engine: Engine, prompt: list[int], streams: int, tokens: int, draft: b
 
 
 def probe_ids(engine: Engine) -> dict[str, list[int]]:
-    """engine-speed's code and chat probes as the token ids it sends the engine."""
+    """engine-speed's code and chat probes as the token ids it sends the engine; none where the target has no
+    tokenizer."""
     from dflash_bench.checks import engine_speed
     from dflash_bench.checks import prompts as prompt_sets
 
+    if engine.loaded is None or engine.loaded.tokenizer is None:
+        return {}
     return {name: engine_speed.chat_ids(engine.loaded, prompt) for name, prompt in prompt_sets.probes().items()}
 
 
 def drafted_rounds(engine: Engine, prompt: list[int], streams: int, tokens: int) -> None:
     """A plain and a drafted split on each of engine-speed's probes (the numbers prompt where the target
     has no tokenizer), and the drafted rounds' median ms by how many drafts the round accepted."""
-    prompts = (probe_ids(engine) if engine.loaded is not None and engine.loaded.tokenizer is not None
-               else {"numbers": prompt})
+    prompts = probe_ids(engine) or {"numbers": prompt}
     for name, ids in prompts.items():
         by_accepted: dict[int, list[float]] = {}
         got = {mode: split(engine, ids, streams, tokens, draft=mode == "drafted",

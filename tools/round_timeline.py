@@ -1,7 +1,6 @@
 """The device's timeline over decode rounds: how long it is busy a round, and how long it waits between kernels.
 
-usage (on the GPU machine): python3 tools/round_timeline.py TARGET --drafter DRAFTER [--streams N] [--rounds R]
-                            [--out TRACE_DIR]
+usage (on the GPU machine): python3 tools/round_timeline.py TARGET --drafter DRAFTER [--rounds R] [--out TRACE_DIR]
        python3 tools/round_timeline.py --report TRACE.json [--rounds R]
 
 round_split.py times a round from the host: where a drafted round's `read` waits, the device is behind, but
@@ -77,22 +76,20 @@ def summarize(kernels: list[Interval], rounds: list[Interval], count: int | None
         raise ValueError(f"need {count + 1} marked rounds, got {len(rounds)}")
     lo, hi = rounds[0].start, rounds[count].start
     inside = sorted((k for k in kernels if lo <= k.start < hi), key=lambda k: k.start)
-    busy, gaps = 0.0, collections.Counter()
-    end = None
+    busy, end = 0.0, None
+    gaps, per_kind, launches = collections.Counter(), collections.Counter(), collections.Counter()
     for k in inside:
-        if end is not None and k.start > end:
-            gap = k.start - end
-            gaps[next(label for limit, label in GAP_BINS if gap < limit)] += gap
-        if end is None or k.start > end:
+        if end is None or k.start > end:  # a busy stretch begins, after the device sat idle (but at the first)
+            if end is not None:
+                gaps[next(label for limit, label in GAP_BINS if k.start - end < limit)] += k.start - end
             busy += k.end - k.start
             end = k.end
-        elif k.end > end:
+        elif k.end > end:  # overlaps the stretch and runs past it
             busy += k.end - end
             end = k.end
-    per_kind, launches = collections.Counter(), collections.Counter()
-    for k in inside:
-        per_kind[kernel_kind(k.name)] += k.end - k.start
-        launches[kernel_kind(k.name)] += 1
+        kind = kernel_kind(k.name)
+        per_kind[kind] += k.end - k.start
+        launches[kind] += 1
     return Timeline(count, (hi - lo) / count / 1e3, busy / count / 1e3, len(inside) / count,
                     {label: gaps[label] / count / 1e3 for _, label in GAP_BINS},
                     [(kind, us / count / 1e3, launches[kind] / count) for kind, us in per_kind.most_common()])
@@ -138,8 +135,7 @@ def run(target: str, drafter: str, rounds: int, out: Path) -> None:
 
     engine = Engine(target, drafter, Settings(parallel=4, context=4096, backend="gpu"))
     print(engine.startup_line(), flush=True)
-    prompts = probe_ids(engine) if engine.loaded is not None and engine.loaded.tokenizer is not None else {}
-    prompt = prompts.get("code", list(range(100, 356)))
+    prompt = probe_ids(engine).get("code", list(range(100, 356)))
     out.mkdir(parents=True, exist_ok=True)
     got = {}
     for mode in ("plain", "drafted"):

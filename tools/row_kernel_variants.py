@@ -82,13 +82,15 @@ def module(bodies: dict[str, str], header: str, wanted: list[tuple[str, tuple[in
     return cp.RawModule(code=code, backend="nvcc", options=("-O3", "-std=c++17", "-arch=sm_90"))
 
 
-def geometry(k: int, n: int, bits: int, target: int, tiles: int = 0) -> tuple[int, int] | None:
-    """matmul_kernel.geometry with a chosen warp target; `tiles` column tiles a warp instead of the
-    geometry's (the split of the input width stays the geometry's, as in matmul_kernel.launch), None
-    where the columns do not divide into them."""
+TARGET_WARPS = 2048  # matmul_kernel.TARGET_WARPS
+
+
+def geometry(k: int, n: int, bits: int, tiles: int = 0) -> tuple[int, int] | None:
+    """matmul_kernel.geometry; `tiles` column tiles a warp instead of the geometry's (the split of the input
+    width stays the geometry's, as in matmul_kernel.launch), None where the columns do not divide into them."""
     nt = 2 if n % 16 == 0 else 1
     blocks, chunks, split = n // (8 * nt), k // (128 // bits), 1
-    while split < 8 and blocks * split < target and 4 * split * 2 <= chunks:
+    while split < 8 and blocks * split < TARGET_WARPS and 4 * split * 2 <= chunks:
         split *= 2
     if tiles:
         if n % (8 * tiles):
@@ -183,18 +185,18 @@ def run(kernel: Kernel, w: tuple, x: np.ndarray) -> np.ndarray:
     return cp.asnumpy(y)
 
 
-def plans(bits: int) -> list[tuple[str, str, int, int, str, int, int]]:
-    """(label, body, warp target, look-ahead, claim, column tiles a warp or 0 for the geometry's, column groups a
-    block) for one shape: the engine kernel at the weight's geometry (2 tiles a warp, one column group), then at 4
+def plans() -> list[tuple[str, str, str, int, int]]:
+    """(label, body, claim, column tiles a warp or 0 for the geometry's, column groups a block) for one shape, each
+    launched without look-ahead: the engine kernel at the weight's geometry (2 tiles a warp, one column group), then at 4
     tiles a warp (matmul_kernel.tiles_a_warp's rule for several rows of wide weights), 2 and 4 column groups a
     block (matmul_kernel.column_groups), both together (what the engine launches for several rows of the 9B's
     gate/up and lm_head since session 35), and 4 tiles with weight loads past L1; all must give the geometry's
     bits. Session 33's look-aheads, 8 tiles a warp, more warps along the input width and float dequantizing were
     measured then (docs/profiles/row-kernel-variants-h200.txt)."""
-    out = [("geometry", "engine", 2048, 1, "reference", 0, 1), ("t4", "engine", 2048, 1, "same bits", 4, 1)]
-    out += [(f"c{c}", "engine", 2048, 1, "same bits", 0, c) for c in (2, 4)]
-    out += [(f"t4 c{c}", "engine", 2048, 1, "same bits", 4, c) for c in (2, 4)]
-    out += [("stream t4", "stream", 2048, 1, "same bits", 4, 1)]
+    out = [("geometry", "engine", "reference", 0, 1), ("t4", "engine", "same bits", 4, 1)]
+    out += [(f"c{c}", "engine", "same bits", 0, c) for c in (2, 4)]
+    out += [(f"t4 c{c}", "engine", "same bits", 4, c) for c in (2, 4)]
+    out += [("stream t4", "stream", "same bits", 4, 1)]
     return out
 
 
@@ -207,19 +209,15 @@ def main() -> int:
     kernels = {}
     for name, k, n, bits, group in shapes:
         names, found = [], []
-        for label, body, target, pipe, claim, tiles, colw in plans(bits):
-            shape = geometry(k, n, bits, target, tiles)
+        for label, body, claim, tiles, colw in plans():
+            shape = geometry(k, n, bits, tiles)
             if shape is None:
                 continue
             nt, split = shape
-            if -(-(k // (128 // bits)) // (4 * split)) % pipe or (n // (8 * nt)) % colw or 32 * split * colw > 1024:
+            if (n // (8 * nt)) % colw or 32 * split * colw > 1024 or (ncu and label not in ("geometry", "t4 c4")):
                 continue
-            if any((body, nt, split, pipe, colw) == (f[1], f[2], f[3], f[4], f[6]) for f in found):
-                continue  # the larger warp target gave the same geometry
-            if ncu and label not in ("geometry", "t4 c4"):
-                continue
-            found.append((label, body, nt, split, pipe, claim, colw))
-            names += [(body, (k, n, bits, group if bits != 16 else 1, nt, split, mt, pipe, colw)) for mt in (1, 4)]
+            found.append((label, body, nt, split, claim, colw))
+            names += [(body, (k, n, bits, group if bits != 16 else 1, nt, split, mt, 1, colw)) for mt in (1, 4)]
         kernels[name] = (module(bodies, header, names), found)
     with ThreadPoolExecutor(8) as pool:  # nvcc runs per module: compile them side by side
         list(pool.map(lambda mod: mod.compile(), [m for m, _ in kernels.values()]))
@@ -235,8 +233,8 @@ def main() -> int:
         copies = [w] + [weights(k, n, bits, group, np.random.default_rng(9 + c))
                         for c in range(0 if ncu else max(0, min(12, -(-2 * L2_BYTES // wbytes)) - 1))]
         base = {}
-        for label, body, nt, split, pipe, claim, colw in found:
-            kern = Kernel(mod, body, k, n, bits, group, nt, split, pipe, colw)
+        for label, body, nt, split, claim, colw in found:
+            kern = Kernel(mod, body, k, n, bits, group, nt, split, 1, colw)
             if ncu:
                 run(kern, w, x[:1])
                 continue
