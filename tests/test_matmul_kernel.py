@@ -278,52 +278,6 @@ def test_the_kernel_source_at_four_column_tiles_a_warp_equals_two(monkeypatch, c
         assert bool(mx.all(mx.isfinite(four)).item()) and mx.array_equal(two, four).item()
 
 
-@cuda_emulator.needs_gxx
-@pytest.mark.parametrize("case", [(128, 64, 4, 64, (2, 4)), (64, 48, 8, 32, (3,)), (64, 48, 16, 0, (3,)),
-                                  (1024, 32, 4, 32, (2,))], ids=["q4", "q8", "bf16", "q4-split-k"])
-def test_the_kernel_source_in_column_groups_equals_one_group(monkeypatch, case) -> None:
-    """`column_groups`: calls of several rows put 2 or 4 column groups in a block, each with the geometry's warps
-    along the input width, which changes which block computes a column, never its sum: every group count gives
-    the one-group launch's bits, at 1 and 17 rows, plain, with a residual added and with a norm in the launch,
-    and writes every element (the weights here are narrow, so the rule is forced; what it picks for the 9B's
-    weights is checked beside). The same threads run either way: groups times the block, a groups-th of the
-    blocks. Control: other weights change the output, so equality is not vacuous."""
-    picks = [matmul_kernel.column_groups(m, k, n, 4) for m, k, n in ((16, 4096, 24576), (16, 4096, 12352),
-                                                                       (16, 12288, 4096), (1, 4096, 24576),
-                                                                       (32, 4096, 248320), (33, 4096, 248320))]
-    # gate/up in 2 (4 would leave 192 blocks on 132 SMs), GatedDeltaNet in (193 blocks in 2), down (8 warps
-    # already), one row, lm_head at 2 and at 3 row tiles
-    assert picks == [2, 1, 1, 1, 4, 1]
-    assert matmul_kernel.spread(192) < 0.9 <= matmul_kernel.spread(384)
-    cuda_emulator.install_matmul(monkeypatch)
-    k, n, bits, group, counts = case
-    w = weight(k, n, bits, group, seed=30)
-    x = mx.random.normal((17, k), key=mx.random.key(31)).astype(mx.bfloat16)
-    residual = mx.random.normal((17, n), key=mx.random.key(32)).astype(mx.bfloat16)
-    norm = ((1 + 0.3 * mx.random.normal((k,), key=mx.random.key(33))).astype(mx.bfloat16), 1e-6)
-
-    def calls(w: Weight) -> list[mx.array]:
-        return [matmul_kernel.rows_matmul(x[:m], w.w, w.scales, w.biases, bits, group, residual=resid, norm=how)
-                for m in (1, 17) for resid, how in ((None, None), (residual[:m], None), (None, norm))]
-
-    got = {}
-    for groups in (1, *counts):
-        with monkeypatch.context() as patch:
-            patch.setattr(matmul_kernel, "column_groups", lambda m, k, n, bits: groups)
-            matmul_kernel.launch.cache_clear()
-            got[groups] = calls(w)
-            options = matmul_kernel.launch(17, k, n, bits, group or 64, ()).options
-            assert ("COLW", groups) in options["template"]
-            assert options["threadgroup"][0] == 32 * matmul_kernel.geometry(k, n, bits).split_k * groups
-            if groups == 1:
-                other = calls(weight(k, n, bits, group, seed=34))
-        matmul_kernel.launch.cache_clear()  # no launch of the forced rule outlives the test
-    for groups in counts:
-        for one, many in zip(got[1], got[groups]):
-            assert bool(mx.all(mx.isfinite(many)).item()) and mx.array_equal(one, many).item(), groups
-    assert not any(mx.array_equal(a, b).item() for a, b in zip(got[1], other))
-
-
 # -- on a CUDA GPU ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 @on_cuda

@@ -32,7 +32,7 @@ import mlx.core as mx
 from dflash_bench.engine import baked_kernel, matmul_kernel
 from dflash_bench.engine.matmul_kernel import launch, rows_matmul
 
-NAMES = ("K", "N", "BITS", "G", "NT", "SPLITK", "COLW", "MT", "PIPE", "P1", "P2", "P3", "RESID", "NORM", "EPS")
+NAMES = ("K", "N", "BITS", "G", "NT", "SPLITK", "MT", "PIPE", "P1", "P2", "P3", "RESID", "NORM", "EPS")
 
 
 def header_file(folder: Path) -> Path:

@@ -65,9 +65,6 @@ MMA_ROWS = 16  # rows of one tensor-core tile
 MAX_TILES = 4  # row tiles a block carries (64 rows read the weights once)
 MAX_PARTS = 4  # separate outputs a launch can write (qwen3_5's in_proj: qkv, z, b, a)
 TARGET_WARPS = 2048  # enough warps in flight to keep the H200's memory busy (132 SMs)
-SMS = 132  # the H200's multiprocessors: column groups keep the blocks spread evenly over them (`column_groups`)
-MAX_BLOCK_WARPS = 8  # a block of column groups launches at any register count (255 x 256 threads fit an SM's 64K)
-MAX_GROUPS = 4  # column groups a block: their sums' buffers stay in static shared memory (17 KB at 2 row tiles)
 
 _HEADER = r"""
 __device__ __forceinline__ uint32_t mm_pack(float lo, float hi) {
@@ -131,10 +128,9 @@ __device__ __forceinline__ void mm_mma(float* d, uint32_t a0, uint32_t a1, uint3
 """
 
 # Template constants: K, N (the weight's in and out widths), BITS (4, 8, or 16 for bf16 weights),
-# G (group size; unused at 16), NT (8-column MMA tiles a warp), SPLITK (warps a column group, splitting K),
-# COLW (column groups a block, each its own 8 * NT columns: `column_groups`), MT (16-row tiles a block), PIPE
-# (iterations whose weight loads are issued before their math), P1 <= P2 <= P3 (where the output's parts
-# start: `rows_matmul`'s `parts`, N where there are fewer), RESID
+# G (group size; unused at 16), NT (8-column MMA tiles a warp), SPLITK (warps a block, splitting K),
+# MT (16-row tiles a block), PIPE (iterations whose weight loads are issued before their math), P1 <=
+# P2 <= P3 (where the output's parts start: `rows_matmul`'s `parts`, N where there are fewer), RESID
 # (1: the input `residual`, (M, N), is added to the output: `rows_matmul`'s `residual`), NORM (1: the rows are
 # RMS-normed with the input `norm`'s (K,) weights and epsilon EPS, a float's bits: `rows_matmul`'s `norm`). The
 # source avoids `_shape`, `_strides` and `_ndim` (MLX would add them).
@@ -150,12 +146,10 @@ _SOURCE = r"""
   static_assert(ITERS % PIPE == 0, "PIPE divides ITERS");
 
   const int lane = threadIdx.x & 31;
-  // the warp's place along the input width, and its column group (COLW a block; one: the warp index alone)
-  const int warp = COLW == 1 ? threadIdx.x >> 5 : (threadIdx.x >> 5) % SPLITK;
-  const int wc = COLW == 1 ? 0 : (threadIdx.x >> 5) / SPLITK;
+  const int warp = threadIdx.x >> 5;
   const int grp = lane >> 2;
   const int t = lane & 3;
-  const int n0 = (blockIdx.x * COLW + wc) * (8 * NT);
+  const int n0 = blockIdx.x * (8 * NT);
   const int m0 = blockIdx.y * (16 * MT);
   const int M = rows[0];
   const uint32_t* wq = reinterpret_cast<const uint32_t*>(w);
@@ -266,8 +260,7 @@ _SOURCE = r"""
   // order, then 1 / sqrt(mean + eps); a function of the row and the weight's shape alone.
   float inv[MT][2];
   if constexpr (NORM != 0) {
-    __shared__ float sq_groups[COLW][SPLITK * MT * 16];
-    float* sq = sq_groups[wc];
+    __shared__ float sq[SPLITK * MT * 16];
 #pragma unroll
     for (int i = 0; i < MT; ++i)
 #pragma unroll
@@ -289,8 +282,7 @@ _SOURCE = r"""
   }
 
   // The warps' partial sums, added in warp order: red = w0; red += w1; ...; out = red + w_last.
-  __shared__ float red_groups[COLW][MT * NT * 4 * 32];
-  float* red = red_groups[wc];
+  __shared__ float red[MT * NT * 4 * 32];
   for (int s = 0; s < SPLITK; ++s) {
     if (warp == s) {
 #pragma unroll
@@ -441,34 +433,6 @@ def tiles_a_warp(m: int, k: int, n: int, bits: int) -> int:
     return g.nt
 
 
-def column_groups(m: int, k: int, n: int, bits: int) -> int:
-    """Column groups a block for m rows (COLW). A block's warps each load the call's rows of x for every chunk
-    of the input width they sum, and every block does so for its own columns: at 16 rows and 4 column tiles a
-    warp the lanes load 1.8 bytes of x for each byte of 4-bit weight, at 64 rows 7.1 (docs/gpu-round-profile.md,
-    session 35), where one row loads 0.22. Groups side by side in one block load the same chunks of x at the
-    same time, through one SM's L1, so 2 to 32 rows (one or two row tiles: a stream's or two streams' verify
-    windows) take 2 or 4 groups where the block's warps stay within MAX_BLOCK_WARPS and the fewer, larger blocks
-    still spread evenly over the SMs (`spread` at least 0.9: the 9B's gate/up in 4 groups would be 192 blocks on
-    132 SMs, some SMs holding two and most one, so it takes 2). One row keeps one group, its launch unchanged;
-    so do 3 and 4 row tiles, where nvcc gives a normed launch all 255 registers with groups against 180 without
-    (at one tile 86 against 80, at two 138 against 174), until the GPU says which is faster. A group's SPLITK
-    warps sum their columns as a block's did, so the bits are the geometry's (tests/test_matmul_kernel.py)."""
-    if m == 1 or m > 2 * MMA_ROWS:
-        return 1
-    g = geometry(k, n, bits)
-    blocks = n // (8 * tiles_a_warp(m, k, n, bits))
-    groups = 1
-    while (groups < MAX_GROUPS and g.split_k * groups * 2 <= MAX_BLOCK_WARPS and blocks % (groups * 2) == 0
-           and spread(blocks // (groups * 2)) >= 0.9):
-        groups *= 2
-    return groups
-
-
-def spread(blocks: int) -> float:
-    """How evenly `blocks` equal blocks fill the SMs: their mean count an SM over the most any SM holds."""
-    return blocks / (SMS * -(-blocks // SMS))
-
-
 def float_bits(value: float) -> int:
     """A float32's bits as an int (a template constant; the source reads it back with `__int_as_float`)."""
     return struct.unpack("<i", struct.pack("<f", value))[0]
@@ -481,17 +445,14 @@ def launch(m: int, k: int, n: int, bits: int, group_size: int, parts: tuple[int,
     a function of the shapes alone."""
     g = geometry(k, n, bits)
     nt = tiles_a_warp(m, k, n, bits)
-    groups = column_groups(m, k, n, bits)
     tiles = min(MAX_TILES, -(-m // MMA_ROWS))
     starts = list(accumulate(parts[:-1])) if parts else []
     template = (("K", k), ("N", n), ("BITS", bits), ("G", group_size if bits != 16 else 1),
-                ("NT", nt), ("SPLITK", g.split_k), ("COLW", groups), ("MT", tiles),
-                ("PIPE", look_ahead(k, bits, g.split_k, tiles)),
+                ("NT", nt), ("SPLITK", g.split_k), ("MT", tiles), ("PIPE", look_ahead(k, bits, g.split_k, tiles)),
                 *zip(("P1", "P2", "P3"), starts + [n] * (MAX_PARTS - 1 - len(starts))), ("RESID", int(residual)),
                 ("NORM", int(eps is not None)), ("EPS", 0 if eps is None else float_bits(eps)))
     options = dict(template=template, grid=(n // (8 * nt) * 32 * g.split_k, -(-m // (MMA_ROWS * tiles)), 1),
-                   threadgroup=(32 * g.split_k * groups, 1, 1),
-                   output_shapes=[(m, width) for width in parts] or [(m, n)],
+                   threadgroup=(32 * g.split_k, 1, 1), output_shapes=[(m, width) for width in parts] or [(m, n)],
                    output_dtypes=[mx.bfloat16] * max(1, len(parts)))
     return KernelCall(mx.array([m], dtype=mx.int32), options)
 
