@@ -44,14 +44,15 @@ fi
 log start "${DFLASH_BENCH_COMMIT:-no DFLASH_BENCH_COMMIT, so receipts name the commit of the copy .git}"
 # Correctness first, in parallel (no speed is read from these): every GPU test, and beside it the 9B
 # fixtures and the default model's exactness. A step's limit stops it and lets the rest go on.
-# The GPU tests of the kernels the engine launches and of gpu mode's contracts: the row kernel's first (its column
-# groups for several rows are new since job L), then those job L (bc2fdf7) did not reach (it passed the row
-# kernel's, the norm's, the recurrence kernel's and the norm-and-RoPE kernel's 29 and 2 of gpu mode's before this
-# step's limit: docs/profiles/pytest-gpu-h200-16.txt; NVRTC compiles at first use). The attention kernel's others
-# run after the timed steps. (The two server files import `openai`, which the GPU machine's Python lacks; CI runs them.)
-step pytest-gpu 480 python3 -m pytest -p no:cacheprovider -m gpu tests/test_matmul_kernel.py tests/test_gpu_mode.py \
+# The GPU tests of the kernels the engine launches and of gpu mode's contracts: first those jobs L and M did not
+# reach (gpu mode's 12 and the attention kernel's block test; job M spent the step's last 4 minutes in gpu mode's
+# module fixture, an engine's first self-check: docs/profiles/pytest-gpu-h200-17.txt), then the row kernel's, the
+# norm's, the recurrence kernel's and the norm-and-RoPE kernel's, which passed in job L on the same kernels
+# (-16.txt; NVRTC compiles at first use). The attention kernel's others run after the timed steps. (The two server
+# files import `openai`, which the GPU machine's Python lacks; CI runs them.)
+step pytest-gpu 480 python3 -m pytest -p no:cacheprovider -m gpu tests/test_gpu_mode.py \
   "tests/test_attention_kernel.py::test_on_the_device_a_blocks_keys_from_its_own_rows_equal_them_written_first" \
-  tests/test_matmul_norm.py tests/test_delta_kernel.py tests/test_norm_rope_kernel.py &
+  tests/test_matmul_kernel.py tests/test_matmul_norm.py tests/test_delta_kernel.py tests/test_norm_rope_kernel.py &
 {
   run fixture-9b 120 fixture qwen3_5-9b-4bit /root/f9/t
   run fixture-9b-drafter 120 fixture dflash-9b /root/f9/d
@@ -66,15 +67,11 @@ if [ -f "$gguf" ]; then
     --out "$out/concurrent-default-gpu-h200.json" &
 fi
 wait
-# First, what the device does in a round as the engine runs it (job L's round split found the 9B's drafted round
-# waiting 5.9 ms on the device on the code probe): busy and idle time a round, plain and drafted, with each
-# kernel kind's share, from CUPTI's records through PyTorch's profiler (docs/profiles/round-timeline-h200.txt); the
-# 9B's self-check runs here first (up to 212 s on a fresh machine), then is cached for the steps after
+# First, what the device does in a round as the engine runs it: busy and idle time a round, plain and drafted, with
+# each kernel kind's share, from CUPTI's records through PyTorch's profiler (docs/profiles/round-timeline-h200.txt:
+# in job M the device was busy 11.25 ms of a 20.58 ms drafted round, waiting for the host the rest); the 9B's
+# self-check runs here first (up to 212 s on a fresh machine), then is cached for the steps after
 step round-timeline-9b 480 python3 tools/round_timeline.py /root/f9/t --drafter /root/f9/d --out /root/f9/timeline
-# the row kernel beside variants for a verify window's rows (column groups a block sharing their rows of x, more
-# column tiles a warp, weight loads past L1), each checked for the engine's bits and timed from CUDA graphs (CuPy
-# and nvcc, in the machine's image; needs no MLX): whether a 16-row product can cost what a 1-row one does
-step row-kernel-variants 300 python3 tools/row_kernel_variants.py
 # Then the timed runs, one at a time and alone on the machine, the receipts the README quotes first.
 # the drafter in bf16 and as 4-bit copies: its bf16 products were ~1.9 ms of a 9B drafted round's device time
 # (docs/gpu-round-profile.md), so a 4-bit drafter is the serving choice to weigh against the bar (job A's pair decided nothing)
@@ -109,5 +106,9 @@ if [ -n "$ncu" ]; then
     python3 tools/round_kernels.py /root/f9/t --drafter /root/f9/d
   step round-kernels-9b-report 60 python3 tools/round_kernels.py --report "$out/round-kernels-9b.csv"
 fi
+# the row kernel beside variants for a verify window's rows (4 column tiles a warp, weight loads past L1), each
+# checked for the engine's bits and timed from CUDA graphs (CuPy and nvcc, in the machine's image; needs no MLX);
+# job M's run is docs/profiles/row-kernel-variants-h200.txt's last section, so it comes late
+step row-kernel-variants 300 python3 tools/row_kernel_variants.py
 step pytest-gpu-attention 600 python3 -m pytest -p no:cacheprovider -m gpu tests/test_attention_kernel.py
 log done
