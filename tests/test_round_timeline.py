@@ -1,6 +1,7 @@
 """tools/round_timeline.py's reading of a PyTorch profiler trace: the device's busy time a round is the union
 of its kernels' intervals between the first marked round's start and the next-to-last's end, idle time is
-binned by gap length, and kernels outside the span or GPU echoes of the host's marks are left out."""
+binned by gap length and put to the innermost host phase open over it, and kernels outside the span or GPU
+echoes of the host's marks are left out."""
 
 from __future__ import annotations
 
@@ -11,15 +12,16 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-from round_timeline import ROUND, Interval, describe, read_trace, summarize  # noqa: E402  (tools/ is not a package)
+from round_timeline import (  # noqa: E402  (tools/ is not a package)
+    OUTSIDE, ROUND, Interval, describe, describe_idle, host_pieces, idle_by_phase, read_trace, summarize)
 
 
 def kernel(name: str, ts: float, dur: float) -> dict:
     return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "pid": 0, "tid": 7}
 
 
-def mark(ts: float, dur: float, cat: str = "user_annotation") -> dict:
-    return {"ph": "X", "cat": cat, "name": ROUND, "ts": ts, "dur": dur, "pid": 1, "tid": 1}
+def mark(ts: float, dur: float, cat: str = "user_annotation", name: str = ROUND) -> dict:
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": 1}
 
 
 def test_busy_time_is_the_union_of_kernels_and_gaps_are_binned_by_length(tmp_path) -> None:
@@ -37,8 +39,8 @@ def test_busy_time_is_the_union_of_kernels_and_gaps_are_binned_by_length(tmp_pat
         kernel("void mlx::copy_v<float>(const float *)", 3000, 10),  # starts at the span's end: left out
         {"ph": "i", "name": "instant", "ts": 1500},  # not a duration event
     ]}))
-    kernels, rounds = read_trace(str(trace))
-    assert [r.start for r in rounds] == [1000, 2000, 3000]
+    kernels, rounds, phases = read_trace(str(trace))
+    assert [r.start for r in rounds] == [1000, 2000, 3000] and phases == []
     t = summarize(kernels, rounds)
     assert t.rounds == 2 and t.wall_ms == 1.0
     assert t.busy_ms == pytest.approx((450 + 45 + 450 + 600) / 2 / 1e3)
@@ -55,3 +57,38 @@ def test_busy_time_is_the_union_of_kernels_and_gaps_are_binned_by_length(tmp_pat
 def test_a_trace_with_too_few_marked_rounds_is_refused() -> None:
     with pytest.raises(ValueError, match="need 3 marked rounds, got 2"):
         summarize([Interval("k", 0, 1)], [Interval(ROUND, 0, 1), Interval(ROUND, 2, 3)], 2)
+
+
+def test_idle_time_goes_to_the_innermost_host_phase_open_over_it(tmp_path) -> None:
+    """Two rounds of 1000 us: in the first the host builds a forward (1000-1400), then MLX encodes in async_eval
+    (1400-1800) with a keep inside it (1500-1550, innermost there), then nothing marked but the round; the second
+    round reads (2000-2300). Kernels run 1600-1700 and 2200-2900, so the device idles 1000-1600, 1700-2200 and
+    2900-3000, and each stretch is split by what the host was in."""
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps({"traceEvents": [
+        mark(1000, 900), mark(2000, 900), mark(3000, 900),
+        mark(1000, 400, name="forward"), mark(1400, 400, name="async_eval"), mark(1500, 50, name="keep"),
+        mark(2000, 300, name="read"), mark(2000, 300, cat="gpu_user_annotation", name="read"),  # an echo: left out
+        kernel("void mlx::copy_v<float>(const float *)", 1600, 100),
+        kernel("void mlx::copy_v<float>(const float *)", 2200, 700),
+    ]}))
+    kernels, rounds, phases = read_trace(str(trace))
+    assert sorted(p.name for p in phases) == ["async_eval", "forward", "keep", "read"]
+    spent = idle_by_phase(kernels, rounds, phases)
+    # forward 1000-1400; async_eval 1400-1500, 1550-1600 and 1700-1800; keep 1500-1550; the round alone
+    # 1800-1900; no mark 1900-2000 and 2900-3000 (a round's mark lasts 900 us); read 2000-2200. Two rounds:
+    # halved, in ms.
+    assert spent == pytest.approx({"forward": 0.2, "async_eval": 0.125, "keep": 0.025, ROUND: 0.05,
+                                   OUTSIDE: 0.1, "read": 0.1})
+    assert sum(spent.values()) == pytest.approx((3000 - 1000 - 100 - 700) / 2 / 1e3)
+    assert list(spent)[0] == "forward"  # most first
+    assert describe_idle(spent).startswith("  idle while the host was in: forward 0.20 ms, ")
+    assert "the round, in no phase 0.05 ms" in describe_idle(spent)
+
+
+def test_host_pieces_follow_nested_marks_and_cut_a_child_at_its_parents_end() -> None:
+    marks = [Interval("a", 0, 100), Interval("b", 10, 30), Interval("c", 20, 25), Interval("d", 90, 120),
+             Interval("e", 200, 210)]
+    assert host_pieces(marks) == [Interval("a", 0, 10), Interval("b", 10, 20), Interval("c", 20, 25),
+                                  Interval("b", 25, 30), Interval("a", 30, 90), Interval("d", 90, 100),
+                                  Interval("e", 200, 210)]

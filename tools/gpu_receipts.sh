@@ -72,6 +72,10 @@ wait
 # in job M the device was busy 11.25 ms of a 20.58 ms drafted round, waiting for the host the rest); the 9B's
 # self-check runs here first (up to 212 s on a fresh machine), then is cached for the steps after
 step round-timeline-9b 480 python3 tools/round_timeline.py /root/f9/t --drafter /root/f9/d --out /root/f9/timeline
+# the same with MLX handing the device graphs of 25 operations instead of 100: where the device idles while the host
+# is in async_eval (MLX encoding work it has not handed over yet), smaller graphs start it sooner
+step round-timeline-9b-ops25 300 python3 tools/round_timeline.py /root/f9/t --drafter /root/f9/d --out /root/f9/timeline25 \
+  --ops-per-graph 25
 # Then the timed runs, one at a time and alone on the machine, the receipts the README quotes first.
 # the drafter in bf16 and as 4-bit copies: its bf16 products were ~1.9 ms of a 9B drafted round's device time
 # (docs/gpu-round-profile.md), so a 4-bit drafter is the serving choice to weigh against the bar (job A's pair decided nothing)

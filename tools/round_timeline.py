@@ -1,6 +1,7 @@
 """The device's timeline over decode rounds: how long it is busy a round, and how long it waits between kernels.
 
 usage (on the GPU machine): python3 tools/round_timeline.py TARGET --drafter DRAFTER [--rounds R] [--out TRACE_DIR]
+                                [--ops-per-graph N]
        python3 tools/round_timeline.py --report TRACE.json [--rounds R]
 
 round_split.py times a round from the host: where a drafted round's `read` waits, the device is behind, but
@@ -15,13 +16,21 @@ time inside the same span, the idle time split by gap length (a gap under 10 us 
 longer ones wait on the host), kernels a round, and the kernel kinds by busy time. The device runs a round's
 work behind its host round (lanes.py queues the next round before reading the last), so the span is from the
 first marked step's start to the start of the step after the last, and the kernels counted are those starting in it.
+The host's phases are marked too (the target's forward, the drafter's pass and absorb, the rollback's keep, MLX's
+`async_eval` and `eval`, and the read of a round's choices: PHASES), so each stretch of device idle time is put to
+what the host was doing then: idle while the host is in `async_eval` is MLX encoding work it has not handed over
+yet (its CUDA backend hands the device graphs of up to MLX_MAX_OPS_PER_BUFFER operations, `--ops-per-graph`), idle
+in a forward or a drafter pass is Python building a graph with nothing queued before it.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import functools
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +39,11 @@ from round_kernels import kernel_kind
 
 ROUND = "dflash_bench_round"
 WARM_ROUNDS = 6
+OUTSIDE = "outside any mark"
+# the host's phases a round: (label, whose callable, its name); "lanes.py" is the module, whose `keep_windows` a round calls
+PHASES = (("forward", "target", "forward"), ("drafter", "drafter", "propose_queued"), ("drafter", "drafter", "absorb"),
+          ("keep", "lanes.py", "keep_windows"), ("async_eval", "mx", "async_eval"), ("eval", "mx", "eval"),
+          ("read", "lanes", "read"))
 
 
 @dataclass(frozen=True)
@@ -52,20 +66,25 @@ class Timeline:
 GAP_BINS = ((10.0, "< 10 us"), (100.0, "10-100 us"), (float("inf"), ">= 100 us"))
 
 
-def read_trace(path: str) -> tuple[list[Interval], list[Interval]]:
-    """The kernels and the marked rounds of a Chrome trace PyTorch's profiler wrote."""
+def read_trace(path: str) -> tuple[list[Interval], list[Interval], list[Interval]]:
+    """The kernels, the marked rounds and the marked host phases of a Chrome trace PyTorch's profiler wrote."""
     events = json.loads(Path(path).read_text())
     events = events.get("traceEvents", events) if isinstance(events, dict) else events
-    kernels, rounds = [], []
+    kernels, rounds, phases = [], [], []
+    labels = {label for label, _, _ in PHASES}
     for e in events:
         if e.get("ph") != "X" or "dur" not in e:
             continue
         span = Interval(e.get("name", ""), float(e["ts"]), float(e["ts"]) + float(e["dur"]))
         if e.get("cat") == "kernel":
             kernels.append(span)
-        elif e.get("name") == ROUND and not str(e.get("cat", "")).startswith("gpu_"):  # the host's mark, not its GPU echo
+        elif str(e.get("cat", "")).startswith("gpu_"):  # the GPU track's echo of a host mark
+            continue
+        elif span.name == ROUND:
             rounds.append(span)
-    return kernels, sorted(rounds, key=lambda r: r.start)
+        elif span.name in labels:
+            phases.append(span)
+    return kernels, sorted(rounds, key=lambda r: r.start), phases
 
 
 def summarize(kernels: list[Interval], rounds: list[Interval], count: int | None = None) -> Timeline:
@@ -95,6 +114,70 @@ def summarize(kernels: list[Interval], rounds: list[Interval], count: int | None
                     [(kind, us / count / 1e3, launches[kind] / count) for kind, us in per_kind.most_common()])
 
 
+def host_pieces(marks: list[Interval]) -> list[Interval]:
+    """The host's timeline as consecutive pieces, each named for the innermost mark open over it. Marks of one
+    thread nest (a child ends by its parent's end; a child running past it is cut there), so a sweep with a
+    stack of open marks finds the innermost one at every instant; time in no mark has no piece."""
+    pieces, stack, at = [], [], 0.0
+    for m in sorted(marks, key=lambda m: (m.start, -m.end)):
+        while stack and stack[-1].end <= m.start:
+            done = stack.pop()
+            if done.end > at:
+                pieces.append(Interval(done.name, at, done.end))
+            at = max(at, done.end)
+        if stack and m.start > at:
+            pieces.append(Interval(stack[-1].name, at, m.start))
+        stack.append(Interval(m.name, m.start, min(m.end, stack[-1].end) if stack else m.end))
+        at = m.start
+    while stack:
+        done = stack.pop()
+        if done.end > at:
+            pieces.append(Interval(done.name, at, done.end))
+        at = max(at, done.end)
+    return pieces
+
+
+def idle_by_phase(kernels: list[Interval], rounds: list[Interval], marks: list[Interval],
+                  count: int | None = None) -> dict[str, float]:
+    """Idle ms a round over `summarize`'s span, by the innermost host mark open while the device idled (the round's
+    own mark where no phase was: `ROUND`; OUTSIDE where none was), most first."""
+    count = len(rounds) - 1 if count is None else count
+    lo, hi = rounds[0].start, rounds[count].start
+    idle, at = [], lo
+    for k in sorted(kernels, key=lambda k: k.start):
+        if k.end <= at or k.start >= hi:
+            continue
+        if k.start > at:
+            idle.append((at, k.start))
+        at = max(at, k.end)
+    if at < hi:
+        idle.append((at, hi))
+    pieces = host_pieces(marks + list(rounds))
+    spent = collections.Counter()
+    i = 0
+    for start, end in idle:
+        while i < len(pieces) and pieces[i].end <= start:
+            i += 1
+        at, j = start, i
+        while at < end:
+            if j < len(pieces) and pieces[j].start < end:
+                piece = pieces[j]
+                if piece.start > at:
+                    spent[OUTSIDE] += piece.start - at
+                spent[piece.name] += min(end, piece.end) - max(at, piece.start)
+                at = min(end, piece.end)
+                j += 1
+            else:
+                spent[OUTSIDE] += end - at
+                at = end
+    return {name: us / count / 1e3 for name, us in spent.most_common()}
+
+
+def describe_idle(spent: dict[str, float]) -> str:
+    names = {ROUND: "the round, in no phase"}
+    return "  idle while the host was in: " + ", ".join(f"{names.get(n, n)} {ms:.2f} ms" for n, ms in spent.items())
+
+
 def describe(mode: str, t: Timeline, top: int = 15) -> str:
     idle = t.wall_ms - t.busy_ms
     lines = [f"== {mode}: {t.rounds} rounds, {t.wall_ms:.2f} ms a round; the device busy {t.busy_ms:.2f} ms "
@@ -102,6 +185,41 @@ def describe(mode: str, t: Timeline, top: int = 15) -> str:
              + ", ".join(f"{label} {ms:.2f} ms" for label, ms in t.gaps_ms.items())]
     lines += [f"  {ms:8.3f} ms {n:7.1f}x {kind}" for kind, ms, n in t.kinds[:top]]
     return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def marked_phases(engine):
+    """Each of PHASES' callables wrapped in a profiler mark of its label while the block runs, then put back."""
+    import mlx.core as mx
+    from torch.profiler import record_function
+
+    from dflash_bench.engine import lanes
+
+    owners = {"target": type(engine.lanes.target), "lanes": type(engine.lanes), "lanes.py": lanes, "mx": mx}
+    if engine.lanes.drafter is not None:
+        owners["drafter"] = type(engine.lanes.drafter)
+    saved = []
+
+    def marked(fn, label: str):
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            with record_function(label):
+                return fn(*args, **kwargs)
+        return call
+
+    for label, whose, name in PHASES:
+        if whose in owners:
+            owner = owners[whose]
+            saved.append((owner, name, owner.__dict__.get(name)))  # None: inherited, so deleted again after
+            setattr(owner, name, marked(getattr(owner, name), label))
+    try:
+        yield
+    finally:
+        for owner, name, own in reversed(saved):
+            if own is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, own)
 
 
 def record(engine, prompt: list[int], draft: bool, rounds: int, trace: Path) -> None:
@@ -116,7 +234,7 @@ def record(engine, prompt: list[int], draft: bool, rounds: int, trace: Path) -> 
     for _ in range(WARM_ROUNDS):
         engine.step()
     mx.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with marked_phases(engine), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(rounds + 1):
             with record_function(ROUND):
                 engine.step()
@@ -135,17 +253,19 @@ def run(target: str, drafter: str, rounds: int, out: Path) -> None:
 
     engine = Engine(target, drafter, Settings(parallel=4, context=4096, backend="gpu"))
     print(engine.startup_line(), flush=True)
+    print(f"MLX's CUDA graphs: up to {os.environ.get('MLX_MAX_OPS_PER_BUFFER', 'its default of 100 (sm_90)')} operations",
+          flush=True)
     prompt = probe_ids(engine).get("code", list(range(100, 356)))
     out.mkdir(parents=True, exist_ok=True)
     got = {}
     for mode in ("plain", "drafted"):
         trace = out / f"round-timeline-{mode}.json"
         record(engine, prompt, mode == "drafted", rounds, trace)
-        kernels, marks = read_trace(str(trace))
+        kernels, marks, phases = read_trace(str(trace))
         if not kernels:
             raise SystemExit(f"{trace} holds no kernel records: CUPTI did not see the engine's launches")
         got[mode] = summarize(kernels, marks, rounds)
-        print(describe(mode, got[mode]), flush=True)
+        print(describe(mode, got[mode]) + "\n" + describe_idle(idle_by_phase(kernels, marks, phases, rounds)), flush=True)
     print(f"drafted / plain: a round {got['drafted'].wall_ms / got['plain'].wall_ms:.2f}x, "
           f"the device's busy time {got['drafted'].busy_ms / got['plain'].busy_ms:.2f}x")
 
@@ -157,9 +277,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, help="marked rounds to profile (16), or to report (all but the last)")
     parser.add_argument("--out", default="round-timeline", help="where the traces go")
     parser.add_argument("--report", metavar="TRACE", help="summarize a trace this tool wrote")
+    parser.add_argument("--ops-per-graph", type=int, help="MLX_MAX_OPS_PER_BUFFER for this run (read when MLX starts)")
     args = parser.parse_args()
+    if args.ops_per_graph:
+        os.environ["MLX_MAX_OPS_PER_BUFFER"] = str(args.ops_per_graph)  # before run() imports MLX
     if args.report:
-        print(describe(Path(args.report).stem, summarize(*read_trace(args.report), args.rounds)))
+        kernels, rounds, phases = read_trace(args.report)
+        print(describe(Path(args.report).stem, summarize(kernels, rounds, args.rounds)))
+        print(describe_idle(idle_by_phase(kernels, rounds, phases, args.rounds)))
     elif args.target and args.drafter:
         run(args.target, args.drafter, args.rounds or 16, Path(args.out))
     else:
