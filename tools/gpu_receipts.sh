@@ -76,6 +76,11 @@ step round-timeline-9b 480 python3 tools/round_timeline.py /root/f9/t --drafter 
 # is in async_eval (MLX encoding work it has not handed over yet), smaller graphs start it sooner
 step round-timeline-9b-ops25 300 python3 tools/round_timeline.py /root/f9/t --drafter /root/f9/d --out /root/f9/timeline25 \
   --ops-per-graph 25
+# the default model's drafted round at 4 streams, the other open bar (1.63x a plain one on chat in job L)
+if [ -f "$gguf" ]; then
+  step round-timeline-default-4 240 python3 tools/round_timeline.py default \
+    --drafter dflash_bench/drafters/smollm2-135m-dflash --streams 4 --out /root/f9/timeline-default-4
+fi
 # Then the timed runs, one at a time and alone on the machine, the receipts the README quotes first.
 # the drafter in bf16 and as 4-bit copies: its bf16 products were ~1.9 ms of a 9B drafted round's device time
 # (docs/gpu-round-profile.md), so a 4-bit drafter is the serving choice to weigh against the bar (job A's pair decided nothing)

@@ -1,7 +1,7 @@
 """The device's timeline over decode rounds: how long it is busy a round, and how long it waits between kernels.
 
-usage (on the GPU machine): python3 tools/round_timeline.py TARGET --drafter DRAFTER [--rounds R] [--out TRACE_DIR]
-                                [--ops-per-graph N]
+usage (on the GPU machine): python3 tools/round_timeline.py TARGET --drafter DRAFTER [--streams S] [--rounds R]
+                                [--out TRACE_DIR] [--ops-per-graph N]
        python3 tools/round_timeline.py --report TRACE.json [--rounds R]
 
 round_split.py times a round from the host: where a drafted round's `read` waits, the device is behind, but
@@ -9,8 +9,9 @@ not whether its kernels are long or it idles between them. round_kernels.py (Nsi
 alone, so it gives each kernel's time and no gaps. This records the kernels as they ran, in the engine's own
 order and overlap, with CUPTI through PyTorch's profiler in the same process as MLX (the GPU machine's python3
 holds PyTorch; CUPTI's kernel records cover every kernel of the process, MLX's too). The engine serves TARGET
-with DRAFTER as engine-speed does (gpu mode, warmed); on engine-speed's code probe one plain and one drafted
-request decode a few warm rounds each, then R rounds under the profiler, each `Engine.step` marked. Per mode:
+with DRAFTER as engine-speed does (gpu mode, warmed; TARGET `default` is the default model); on engine-speed's
+code probe S plain and then S drafted requests (one by default) decode a few warm rounds each, then R rounds under
+the profiler, each `Engine.step` marked. Per mode:
 the rounds' wall time from the host's marks, the device's busy time (the union of kernel intervals) and idle
 time inside the same span, the idle time split by gap length (a gap under 10 us is a launch's own latency;
 longer ones wait on the host), kernels a round, and the kernel kinds by busy time. The device runs a round's
@@ -222,15 +223,17 @@ def marked_phases(engine):
                 setattr(owner, name, own)
 
 
-def record(engine, prompt: list[int], draft: bool, rounds: int, trace: Path) -> None:
-    """Warm rounds of one request, then `rounds` + 1 marked rounds under the profiler, the trace to `trace`."""
+def record(engine, prompt: list[int], draft: bool, rounds: int, trace: Path, streams: int = 1) -> None:
+    """Warm rounds of `streams` requests, then `rounds` + 1 marked rounds under the profiler, the trace to `trace`."""
     import mlx.core as mx
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from dflash_bench.engine.request import Request
 
-    engine.submit(Request(prompt, max_tokens=(WARM_ROUNDS + rounds + 4) * 17, ignore_eos=True, seed=0, draft=draft))
+    for seed in range(streams):
+        engine.submit(Request(prompt, max_tokens=(WARM_ROUNDS + rounds + 4) * 17, ignore_eos=True, seed=seed,
+                              draft=draft))
     for _ in range(WARM_ROUNDS):
         engine.step()
     mx.synchronize()
@@ -245,22 +248,22 @@ def record(engine, prompt: list[int], draft: bool, rounds: int, trace: Path) -> 
         engine.step()
 
 
-def run(target: str, drafter: str, rounds: int, out: Path) -> None:
+def run(target: str, drafter: str, rounds: int, out: Path, streams: int = 1) -> None:
     import dflash_bench  # noqa: F401  (loads the BLAS before mlx.core)
 
     from dflash_bench.engine.engine import Engine, Settings
     from round_split import probe_ids
 
-    engine = Engine(target, drafter, Settings(parallel=4, context=4096, backend="gpu"))
+    engine = Engine(target, drafter, Settings(parallel=max(4, streams), context=4096, backend="gpu"))
     print(engine.startup_line(), flush=True)
-    print(f"MLX's CUDA graphs: up to {os.environ.get('MLX_MAX_OPS_PER_BUFFER', 'its default of 100 (sm_90)')} operations",
+    print(f"{streams} stream(s); MLX's CUDA graphs: up to {os.environ.get('MLX_MAX_OPS_PER_BUFFER', 'its default of 100 (sm_90)')} operations",
           flush=True)
     prompt = probe_ids(engine).get("code", list(range(100, 356)))
     out.mkdir(parents=True, exist_ok=True)
     got = {}
     for mode in ("plain", "drafted"):
         trace = out / f"round-timeline-{mode}.json"
-        record(engine, prompt, mode == "drafted", rounds, trace)
+        record(engine, prompt, mode == "drafted", rounds, trace, streams)
         kernels, marks, phases = read_trace(str(trace))
         if not kernels:
             raise SystemExit(f"{trace} holds no kernel records: CUPTI did not see the engine's launches")
@@ -274,6 +277,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("target", nargs="?")
     parser.add_argument("--drafter")
+    parser.add_argument("--streams", type=int, default=1, help="requests decoding together in each mode (1)")
     parser.add_argument("--rounds", type=int, help="marked rounds to profile (16), or to report (all but the last)")
     parser.add_argument("--out", default="round-timeline", help="where the traces go")
     parser.add_argument("--report", metavar="TRACE", help="summarize a trace this tool wrote")
@@ -286,7 +290,7 @@ def main() -> None:
         print(describe(Path(args.report).stem, summarize(kernels, rounds, args.rounds)))
         print(describe_idle(idle_by_phase(kernels, rounds, phases, args.rounds)))
     elif args.target and args.drafter:
-        run(args.target, args.drafter, args.rounds or 16, Path(args.out))
+        run(args.target, args.drafter, args.rounds or 16, Path(args.out), args.streams)
     else:
         parser.error("give TARGET and --drafter, or --report TRACE")
 
