@@ -13,7 +13,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from round_timeline import (  # noqa: E402  (tools/ is not a package)
-    OUTSIDE, ROUND, Interval, describe, describe_idle, host_pieces, idle_by_phase, read_trace, summarize)
+    OUTSIDE, PHASE_LABELS, ROUND, Interval, describe, describe_idle, host_pieces, idle_by_phase, read_trace, summarize)
 
 
 def kernel(name: str, ts: float, dur: float) -> dict:
@@ -84,6 +84,12 @@ def test_idle_time_goes_to_the_innermost_host_phase_open_over_it(tmp_path) -> No
     assert list(spent)[0] == "forward"  # most first
     assert describe_idle(spent).startswith("  idle while the host was in: forward 0.20 ms, ")
     assert "the round, in no phase 0.05 ms" in describe_idle(spent)
+
+
+def test_the_phase_labels_read_back_are_those_round_split_wraps() -> None:
+    import round_split
+
+    assert sorted(set(PHASE_LABELS)) == sorted({label for label, _, _ in round_split.PHASES})
 
 
 def test_host_pieces_follow_nested_marks_and_cut_a_child_at_its_parents_end() -> None:

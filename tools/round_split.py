@@ -25,6 +25,7 @@ code and chat probes' plain rounds by quarter of the decode.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import statistics
 import time
@@ -36,6 +37,37 @@ from dflash_bench.engine import lanes
 from dflash_bench.engine.engine import Engine, Settings
 from dflash_bench.engine.cache import TargetState
 from dflash_bench.engine.request import Request
+
+
+# A round's host phases, (label, whose callable, its name): the target's forward, the drafter's absorb and pass, the
+# states' keep (a drafted round keeps its windows at device lengths: lanes.py's keep_windows), MLX's queuing and
+# evaluating, and the read of a verify's choices. round_split times them; round_timeline marks them.
+PHASES = (("forward", "target", "forward"), ("drafter", "drafter", "absorb"), ("drafter", "drafter", "propose_queued"),
+          ("keep", "state", "keep"), ("keep", "lanes.py", "keep_windows"), ("async_eval", "mx", "async_eval"),
+          ("eval", "mx", "eval"), ("read", "lanes", "read"))
+
+
+@contextlib.contextmanager
+def around_phases(engine: Engine, wrap):
+    """Each of PHASES' callables replaced by `wrap(callable, label)` while the block runs, then put back (an
+    attribute the owner did not hold itself, an instance's method or a class's inherited one, is deleted again)."""
+    owners = {"target": engine.target, "state": TargetState, "lanes": type(engine.lanes), "lanes.py": lanes, "mx": mx}
+    if engine.lanes.drafter is not None:
+        owners["drafter"] = engine.lanes.drafter
+    saved = []
+    for label, whose, name in PHASES:
+        if whose in owners:
+            owner = owners[whose]
+            saved.append((owner, name, vars(owner).get(name)))
+            setattr(owner, name, wrap(getattr(owner, name), label))
+    try:
+        yield
+    finally:
+        for owner, name, own in reversed(saved):
+            if own is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, own)
 
 
 def split(engine: Engine, prompt: list[int], streams: int, tokens: int, draft: bool = False,
@@ -51,11 +83,7 @@ def split(engine: Engine, prompt: list[int], streams: int, tokens: int, draft: b
     kept: list[float] = []
     reading: list[float] = []
     accepted: list[int] = []
-    forward, async_eval, evaluate, keep = engine.target.forward, mx.async_eval, mx.eval, TargetState.keep
-    read = type(engine.lanes).read
-    keep_windows = lanes.keep_windows  # a drafted round keeps its windows at device lengths (lanes.py's round)
-    drafter = engine.lanes.drafter
-    absorb, propose = (drafter.absorb, drafter.propose_queued) if drafter is not None else (None, None)
+    buckets = {"forward": build, "drafter": drafting, "keep": kept, "async_eval": queue, "eval": queue, "read": reading}
 
     def timer(fn, into: list[float]):
         """`fn` timed into `into`, less what evaluations it queued took (those count as queuing)."""
@@ -66,21 +94,18 @@ def split(engine: Engine, prompt: list[int], streams: int, tokens: int, draft: b
             return out
         return timed
 
-    engine.target.forward = timer(forward, build)
-    mx.async_eval, mx.eval = timer(async_eval, queue), timer(evaluate, queue)
-    TargetState.keep, lanes.keep_windows = timer(keep, kept), timer(keep_windows, kept)
-    if drafter is not None:
-        drafter.absorb, drafter.propose_queued = timer(absorb, drafting), timer(propose, drafting)
+    def wrap(fn, label: str):
+        timed = timer(fn, buckets[label])
+        if label != "read":
+            return timed
 
-    timed_read = timer(read, reading)
+        def counted_read(lanes, windows):
+            before = windows[0].stats.accepted
+            timed(lanes, windows)
+            accepted.append(windows[0].stats.accepted - before)
+        return counted_read
 
-    def counted_read(lanes, windows):
-        before = windows[0].stats.accepted
-        timed_read(lanes, windows)
-        accepted.append(windows[0].stats.accepted - before)
-
-    type(engine.lanes).read = counted_read
-    try:
+    with around_phases(engine, wrap):
         for i in range(streams):
             engine.submit(Request(prompt, max_tokens=tokens, ignore_eos=True, seed=i, draft=draft))
         rounds = []
@@ -91,12 +116,6 @@ def split(engine: Engine, prompt: list[int], streams: int, tokens: int, draft: b
             engine.step()
             rounds.append((time.perf_counter() - t0, sum(build), sum(drafting), sum(queue), sum(kept),
                            sum(reading), accepted[0] if accepted else None))
-    finally:
-        type(engine.lanes).read = read
-        engine.target.forward, mx.async_eval, mx.eval, TargetState.keep = forward, async_eval, evaluate, keep
-        lanes.keep_windows = keep_windows
-        if drafter is not None:
-            drafter.absorb, drafter.propose_queued = absorb, propose
     decode = rounds[2:]  # the prompt's round and the first queued one
     total, built, drafted, queued, kept_, read_ = (statistics.median(r[i] for r in decode) for i in range(6))
     out = {"round": total, "build": built, "draft": drafted, "queue": queued, "keep": kept_, "read": read_,

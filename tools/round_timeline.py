@@ -18,8 +18,8 @@ longer ones wait on the host), kernels a round, and the kernel kinds by busy tim
 work behind its host round (lanes.py queues the next round before reading the last), so the span is from the
 first marked step's start to the start of the step after the last, and the kernels counted are those starting in it.
 The host's phases are marked too (the target's forward, the drafter's pass and absorb, the rollback's keep, MLX's
-`async_eval` and `eval`, and the read of a round's choices: PHASES), so each stretch of device idle time is put to
-what the host was doing then: idle while the host is in `async_eval` is MLX encoding work it has not handed over
+`async_eval` and `eval`, and the read of a round's choices: round_split.PHASES), so each stretch of device idle
+time is put to what the host was doing then: idle while the host is in `async_eval` is MLX encoding work it has not handed over
 yet (its CUDA backend hands the device graphs of up to MLX_MAX_OPS_PER_BUFFER operations, `--ops-per-graph`), idle
 in a forward or a drafter pass is Python building a graph with nothing queued before it.
 """
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import functools
 import json
 import os
@@ -41,10 +40,9 @@ from round_kernels import kernel_kind
 ROUND = "dflash_bench_round"
 WARM_ROUNDS = 6
 OUTSIDE = "outside any mark"
-# the host's phases a round: (label, whose callable, its name); "lanes.py" is the module, whose `keep_windows` a round calls
-PHASES = (("forward", "target", "forward"), ("drafter", "drafter", "propose_queued"), ("drafter", "drafter", "absorb"),
-          ("keep", "lanes.py", "keep_windows"), ("async_eval", "mx", "async_eval"), ("eval", "mx", "eval"),
-          ("read", "lanes", "read"))
+# the host phases' marks: round_split.PHASES' labels (not imported here: round_split imports MLX, which reads
+# MLX_MAX_OPS_PER_BUFFER when it starts, and `main` sets that first)
+PHASE_LABELS = ("forward", "drafter", "keep", "async_eval", "eval", "read")
 
 
 @dataclass(frozen=True)
@@ -72,7 +70,6 @@ def read_trace(path: str) -> tuple[list[Interval], list[Interval], list[Interval
     events = json.loads(Path(path).read_text())
     events = events.get("traceEvents", events) if isinstance(events, dict) else events
     kernels, rounds, phases = [], [], []
-    labels = {label for label, _, _ in PHASES}
     for e in events:
         if e.get("ph") != "X" or "dur" not in e:
             continue
@@ -83,7 +80,7 @@ def read_trace(path: str) -> tuple[list[Interval], list[Interval], list[Interval
             continue
         elif span.name == ROUND:
             rounds.append(span)
-        elif span.name in labels:
+        elif span.name in PHASE_LABELS:
             phases.append(span)
     return kernels, sorted(rounds, key=lambda r: r.start), phases
 
@@ -188,18 +185,14 @@ def describe(mode: str, t: Timeline, top: int = 15) -> str:
     return "\n".join(lines)
 
 
-@contextlib.contextmanager
-def marked_phases(engine):
-    """Each of PHASES' callables wrapped in a profiler mark of its label while the block runs, then put back."""
+def record(engine, prompt: list[int], draft: bool, rounds: int, trace: Path, streams: int = 1) -> None:
+    """Warm rounds of `streams` requests, then `rounds` + 1 marked rounds under the profiler, the trace to `trace`."""
     import mlx.core as mx
-    from torch.profiler import record_function
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
 
-    from dflash_bench.engine import lanes
-
-    owners = {"target": type(engine.lanes.target), "lanes": type(engine.lanes), "lanes.py": lanes, "mx": mx}
-    if engine.lanes.drafter is not None:
-        owners["drafter"] = type(engine.lanes.drafter)
-    saved = []
+    from dflash_bench.engine.request import Request
+    from round_split import around_phases
 
     def marked(fn, label: str):
         @functools.wraps(fn)
@@ -208,36 +201,13 @@ def marked_phases(engine):
                 return fn(*args, **kwargs)
         return call
 
-    for label, whose, name in PHASES:
-        if whose in owners:
-            owner = owners[whose]
-            saved.append((owner, name, owner.__dict__.get(name)))  # None: inherited, so deleted again after
-            setattr(owner, name, marked(getattr(owner, name), label))
-    try:
-        yield
-    finally:
-        for owner, name, own in reversed(saved):
-            if own is None:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, own)
-
-
-def record(engine, prompt: list[int], draft: bool, rounds: int, trace: Path, streams: int = 1) -> None:
-    """Warm rounds of `streams` requests, then `rounds` + 1 marked rounds under the profiler, the trace to `trace`."""
-    import mlx.core as mx
-    import torch
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    from dflash_bench.engine.request import Request
-
     for seed in range(streams):
         engine.submit(Request(prompt, max_tokens=(WARM_ROUNDS + rounds + 4) * 17, ignore_eos=True, seed=seed,
                               draft=draft))
     for _ in range(WARM_ROUNDS):
         engine.step()
     mx.synchronize()
-    with marked_phases(engine), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with around_phases(engine, marked), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(rounds + 1):
             with record_function(ROUND):
                 engine.step()
@@ -256,8 +226,8 @@ def run(target: str, drafter: str, rounds: int, out: Path, streams: int = 1) -> 
 
     engine = Engine(target, drafter, Settings(parallel=max(4, streams), context=4096, backend="gpu"))
     print(engine.startup_line(), flush=True)
-    print(f"{streams} stream(s); MLX's CUDA graphs: up to {os.environ.get('MLX_MAX_OPS_PER_BUFFER', 'its default of 100 (sm_90)')} operations",
-          flush=True)
+    graph = os.environ.get("MLX_MAX_OPS_PER_BUFFER", "its default of 100 (sm_90)")
+    print(f"{streams} stream(s); MLX's CUDA graphs: up to {graph} operations", flush=True)
     prompt = probe_ids(engine).get("code", list(range(100, 356)))
     out.mkdir(parents=True, exist_ok=True)
     got = {}
