@@ -85,13 +85,18 @@ def read_trace(path: str) -> tuple[list[Interval], list[Interval], list[Interval
     return kernels, sorted(rounds, key=lambda r: r.start), phases
 
 
-def summarize(kernels: list[Interval], rounds: list[Interval], count: int | None = None) -> Timeline:
-    """The first `count` marked rounds (all but the last where None: its start ends the span) and the
-    kernels that start inside their span."""
+def span(rounds: list[Interval], count: int | None) -> tuple[int, float, float]:
+    """The first `count` marked rounds (all but the last where None: its start ends the span): their count and
+    the span from the first one's start to the start of the one after them."""
     count = len(rounds) - 1 if count is None else count
     if count < 1 or len(rounds) < count + 1:
         raise ValueError(f"need {count + 1} marked rounds, got {len(rounds)}")
-    lo, hi = rounds[0].start, rounds[count].start
+    return count, rounds[0].start, rounds[count].start
+
+
+def summarize(kernels: list[Interval], rounds: list[Interval], count: int | None = None) -> Timeline:
+    """The first `count` marked rounds (`span`) and the kernels that start inside their span."""
+    count, lo, hi = span(rounds, count)
     inside = sorted((k for k in kernels if lo <= k.start < hi), key=lambda k: k.start)
     busy, end = 0.0, None
     gaps, per_kind, launches = collections.Counter(), collections.Counter(), collections.Counter()
@@ -139,8 +144,7 @@ def idle_by_phase(kernels: list[Interval], rounds: list[Interval], marks: list[I
                   count: int | None = None) -> dict[str, float]:
     """Idle ms a round over `summarize`'s span, by the innermost host mark open while the device idled (the round's
     own mark where no phase was: `ROUND`; OUTSIDE where none was), most first."""
-    count = len(rounds) - 1 if count is None else count
-    lo, hi = rounds[0].start, rounds[count].start
+    count, lo, hi = span(rounds, count)
     idle, at = [], lo
     for k in sorted(kernels, key=lambda k: k.start):
         if k.end <= at or k.start >= hi:
