@@ -35,11 +35,22 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 L2_BYTES = 60 * 2**20
 
 
-def engine_source() -> tuple[str, str]:
-    """The engine kernel's `_HEADER` and `_SOURCE`, read from its module's text."""
+def engine_constants() -> dict:
+    """The engine kernel module's top-level constants (literals), read from its text, so MLX is not needed."""
     tree = ast.parse((ROOT / "dflash_bench/engine/matmul_kernel.py").read_text())
-    found = {t.targets[0].id: ast.literal_eval(t.value) for t in tree.body
-             if isinstance(t, ast.Assign) and isinstance(t.targets[0], ast.Name) and t.targets[0].id in ("_HEADER", "_SOURCE")}
+    found = {}
+    for t in tree.body:
+        if isinstance(t, ast.Assign) and isinstance(t.targets[0], ast.Name):
+            try:
+                found[t.targets[0].id] = ast.literal_eval(t.value)
+            except ValueError:  # not a literal
+                continue
+    return found
+
+
+def engine_source() -> tuple[str, str]:
+    """The engine kernel's `_HEADER` and `_SOURCE`."""
+    found = engine_constants()
     return found["_HEADER"], found["_SOURCE"].replace("{part}", "y + (size_t)M * lo")  # one output (matmul_kernel.source)
 
 
@@ -82,7 +93,7 @@ def module(bodies: dict[str, str], header: str, wanted: list[tuple[str, tuple[in
     return cp.RawModule(code=code, backend="nvcc", options=("-O3", "-std=c++17", "-arch=sm_90"))
 
 
-TARGET_WARPS = 2048  # matmul_kernel.TARGET_WARPS
+TARGET_WARPS = engine_constants()["TARGET_WARPS"]
 
 
 def geometry(k: int, n: int, bits: int, tiles: int = 0) -> tuple[int, int] | None:
