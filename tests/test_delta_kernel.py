@@ -383,8 +383,8 @@ def test_rollback_to_every_acceptance_length_equals_the_kept_rows_one_at_a_time(
     a, b = mx.random.normal((n, m.hv), key=next(keys)), mx.random.normal((n, m.hv), key=next(keys))
     state0 = mx.random.normal((m.hv, m.dv, m.dk), key=next(keys)) * 0.1
     # the window's rows, as its forward computes them
-    redo = m.redo_fn(inputs[:span], state0, inputs, m.window_rows(m.conv(inputs, n), compute_g(m.A_log, a, m.dt_bias),
-                                                                   mx.sigmoid(b)))
+    rows = m.window_rows(m.conv(inputs, n), compute_g(m.A_log, a, m.dt_bias), mx.sigmoid(b))
+    redo = m.redo_fn(inputs[:span], state0, lambda: (inputs, rows))
     s = state0
     for t in range(n):
         q, k, v = m.mix(inputs[t : t + span + 1], 1)

@@ -226,13 +226,15 @@ def test_a_decode_step_copies_no_conv_tail() -> None:
 
 @cuda_emulator.needs_gxx
 def test_the_recurrence_kernels_states_are_views(monkeypatch) -> None:
-    """Each stream's state out of one launch is a slice of the launch's output, not a gather of it."""
+    """Each stream's state out of one launch is a view of the launch's output, every stream's from one split
+    (delta_kernel.py's `_unstacked`): not a gather (a copy), nor a slice and a squeeze a stream."""
     cuda_emulator.install_delta(monkeypatch)
     windows = [window((1, 2, 32, 16), n, seed=70 + i) for i, n in enumerate((1, 2))]
     q, k, v, g, beta = (mx.concatenate([w[i] for w in windows]) for i in range(5))
     y, states = delta_kernel.delta_packed(delta_kernel.separate(q, k, v), g, beta, [w[5] for w in windows], (0, 1, 3))
     ops = census([y, *states])
-    assert ops["Gather"] == 0 and ops["Slice"] >= 2, ops
+    assert ops["Split"] == 1 and ops["Gather"] == ops["Slice"] == ops["Squeeze"] == 0, ops
+    assert [st.shape for st in states] == [w[5].shape for w in windows]
 
 
 def test_a_launch_takes_each_streams_state_as_it_lies(monkeypatch) -> None:
@@ -316,6 +318,40 @@ def test_a_rollback_to_a_device_length_launches_the_kernel_to_it_with_no_mask(mo
         assert len(linear) > 1 and ops["Depends"] == 2 * launched and ops["DynamicSlice"] == 0, (keep, ops)  # state, tail
         assert ops["Select"] == ops["Arange"] == ops["Less"] == 0, (keep, ops)
         assert ops["Subtract"] == 1 and ops["Multiply"] == 0, (keep, ops)
+
+
+def test_a_windows_forward_slices_its_rows_for_a_rollback_only_when_one_runs(monkeypatch) -> None:
+    """A GatedDeltaNet layer's windows leave each stream's redo (qwen3_5.py's `redo_fn`) and, on the kernel, every
+    window's rollback in one launch (`PackedRedo`), which a drafted round takes (cache.py's `keep_windows`). The
+    redo's slices of the window's rows are made when it runs, not by the forward: a slice of each of its rows'
+    arrays a layer and stream was about 30 us of a drafted round's host a layer and stream on this project's CPU,
+    for a redo that a drafted round never runs. A stream rolled back alone (`keep_at`) still slices its rows."""
+
+    def launch(inputs, output_shapes, output_dtypes, **_):
+        return [mx.depends([mx.zeros(shape, dtype=dtype)], inputs)[0] for shape, dtype in zip(output_shapes, output_dtypes)]
+
+    monkeypatch.setattr(delta_kernel, "_kernel", lambda *key: launch)
+    sliced = []
+    real = delta_kernel.QKV.__getitem__
+    monkeypatch.setattr(delta_kernel.QKV, "__getitem__", lambda self, rows: (sliced.append(rows), real(self, rows))[1])
+    target = kernel_target("qwen3_5", monkeypatch, each_row_alone)
+    linear = [m for m in target.mixer_layers() if isinstance(m, GatedDeltaNet)]
+    for m in linear:
+        monkeypatch.setattr(m, "recurrence", "delta_kernel")
+    states = []
+    for _ in range(2):
+        state = target.new_state()
+        mx.eval(target.forward([Segment([3, 1, 4, 1, 5], 0, state, [4], prefill=True)])[0].logits, state.arrays())
+        state.keep(5)
+        states.append(state)
+    sliced.clear()
+    mx.eval([o.logits for o in target.forward([Segment([9, 2, 6], 5, state, [0, 1, 2]) for state in states])],
+            [state.arrays() for state in states])
+    assert sliced == []  # the forward: none
+    keep_windows([(states[0], (mx.array(6, dtype=mx.int32), 8, 6))])
+    assert sliced == []  # a drafted round's keep: the launch over every layer's windows
+    states[1].keep_at(mx.array(7, dtype=mx.int32), 8, 6)
+    assert len(sliced) == len(linear) > 1  # a stream rolled back alone: its window's rows, a layer
 
 
 def test_a_window_on_the_kernel_hands_it_q_k_and_v_where_they_lie(monkeypatch) -> None:

@@ -4,8 +4,10 @@ usage: python3 tools/forward_ops.py [--streams 1,4] [--drafter]
 
 On a GPU a decode forward pays per launch (docs/gpu-round-profile.md), so the number of operations
 that are not views, and the Python time to build them, are what a change to the forward should cut.
-It counts them, and those of rolling a 16-row window back to its first row (`keep`, and at a device length
-as a drafted round keeps every stream's window: cache.py's `keep_windows`), on any machine:
+It counts them and times the build of a one-row step and of a 16-row window (a drafted round's verify, as a
+ratio to the step's taken in the same run: a shared host moves both), and counts those of rolling a 16-row
+window back to its first row (`keep`, and at a device length as a drafted round keeps every stream's window:
+cache.py's `keep_windows`, whose build is timed too), on any machine:
 the 9B-shaped `tiny` preset (fixture qwen3_5-9b-4bit's layer pattern, 8 layers) in the gpu mode,
 each of our three CUDA kernels stood in for by one node (the self-check runs first on reference
 arithmetic for them), and the fused chains compiled as they are on a GPU (engine/fused.py). `--drafter`
@@ -38,6 +40,7 @@ from dflash_bench.engine.targets.base import Segment
 from dflash_bench.engine.tiles import attention, key_mask, pad_queries, query_positions
 from dflash_bench.fixtures.big import write_big
 
+REPS = 40  # timed builds a measurement; the first 5 are dropped
 VIEWS = {"Broadcast", "Reshape", "Slice", "Squeeze", "ExpandDims", "Transpose", "Split", "AsStrided"}
 
 
@@ -219,21 +222,21 @@ def main() -> None:
             out = target.forward([Segment(list(range(10, 42)), 0, st, [31], prefill=True)])
             mx.eval(out[0].logits, st.arrays())
             st.keep(32)
-        times = []
-        for rep in range(40):
-            t0 = time.perf_counter()
-            outs = target.forward([Segment([5], st.length, st, [0]) for st in states])
-            times.append(time.perf_counter() - t0)
-            mx.eval([o.logits for o in outs], [st.arrays() for st in states])
+        step = median_build(lambda: target.forward([Segment([5], st.length, st, [0]) for st in states]), states)
         outs = target.forward([Segment([5], st.length, st, [0]) for st in states])
         counts = census([o.logits for o in outs] + [a for st in states for a in st.arrays()])
         count = ops(counts)
         print(f"{streams} stream(s), {target.config.num_layers} layers: {count} operations that are not views "
-              f"({counts.total()} nodes; {counts.get('Matmul', 0)} products), graph build "
-              f"{1e3 * statistics.median(times[5:]):.2f} ms (median of {len(times) - 5})", flush=True)
+              f"({counts.total()} nodes; {counts.get('Matmul', 0)} products), graph build {1e3 * step:.2f} ms "
+              f"(median of {REPS - 5})", flush=True)
         mx.eval([o.logits for o in outs], [st.arrays() for st in states])
-        # a 16-row window of each stream, evaluated, then kept to its first row (a rejected round):
-        # what `keep` asks the device for (qwen3_5.py's rollback)
+        # a 16-row window of each stream, as a drafted round verifies it: its build beside the step's (same run)
+        window = median_build(lambda: target.forward([Segment([5] * 16, st.length, st, list(range(16))) for st in states]),
+                              states, lambda: [st.keep(st.length - 15) for st in states])
+        print(f"{streams} stream(s), 16-row windows: graph build {1e3 * window:.2f} ms, {window / step:.2f}x the "
+              "step's", flush=True)
+        # the window evaluated, then kept to its first row (a rejected round): what `keep` asks the device for
+        # (qwen3_5.py's rollback)
         outs = target.forward([Segment([5] * 16, st.length, st, list(range(16))) for st in states])
         mx.eval([o.logits for o in outs], [st.arrays() for st in states])
         for st in states:
@@ -249,8 +252,35 @@ def main() -> None:
         keep_windows([(st, (mx.array(st.length - 15, dtype=mx.int32), st.length, st.length - 15)) for st in states])
         counts = census([a for st in states for a in st.arrays()])
         count = ops(counts)
+        mx.eval([st.arrays() for st in states])
+        for st in states:
+            st.settle(st.length - 15)
+        times = []
+        for rep in range(REPS):  # its build alone: each rep a window evaluated first
+            outs = target.forward([Segment([5] * 16, st.length, st, list(range(16))) for st in states])
+            mx.eval([o.logits for o in outs], [st.arrays() for st in states])
+            t0 = time.perf_counter()
+            keep_windows([(st, (mx.array(st.length - 15, dtype=mx.int32), st.length, st.length - 15)) for st in states])
+            times.append(time.perf_counter() - t0)
+            mx.eval([st.arrays() for st in states])
+            for st in states:
+                st.settle(st.length - 15)
         print(f"{streams} stream(s), 16-row windows kept to their first row at a device length: {count} operations "
-              "that are not views", flush=True)
+              f"that are not views, graph build {1e3 * statistics.median(times[5:]):.2f} ms", flush=True)
+
+
+def median_build(forward, states: list, after=None) -> float:
+    """The median seconds `forward()` takes to build its graph over REPS reps (the first 5 dropped), each
+    rep's outputs and states evaluated after it is timed, then `after()` (a window kept back to a row)."""
+    times = []
+    for rep in range(REPS):
+        t0 = time.perf_counter()
+        outs = forward()
+        times.append(time.perf_counter() - t0)
+        mx.eval([o.logits for o in outs], [st.arrays() for st in states])
+        if after is not None:
+            after()
+    return statistics.median(times[5:])
 
 
 if __name__ == "__main__":

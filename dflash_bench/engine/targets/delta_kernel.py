@@ -244,16 +244,16 @@ def _options(heads: tuple[int, int, int, int], rows: int, layers: int, windows: 
              tail: tuple[int, int, mx.Dtype] | None) -> dict:
     """A launch's template, geometry and outputs (module docstring), a function of its shapes alone, built
     once: a 9B round launches the kernel 24 times, and its Python is the host's. Outputs: every layer's y,
-    the states (layers * windows, Hv, Dv, Dk) and, with a tail (span, channels, dtype), the conv tails
-    (layers * windows, span, C)."""
+    the states (layers * windows * Hv, Dv, Dk) and, with a tail (span, channels, dtype), the conv tails
+    (layers * windows * span, C): each (layer, window)'s part a run of whole leading rows (`_unstacked`)."""
     hk, dk, hv, dv = heads
     lanes = _lanes(dk)
     template = (("Dk", dk), ("Dv", dv), ("Hk", hk), ("Hv", hv), ("LANES", lanes), ("YT", dtype))
-    shapes, dtypes = [(layers * rows, hv, dv), (layers * windows, hv, dv, dk)], [dtype, mx.float32]
+    shapes, dtypes = [(layers * rows, hv, dv), (layers * windows * hv, dv, dk)], [dtype, mx.float32]
     if tail is not None:
         span, channels, conv_dtype = tail
         template += (("SPAN", span), ("C", channels))
-        shapes.append((layers * windows, span, channels))
+        shapes.append((layers * windows * span, channels))
         dtypes.append(conv_dtype)
     return dict(template=template, grid=(dv * lanes, hv, layers * windows),
                 threadgroup=(math.gcd(dv * lanes, 256), 1, 1), output_shapes=shapes, output_dtypes=dtypes)
@@ -342,13 +342,16 @@ def delta_packed(qkv: QKV, g: mx.array, beta: mx.array, states: list[mx.array],
     hk, dk, hv, dv = qkv.heads
     assert fits(hk, hv, dk, dv), f"no launch for {hk}/{hv} heads of {dk}/{dv}"
     y, new_states = _launch([(qkv, g, beta, states, None)], _int32s(tuple(starts)), _int32s((qkv.rows,) * len(states)))
-    return y, _unstacked(new_states)
+    return y, _unstacked(new_states, len(states))
 
 
-def _unstacked(states: mx.array) -> list[mx.array]:
-    """Each window's state (or conv tail) of a launch's output, as slices: an integer index is a Gather, a
-    copy launched per stream and layer."""
-    return [states[i : i + 1].squeeze(0) for i in range(states.shape[0])]
+def _unstacked(out: mx.array, parts: int) -> list[mx.array]:
+    """A launch output's `parts` (each window's state or conv tail, layer-major: whole leading rows each) as
+    views from one call (`mx.split`: one node up to 10 parts, else MLX makes a slice a part itself): an integer
+    index is a Gather, a copy launched per stream and layer, and the slices and squeezes built in Python here
+    were 192 views of a 9B drafted round at one stream (48 of its forward's launches, 144 of its rollback's)
+    for the host to build and evaluate, 48 now (the rollback's; a one-window launch's state is its output)."""
+    return mx.split(out, parts) if parts > 1 else [out]
 
 
 # One layer's part of a rollback: its windows' q, k and v where they lie, g and beta, each window's state before
@@ -377,8 +380,8 @@ def rollback(parts: list[Part], starts: tuple[int, ...], counts: mx.array, conv_
                                                                               first.y_dtype, windows)
         assert (conv.dtype, conv.shape[1]) == (parts[0][4].dtype, parts[0][4].shape[1]), "every layer's conv alike"
     _, states, tails = _launch(parts, _int32s(tuple(starts)), counts.astype(mx.int32), (tuple(conv_starts), span))
-    return [(_unstacked(states[i * windows : (i + 1) * windows]), _unstacked(tails[i * windows : (i + 1) * windows]))
-            for i in range(len(parts))]
+    states, tails = _unstacked(states, len(parts) * windows), _unstacked(tails, len(parts) * windows)
+    return [(states[i * windows : (i + 1) * windows], tails[i * windows : (i + 1) * windows]) for i in range(len(parts))]
 
 
 def _launch(parts: list[tuple[QKV, mx.array, mx.array, list[mx.array], mx.array | None]], offsets: mx.array,

@@ -182,13 +182,12 @@ class GatedDeltaNet:
             y, states = delta_kernel.delta_packed(*window, before, bounds)
         else:
             y, states = self.recur(*window, before, spans)
-        tails = [inputs[st : st + span + hi - lo] for st, (lo, hi) in zip(starts, spans)]
         # what a round may roll back: with the kernel, every layer's windows in one launch (cache.py's keep_windows)
         together = (PackedRedo(window, before, bounds, inputs, starts, span)
                     if self.recurrence == "delta_kernel" and any(hi - lo > 1 for lo, hi in spans) else None)
         for w, ((seg, (lo, hi)), c, st, state) in enumerate(zip(decoding, caches, starts, states)):
             n = hi - lo
-            c.redo = self.redo_fn(c.conv, c.state, tails[w], tuple(r[lo:hi] for r in window)) if n > 1 else None
+            c.redo = self.redo_fn(c.conv, c.state, window_of(inputs, st, span, window, lo, hi)) if n > 1 else None
             c.together = (together, w) if together is not None and n > 1 else None
             # a view: it pins this round's few decode input rows, where a copy is a launch per stream and layer
             c.conv, c.state = inputs[st + n : st + n + span], state
@@ -239,13 +238,13 @@ class GatedDeltaNet:
         """Conv (row t sees inputs t .. t + kernel - 1, summed in tap order), silu, normalized q/k, v."""
         return self.heads(self.conv(inputs, n))
 
-    def redo_fn(self, prev_conv: mx.array, prev_state: mx.array, inputs: mx.array, rows: tuple):
+    def redo_fn(self, prev_conv: mx.array, prev_state: mx.array, window: Callable[[], tuple[mx.array, tuple]]):
         """The (conv, state) after the first m rows of this window, from the state before it.
 
-        `rows` are the window's rows as its forward computed them (`window_rows`), so the recurrence
-        over their first m is the layer's own (`recurrence`) on the same inputs: the window's state
-        after m rows. `inputs` are the window's conv inputs (the conv tail it started from, then its
-        rows); the conv after m rows keeps the `kernel - 1` ending at row m, a view of them.
+        `window()` gives the window's conv inputs (the conv tail it started from, then its rows) and its
+        rows as its forward computed them (`window_rows`), so the recurrence over their first m is the
+        layer's own (`recurrence`) on the same inputs: the window's state after m rows; the conv after m
+        rows keeps the `kernel - 1` inputs ending at row m, a view of them.
         """
         span = self.kernel - 1
 
@@ -254,6 +253,7 @@ class GatedDeltaNet:
                 return masked(m)
             if m == 0:
                 return prev_conv, prev_state
+            inputs, rows = window()
             if self.recurrence == "delta_kernel":
                 _, [state] = delta_kernel.delta_packed(*(r[:m] for r in rows), [prev_state], (0, m))
             else:
@@ -265,6 +265,7 @@ class GatedDeltaNet:
             whatever m is. The kernel takes m as the window's end (delta_kernel.py's `rollback`: the
             rows' own steps, one launch and no mask) and copies the conv tail, the `kernel - 1` inputs
             ending at row m, in the same launch; mlx-lm's ops rerun every row (`prefix_by_rerun`)."""
+            inputs, rows = window()
             if self.recurrence == "delta_kernel":
                 [([state], [tail])] = delta_kernel.rollback([(*rows, [prev_state], inputs)], (0, rows[0].rows),
                                                             mx.reshape(m, (1,)), (0,), span)
@@ -312,6 +313,14 @@ class HybridTarget(Target):
         pre, post = self.norms[i]
         x = self.mixers[i](x, segments, layout, i, residual=x, norm=(pre, self.eps))
         return self.mlp(x, layout, *self.mlps[i], residual=x, norm=(post, self.eps))
+
+
+def window_of(inputs: mx.array, first: int, span: int, rows: tuple, lo: int, hi: int) -> Callable[[], tuple[mx.array, tuple]]:
+    """One decode window's conv inputs (`span` tail rows from `first`, then its rows) and its rows lo..hi of
+    every segment's `rows`, sliced when called: where a layer's windows roll back in one launch
+    (`PackedRedo`) a window's own redo never runs, and its slices cost a drafted round's host about 30 us
+    a layer and stream on this project's CPU (docs/gpu-round-profile.md)."""
+    return lambda: (inputs[first : first + span + hi - lo], tuple(r[lo:hi] for r in rows))
 
 
 class PackedRedo:
