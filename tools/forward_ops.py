@@ -1,6 +1,6 @@
 """How many operations one decode forward asks MLX for, and how long Python takes to build them.
 
-usage: python3 tools/forward_ops.py [--streams 1,4] [--drafter]
+usage: python3 tools/forward_ops.py [--streams 1,4] [--drafter] [--layers 8]
 
 On a GPU a decode forward pays per launch (docs/gpu-round-profile.md), so the number of operations
 that are not views, and the Python time to build them, are what a change to the forward should cut.
@@ -8,7 +8,7 @@ It counts them and times the build of a one-row step and of a 16-row window (a d
 ratio to the step's taken in the same run: a shared host moves both), and counts those of rolling a 16-row
 window back to its first row (`keep`, and at a device length as a drafted round keeps every stream's window:
 cache.py's `keep_windows`, whose build is timed too), on any machine:
-the 9B-shaped `tiny` preset (fixture qwen3_5-9b-4bit's layer pattern, 8 layers) in the gpu mode,
+the 9B-shaped `tiny` preset (fixture qwen3_5-9b-4bit's layer pattern, 8 layers, or `--layers 32` as the 9B) in the gpu mode,
 each of our three CUDA kernels stood in for by one node (the self-check runs first on reference
 arithmetic for them), and the fused chains compiled as they are on a GPU (engine/fused.py). `--drafter`
 counts a drafted round's drafter work instead: the fixture dflash-9b drafter's (`tiny` preset, bf16) absorbing
@@ -27,6 +27,7 @@ import statistics
 import struct
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import dflash_bench  # noqa: F401  (loads the BLAS before mlx.core)
@@ -38,7 +39,7 @@ from dflash_bench.engine.engine import Engine, Settings
 from dflash_bench.engine.targets import attention_kernel, base, delta_kernel, dense, qwen3_5
 from dflash_bench.engine.targets.base import Segment
 from dflash_bench.engine.tiles import attention, key_mask, pad_queries, query_positions
-from dflash_bench.fixtures.big import write_big
+from dflash_bench.fixtures.big import PRESETS, write_big
 
 REPS = 40  # timed builds a measurement; the first 5 are dropped
 VIEWS = {"Broadcast", "Reshape", "Slice", "Squeeze", "ExpandDims", "Transpose", "Split", "AsStrided"}
@@ -135,12 +136,12 @@ def joint_launch(q, k, v, qw, kw, positions, theta, eps) -> tuple[mx.array, mx.a
                                [queries])[0]
 
 
-def drafter_ops(target, root: Path, streams: list[int]) -> None:
+def drafter_ops(target, root: Path, streams: list[int], preset: str) -> None:
     """Operations of the drafter's absorb and block pass (module docstring), each stream at a device length."""
     from dflash_bench.engine.drafters.dflash import Proposal, load_drafter
     from dflash_bench.engine.sampling import SamplingParams
 
-    drafter = load_drafter(write_big("dflash-9b", root / "drafter", "tiny"), target, dtype=mx.bfloat16)
+    drafter = load_drafter(write_big("dflash-9b", root / "drafter", preset), target, dtype=mx.bfloat16)
     drafter.kernel_attention = True  # as on a CUDA GPU (dense.kernel_runs_here)
     # one node each, as on a GPU (`Depends` only ties an array offset in, and is not counted)
     mx.fast.rms_norm = lambda x, w, eps: mx.abs(x) if w is None else x * w
@@ -176,7 +177,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--streams", default="1,4")
     parser.add_argument("--drafter", action="store_true", help="count the drafter's absorb and block pass")
+    parser.add_argument("--layers", type=int, default=8,
+                        help="the target's layers: the 9B's pattern (3 GatedDeltaNet, 1 attention) repeated; the 9B has 32")
     args = parser.parse_args()
+    if args.layers < 8 or args.layers % 4:
+        parser.error(f"--layers must be a multiple of 4 from 8 (the tiny drafter taps layer 7), not {args.layers}")
+    preset = "tiny" if args.layers == 8 else f"tiny-{args.layers}"
+    PRESETS.setdefault(preset, replace(PRESETS["tiny"], layers=args.layers))
     dense.kernel_runs_here = lambda heads, device, cuda: attention_kernel.fits(*heads)
     qwen3_5.decode_recurrence = lambda heads, device, cuda: "delta_kernel" if delta_kernel.fits(*heads) else "gated_delta_ops"
     tiles.available = lambda dtype: dtype == mx.bfloat16
@@ -187,7 +194,7 @@ def main() -> None:
     delta_kernel.delta_packed = reference_packed
     delta_kernel.rollback = reference_rollback  # a rollback to device lengths (qwen3_5.py's redo_fn, PackedRedo)
     root = Path(tempfile.mkdtemp())
-    target = Engine(write_big("qwen3_5-9b-4bit", root / "target", "tiny"), None,
+    target = Engine(write_big("qwen3_5-9b-4bit", root / "target", preset), None,
                     Settings(parallel=4, context=256, chunk=32, backend="gpu")).target
     stand_in = Launch(one_node=True)
     matmul_kernel._kernel = lambda parts=0: stand_in
@@ -214,7 +221,7 @@ def main() -> None:
             [mx.broadcast_to(mx.abs(k).transpose(1, 0, 2)[None], (2, k.shape[1], k.shape[0], k.shape[2]))],
             [v, w, positions])[0]
         norm_rope_kernel.queries_and_keys = joint_launch
-        drafter_ops(target, root, [int(s) for s in args.streams.split(",")])
+        drafter_ops(target, root, [int(s) for s in args.streams.split(",")], preset)
         return
     for streams in (int(s) for s in args.streams.split(",")):
         states = [target.new_state() for _ in range(streams)]
