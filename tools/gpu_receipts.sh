@@ -72,6 +72,19 @@ wait
 # in job M the device was busy 11.25 ms of a 20.58 ms drafted round, waiting for the host the rest); the 9B's
 # self-check runs here first (up to 212 s on a fresh machine), then is cached for the steps after
 step round-timeline-9b 480 python3 tools/round_timeline.py /root/f9/t --drafter /root/f9/d --out /root/f9/timeline
+# A host change against the engine before it, back to back on this machine (hosts differ between machines and move
+# within one: docs/profiles/round-split-h200.txt): with BASELINE, a directory holding an earlier revision's
+# dflash_bench package (`git archive REV dflash_bench | tar -x -C DIR`), the 9B's rounds split at 1 and 4 streams
+# at this revision and then with BASELINE first on PYTHONPATH. For session 37's GatedDeltaNet host cuts, which only
+# a CPU has measured (docs/gpu-round-profile.md, its last section), BASELINE holds 6f04bf1's package.
+if [ -n "${BASELINE:-}" ]; then
+  for s in 1 4; do
+    step "round-split-9b-$s-head" 240 python3 tools/round_split.py /root/f9/t --backend gpu --drafter /root/f9/d \
+      --tokens 64 --streams "$s"
+    step "round-split-9b-$s-base" 240 env PYTHONPATH="$BASELINE:$PYTHONPATH" python3 tools/round_split.py /root/f9/t \
+      --backend gpu --drafter /root/f9/d --tokens 64 --streams "$s"
+  done
+fi
 # the same with MLX handing the device graphs of 25 operations instead of 100: where the device idles while the host
 # is in async_eval (MLX encoding work it has not handed over yet), smaller graphs start it sooner
 step round-timeline-9b-ops25 300 python3 tools/round_timeline.py /root/f9/t --drafter /root/f9/d --out /root/f9/timeline25 \
