@@ -229,64 +229,73 @@ def main() -> None:
             out = target.forward([Segment(list(range(10, 42)), 0, st, [31], prefill=True)])
             mx.eval(out[0].logits, st.arrays())
             st.keep(32)
-        step = median_build(lambda: target.forward([Segment([5], st.length, st, [0]) for st in states]), states)
-        outs = target.forward([Segment([5], st.length, st, [0]) for st in states])
-        counts = census([o.logits for o in outs] + [a for st in states for a in st.arrays()])
-        count = ops(counts)
-        print(f"{streams} stream(s), {target.config.num_layers} layers: {count} operations that are not views "
-              f"({counts.total()} nodes; {counts.get('Matmul', 0)} products), graph build {1e3 * step:.2f} ms "
-              f"(median of {REPS - 5})", flush=True)
+        measure(target, states)
+
+
+def measure(target, states: list) -> None:
+    """The census and build times of one decode step, a 16-row window and its rollbacks (module docstring)
+    for `states`' streams, each after its prompt."""
+    streams = len(states)
+
+    def evaluated(outs) -> None:
         mx.eval([o.logits for o in outs], [st.arrays() for st in states])
-        # a 16-row window of each stream, as a drafted round verifies it: its build beside the step's (same run)
-        window = median_build(lambda: target.forward([Segment([5] * 16, st.length, st, list(range(16))) for st in states]),
-                              states, lambda: [st.keep(st.length - 15) for st in states])
-        print(f"{streams} stream(s), 16-row windows: graph build {1e3 * window:.2f} ms, {window / step:.2f}x the "
-              "step's", flush=True)
-        # the window evaluated, then kept to its first row (a rejected round): what `keep` asks the device for
-        # (qwen3_5.py's rollback)
-        outs = target.forward([Segment([5] * 16, st.length, st, list(range(16))) for st in states])
-        mx.eval([o.logits for o in outs], [st.arrays() for st in states])
-        for st in states:
-            st.keep(st.length - 15)
-        counts = census([a for st in states for a in st.arrays()])
-        count = ops(counts)
-        print(f"{streams} stream(s), a 16-row window kept to its first row: {count} operations that are not views",
-              flush=True)
-        # the same at a device length, as a drafted round keeps its windows (lanes.py's round, cache.py's keep_windows)
-        mx.eval([st.arrays() for st in states])
-        outs = target.forward([Segment([5] * 16, st.length, st, list(range(16))) for st in states])
-        mx.eval([o.logits for o in outs], [st.arrays() for st in states])
+
+    def step():
+        return target.forward([Segment([5], st.length, st, [0]) for st in states])
+
+    def windows():  # a 16-row window of each stream, as a drafted round verifies it
+        return target.forward([Segment([5] * 16, st.length, st, list(range(16))) for st in states])
+
+    def keep_at_device() -> None:  # each window kept to its first row at a device length (cache.py's keep_windows)
         keep_windows([(st, (mx.array(st.length - 15, dtype=mx.int32), st.length, st.length - 15)) for st in states])
-        counts = census([a for st in states for a in st.arrays()])
-        count = ops(counts)
+
+    def settled() -> None:  # the host reads the kept lengths
         mx.eval([st.arrays() for st in states])
         for st in states:
             st.settle(st.length - 15)
-        times = []
-        for rep in range(REPS):  # its build alone: each rep a window evaluated first
-            outs = target.forward([Segment([5] * 16, st.length, st, list(range(16))) for st in states])
-            mx.eval([o.logits for o in outs], [st.arrays() for st in states])
-            t0 = time.perf_counter()
-            keep_windows([(st, (mx.array(st.length - 15, dtype=mx.int32), st.length, st.length - 15)) for st in states])
-            times.append(time.perf_counter() - t0)
-            mx.eval([st.arrays() for st in states])
-            for st in states:
-                st.settle(st.length - 15)
-        print(f"{streams} stream(s), 16-row windows kept to their first row at a device length: {count} operations "
-              f"that are not views, graph build {1e3 * statistics.median(times[5:]):.2f} ms", flush=True)
+
+    step_s = median_seconds(step, after=evaluated)
+    outs = step()
+    counts = census([o.logits for o in outs] + [a for st in states for a in st.arrays()])
+    print(f"{streams} stream(s), {target.config.num_layers} layers: {ops(counts)} operations that are not views "
+          f"({counts.total()} nodes; {counts.get('Matmul', 0)} products), graph build {1e3 * step_s:.2f} ms "
+          f"(median of {REPS - 5})", flush=True)
+    evaluated(outs)
+    # its build beside the step's (same run)
+    window_s = median_seconds(windows, after=lambda outs: (evaluated(outs), [st.keep(st.length - 15) for st in states]))
+    print(f"{streams} stream(s), 16-row windows: graph build {1e3 * window_s:.2f} ms, {window_s / step_s:.2f}x the "
+          "step's", flush=True)
+    # the window evaluated, then kept to its first row (a rejected round): what `keep` asks the device for
+    # (qwen3_5.py's rollback)
+    evaluated(windows())
+    for st in states:
+        st.keep(st.length - 15)
+    counts = census([a for st in states for a in st.arrays()])
+    print(f"{streams} stream(s), a 16-row window kept to its first row: {ops(counts)} operations that are not views",
+          flush=True)
+    # the same at a device length, as a drafted round keeps its windows (lanes.py's round)
+    mx.eval([st.arrays() for st in states])
+    evaluated(windows())
+    keep_at_device()
+    counts = census([a for st in states for a in st.arrays()])
+    settled()
+    keep_s = median_seconds(keep_at_device, before=lambda: evaluated(windows()), after=lambda _: settled())
+    print(f"{streams} stream(s), 16-row windows kept to their first row at a device length: {ops(counts)} operations "
+          f"that are not views, graph build {1e3 * keep_s:.2f} ms", flush=True)
 
 
-def median_build(forward, states: list, after=None) -> float:
-    """The median seconds `forward()` takes to build its graph over REPS reps (the first 5 dropped), each
-    rep's outputs and states evaluated after it is timed, then `after()` (a window kept back to a row)."""
+def median_seconds(timed, before=None, after=None) -> float:
+    """The median seconds `timed()` takes over REPS reps (the first 5 dropped), `before()` run untimed ahead of
+    each rep and `after(what timed returned)` behind it (the graph evaluated, a window kept back to a row)."""
     times = []
-    for rep in range(REPS):
+    for _ in range(REPS):
+        if before is not None:
+            before()
         t0 = time.perf_counter()
-        outs = forward()
+        out = timed()
         times.append(time.perf_counter() - t0)
-        mx.eval([o.logits for o in outs], [st.arrays() for st in states])
         if after is not None:
-            after()
+            after(out)
     return statistics.median(times[5:])
 
 
