@@ -25,7 +25,7 @@ from tiny_targets import FAMILIES, VOCAB, tiny_target
 import mlx.core as mx
 
 from dflash_bench.engine import blas, tiles
-from dflash_bench.engine.cache import TargetState
+from dflash_bench.engine.cache import AttentionCache, TargetState
 from dflash_bench.engine.targets import Segment, Target
 
 SIZES = ("small", "smol")
@@ -194,6 +194,27 @@ def test_a_length_kept_on_the_device_equals_one_kept_on_the_host(family: str, si
         device.keep_at(at + window, bound + window, PROMPT + 1 + window)
         device.settle(kept + window)
         assert_same_state(device, host, f"{family} {size} window {window}: the state after keeping {k + 1}, then all")
+
+
+def test_rows_written_at_a_device_length_move_it_only_when_it_is_read() -> None:
+    """cache.py: rows written at a device length (`keep_at`) add to it, but only when `at` is read: a drafted
+    round writes every layer and then keeps its accepted rows, replacing the value unread, so an addition built
+    at each write would be an array for nothing. Read, it is the kept value plus every row written since; the
+    host bounds move at each write."""
+    cache = AttentionCache(2, 8)
+    cache.write(0, mx.zeros((2, 5, 8)), mx.zeros((2, 5, 8)))
+    kept = mx.array(3, dtype=mx.int32)
+    cache.keep_at(kept, 5, 1)
+    for n in (4, 2):
+        rows = mx.arange(n, dtype=mx.int32) + 9  # the caller's positions (a forward builds them once a layer)
+        cache.write(cache.length, mx.ones((2, n, 8)), mx.ones((2, n, 8)), rows)
+    assert cache._at is kept  # no addition built by the writes
+    assert (cache.length, cache.low) == (11, 7)
+    assert cache.at.item() == 9 and cache.at.item() == 9  # read: 3 + 4 + 2, added once
+    cache.write(cache.length, mx.ones((2, 1, 8)), mx.ones((2, 1, 8)))  # its rows at `at` itself
+    assert cache.at.item() == 10 and mx.all(cache.k[:, 9] == 1).item()
+    cache.keep_at(kept, 12, 1)
+    assert cache.at is kept and cache.length == 12
 
 
 def test_the_blas_in_use_is_the_one_asked_for() -> None:

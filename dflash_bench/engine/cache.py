@@ -38,8 +38,22 @@ class AttentionCache:
         self.k = mx.zeros((kv_heads, 0, head_dim), dtype=dtype)
         self.v = mx.zeros((kv_heads, 0, head_dim), dtype=dtype)
         self.length = 0  # positions held; while `at` is set, an upper bound of them
-        self.at: mx.array | None = None  # the length as a device value, until `settle` (module docstring)
+        self.at = None  # the length as a device value, until `settle` (module docstring)
         self.low = 0  # a lower bound of the length the host knows (== length when settled)
+
+    @property
+    def at(self) -> mx.array | None:
+        """The length as a device value while the host has not read it (module docstring), else None: the
+        value kept (`keep_at`) plus the rows written since, added only when read. A drafted round writes every
+        layer's rows and then keeps the window's accepted ones, which replaces the value unread: an addition a
+        layer built at each write would be an array for nothing (a 9B drafted round: 14 a stream)."""
+        if self._ahead:
+            self._at, self._ahead = self._at + self._ahead, 0
+        return self._at
+
+    @at.setter
+    def at(self, value: mx.array | None) -> None:
+        self._at, self._ahead = value, 0
 
     def write(self, start: int, k: mx.array, v: mx.array, rows: mx.array | None = None) -> None:
         """Rows at positions start, start + 1, ..; while the length is a device value, `start` is its
@@ -67,7 +81,7 @@ class AttentionCache:
             shape[axis] = tiles_for(end) + GROW - shape[axis]
             pad = mx.zeros(shape, dtype=caches[0].dtype)
             caches = tuple(mx.concatenate([c, pad], axis=axis) for c in caches)
-        if self.at is None:
+        if self._at is None:  # (not `at`: reading it adds the rows written since)
             for c, x in zip(caches, xs):
                 c[..., start:end, :] = x
             return caches
@@ -76,10 +90,10 @@ class AttentionCache:
 
     def advance(self, start: int, n: int) -> None:
         """The lengths after `n` rows written at `start` (`write`)."""
-        if self.at is None:
+        if self._at is None:
             self.low = start + n
         else:
-            self.at, self.low = self.at + n, self.low + n
+            self._ahead, self.low = self._ahead + n, self.low + n
         self.length = start + n
 
     def view(self, length: int) -> tuple[mx.array, mx.array]:
