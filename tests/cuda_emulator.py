@@ -260,9 +260,9 @@ def install(monkeypatch) -> None:
     """Route attention_kernel.py's two launches through the emulator for one test."""
     from dflash_bench.engine.targets import attention_kernel as ak
 
-    monkeypatch.setattr(ak, "_partial_kernel", lambda s, block=False: Emu(
-        f"dflash_attention_partial_{s}{'_block' if block else ''}", ak.partial_inputs(s, block), ["ml", "part_out"],
-        ak.partial_source(s, block), ak._HEADER))
+    monkeypatch.setattr(ak, "_partial_kernel", lambda s, block=False, joint=False: Emu(
+        ak.partial_name(s, block, joint), ak.partial_inputs(s, block, joint), ["ml", "part_out"],
+        ak.partial_source(s, block, joint), ak._HEADER))
     monkeypatch.setattr(ak, "_combine_kernel", lambda: Emu("dflash_attention_combine", ["meta", "ml", "part_out"], ["out"],
                                                            ak._COMBINE, ak._HEADER))
 

@@ -107,6 +107,10 @@ def test_bad_arguments_are_refused_before_any_launch() -> None:
         "no rows": [(mx.zeros((0, 8, 64)), k, k, 0)],
         "a cache without heads": [(q, mx.zeros((64, 64)), mx.zeros((64, 64)), 0)],
         "a second segment's cache without heads": [(q, k, k, 0), (q, mx.zeros((2, 64)), mx.zeros((2, 64)), 0)],
+        "a joint cache without its values": [(q, mx.zeros((1, 2, 64, 64)), None, 0)],
+        "a joint cache without heads": [(q, mx.zeros((2, 64, 64)), None, 0)],
+        "a joint cache beside two arrays": [(q, k, k, 0), (q, mx.stack([k, k]), None, 0)],
+        "another segment's joint cache heads": [(q, mx.stack([k, k]), None, 0), (q, mx.zeros((2, 4, 64, 64)), None, 0)],
     }
     for why, segments in bad.items():
         with pytest.raises(ValueError):
@@ -309,8 +313,9 @@ def test_the_kernel_source_reads_a_blocks_keys_from_its_own_rows_as_from_the_cac
     """`block`: a drafter's block K/V read from the launch's own (2, Hkv, rows, D) rows, keys before each
     segment's start from its cache, give the bits of the same block written into the caches at its start first,
     at host starts and at device starts (the stale rows past each block left as junk in the caches); a cache
-    need not hold the block (the third's capacity ends at its start). The control changes one block value: the
-    rows that see it change (`block_rows_as_written`)."""
+    need not hold the block (the third's capacity ends at its start); each stream's keys and values in one joint
+    cache (a drafter's) give the bits of the two arrays. The control changes one block value: the rows that see
+    it change (`block_rows_as_written`)."""
     cuda_emulator.install(monkeypatch)
     block_rows_as_written(causal, window)
 
@@ -319,13 +324,14 @@ def test_the_kernel_source_reads_a_blocks_keys_from_its_own_rows_as_from_the_cac
 @on_cuda
 def test_on_the_device_a_blocks_keys_from_its_own_rows_equal_them_written_first(causal, window) -> None:
     """The same on the device: the launch that reads a drafter's block K/V from its own rows has the bits of
-    the block written into the caches first (`block_rows_as_written`)."""
+    the block written into the caches first, and from joint caches those of two arrays (`block_rows_as_written`)."""
     block_rows_as_written(causal, window)
 
 
 def block_rows_as_written(causal: bool, window: int | None) -> None:
     """`decode_attention` with `block` against the same block written into the caches, at host and device
-    starts, and a changed block value moving exactly the rows that see it."""
+    starts, from two arrays a stream and from one joint cache, and a changed block value moving exactly the
+    rows that see it."""
     seed = secrets.randbits(31)
     heads, scale = (4, 2, 64), 64**-0.5
     segments = inputs(heads, [4, 1, 5], [PARTITION - 2, 300, 64], mx.bfloat16, seed)
@@ -346,6 +352,12 @@ def block_rows_as_written(causal: bool, window: int | None) -> None:
     ats = [mx.array(start, dtype=mx.int32) for _, _, _, start in bare]
     meta = attention_kernel.launch_meta(bounds, ats, causal)
     assert same(decode_attention(bounds, scale, meta, causal, window, block=block), want), f"seed {seed}"
+    for segs in (bare, bounds):  # each stream's keys and values in one joint cache: the launch reads both from it
+        joint = [(q, mx.stack([k, v]), None, start) for q, k, v, start in segs]
+        ats_or_none = None if segs is bare else ats
+        meta = attention_kernel.launch_meta(joint, ats_or_none, causal)
+        assert meta.tolist() == attention_kernel.launch_meta(segs, ats_or_none, causal).tolist()
+        assert same(decode_attention(joint, scale, meta, causal, window, block=block), want), f"seed {seed}"
     changed = mx.array(block)
     changed[0, 1, 4 + 1 + 2, 3] = changed[0, 1, 4 + 1 + 2, 3] + 4.0  # the third segment's row 2, kv head 1
     moved = mx.all(decode_attention(bare, scale, None, causal, window, block=changed) == got, axis=(1, 2)).tolist()

@@ -43,7 +43,7 @@ class BlockMasks:
     def launch_meta(self, launch: list[attention_kernel.Rows], ats: list[mx.array | None], causal: bool) -> mx.array:
         """attention_kernel.py's layout for the pass's launches of one causality (every layer's caches have
         the same capacity, as `absorb` writes each layer alike), built by the first layer that needs it."""
-        key = (causal, *(k.shape[1] for _, k, _, _ in launch))
+        key = (causal, *(attention_kernel.cache_shape(segment)[1] for segment in launch))
         if key not in self.metas:
             self.metas[key] = attention_kernel.launch_meta(launch, ats, causal)
         return self.metas[key]

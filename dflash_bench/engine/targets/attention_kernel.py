@@ -68,8 +68,9 @@ PARTITION = 128  # keys per pass-1 block, at absolute positions (a multiple of C
 CHUNK = 32  # keys per staged chunk: one per lane
 HEAD_DIMS = (32, 64, 128, 256)  # D / 32 elements a lane, each a power of two
 MAX_GROUP = 16  # query heads per kv head a block serves
-# One decode segment as the kernel takes it: q (n, Hq, D), its cache k and v (Hkv, capacity, D), start
-Rows = tuple[mx.array, mx.array, mx.array, int]
+# One decode segment as the kernel takes it: q (n, Hq, D), its cache k and v (Hkv, capacity, D), start; or,
+# with v None, k one joint cache (2, Hkv, capacity, D): keys then values (cache.py's JointCache, a drafter's)
+Rows = tuple[mx.array, mx.array, mx.array | None, int]
 
 _HEADER = CONVERSIONS + r"""
 
@@ -338,16 +339,21 @@ def geometry(group: int, max_rows: int) -> Geometry:
     return Geometry(rb=rb, nw=nw, qpw=-(-pairs // nw), rg=-(-max_rows // rb))
 
 
-def partial_inputs(segments: int, block: bool = False) -> list[str]:
-    """Pass 1's input names for `segments` caches (and the block's rows, `blk`)."""
-    names = ["q", "meta", "scale", *(f"k{i}" for i in range(segments)), *(f"v{i}" for i in range(segments))]
+def partial_inputs(segments: int, block: bool = False, joint: bool = False) -> list[str]:
+    """Pass 1's input names for `segments` caches, two arrays each or one `joint` array each (and the block's
+    rows, `blk`)."""
+    caches = [f"kv{i}" for i in range(segments)] if joint else [
+        *(f"k{i}" for i in range(segments)), *(f"v{i}" for i in range(segments))]
+    names = ["q", "meta", "scale", *caches]
     return names + ["blk"] if block else names
 
 
-def partial_source(segments: int, block: bool = False) -> str:
-    """Pass 1's body for `segments` caches: segment i's pointers are inputs k{i} and v{i}; with `block`, its
+def partial_source(segments: int, block: bool = False, joint: bool = False) -> str:
+    """Pass 1's body for `segments` caches: segment i's pointers are inputs k{i} and v{i}, or with `joint` the
+    input kv{i} (2, Hkv, capacity, D) and its values Hkv * capacity * D elements on; with `block`, its
     keys and values from its start on are rows of `blk` (a kv head's K rows, then its V rows half a block on)."""
-    cases = "\n".join(f"    case {i}: kp = k{i}; vp = v{i}; break;" for i in range(segments))
+    pick = "kp = kv{i}; vp = kv{i} + (long long)HKV * cap * D;" if joint else "kp = k{i}; vp = v{i};"
+    cases = "\n".join(f"    case {i}: {pick.format(i=i)} break;" for i in range(segments))
     body = _PARTIAL.replace("{select}", f"  switch (seg) {{\n{cases}\n    default: return;\n  }}")
     if not block:
         return body.replace("{block_k}", "nullptr").replace("{block_v}", "nullptr")
@@ -356,11 +362,15 @@ def partial_source(segments: int, block: bool = False) -> str:
 
 
 @lru_cache(maxsize=16)
-def _partial_kernel(segments: int, block: bool = False):
-    """Pass 1 for `segments` caches (with the block's rows apart), under its own name (the source differs by
-    segment count and block)."""
-    return BakedKernel(f"dflash_attention_partial_{segments}{'_block' if block else ''}", partial_inputs(segments, block),
-                       ["ml", "part_out"], partial_source(segments, block), _HEADER)
+def _partial_kernel(segments: int, block: bool = False, joint: bool = False):
+    """Pass 1 for `segments` caches (with the block's rows apart; joint caches), under its own name (the source
+    differs by segment count, block and joint)."""
+    return BakedKernel(partial_name(segments, block, joint), partial_inputs(segments, block, joint),
+                       ["ml", "part_out"], partial_source(segments, block, joint), _HEADER)
+
+
+def partial_name(segments: int, block: bool, joint: bool) -> str:
+    return f"dflash_attention_partial_{segments}{'_block' if block else ''}{'_joint' if joint else ''}"
 
 
 @lru_cache(maxsize=1)
@@ -383,28 +393,41 @@ def _meta(values: tuple[int, ...]) -> mx.array:
 def check_segments(segments: list[Rows], block: mx.array | None = None) -> tuple[int, int, int, mx.Dtype]:
     """(Hq, Hkv, D, dtype) shared by every segment, or ValueError: each segment has rows, one dtype
     and one head layout the kernel covers, a cache of CHUNK-multiple capacity holding its rows (with `block`,
-    the keys before its start, and `block` (2, Hkv, rows, D) in K's dtype holding every segment's rows)."""
+    the keys before its start, and `block` (2, Hkv, rows, D) in K's dtype holding every segment's rows), and
+    every segment's caches two arrays or every segment's one joint array."""
     if not segments:
         raise ValueError("decode attention needs at least one segment")
+    joint = segments[0][2] is None
     for q, k, v, _ in segments:
-        if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
-            raise ValueError(f"queries are (n, Hq, D) and caches (Hkv, capacity, D), got {q.shape}, {k.shape}, {v.shape}")
+        if (v is None) != joint:
+            raise ValueError("every segment's caches are two arrays, or every segment's one joint array")
+        if q.ndim != 3 or (k.ndim != 4 or k.shape[0] != 2 if joint else k.ndim != 3 or v.ndim != 3):
+            raise ValueError(f"queries are (n, Hq, D) and caches (Hkv, capacity, D), or one joint (2, Hkv, capacity, "
+                             f"D), got {q.shape}, {k.shape}, {None if v is None else v.shape}")
     q0, k0 = segments[0][0], segments[0][1]
-    hq, d, hkv, dtype = q0.shape[1], q0.shape[2], k0.shape[0], k0.dtype
+    hq, d, hkv, dtype = q0.shape[1], q0.shape[2], cache_shape(segments[0])[0], k0.dtype
     if not fits(hq, hkv, d):
         raise ValueError(f"no launch for {hq}/{hkv} heads of {d}")
-    for q, k, v, start in segments:
-        n, cap = q.shape[0], k.shape[1]
-        if q.shape[1:] != (hq, d) or k.shape != v.shape or k.shape[0] != hkv or k.shape[2] != d:
-            raise ValueError(f"mismatched heads: q {q.shape}, k {k.shape}, v {v.shape} against {hq}/{hkv} of {d}")
-        if not k.dtype == v.dtype == dtype or q.dtype not in (dtype, mx.float32):
-            raise ValueError(f"one dtype for K and V, and q in it or float32, got {q.dtype}, {k.dtype}, {v.dtype} (and {dtype})")
+    for seg in segments:
+        q, k, v, start = seg
+        (heads, cap, dim), n = cache_shape(seg), q.shape[0]
+        if q.shape[1:] != (hq, d) or (v is not None and k.shape != v.shape) or heads != hkv or dim != d:
+            raise ValueError(f"mismatched heads: q {q.shape}, k {k.shape}, v {None if v is None else v.shape} "
+                             f"against {hq}/{hkv} of {d}")
+        if not k.dtype == (k if v is None else v).dtype == dtype or q.dtype not in (dtype, mx.float32):
+            raise ValueError(f"one dtype for K and V, and q in it or float32, got {q.dtype}, {k.dtype} (and {dtype})")
         if n < 1 or start < 0 or (start if block is not None else start + n) > cap or cap % CHUNK:
             raise ValueError(f"{n} rows from {start} need a cache of a multiple of {CHUNK} rows holding them, got {cap}")
     rows = sum(q.shape[0] for q, _, _, _ in segments)
     if block is not None and (block.shape != (2, hkv, rows, d) or block.dtype != dtype):
         raise ValueError(f"a block's K/V are (2, {hkv}, {rows}, {d}) in {dtype}, got {block.shape} in {block.dtype}")
     return hq, hkv, d, dtype
+
+
+def cache_shape(segment: Rows) -> tuple[int, int, int]:
+    """A segment's K (and V) cache shape (Hkv, capacity, D): its k's, or its joint cache's last three axes."""
+    k, v = segment[1], segment[2]
+    return tuple(k.shape[1:] if v is None else k.shape)
 
 
 def last_keys(n: int, causal: bool) -> list[int]:
@@ -448,7 +471,7 @@ def launch_meta(segments: list[Rows], ats: list[mx.array | None] | None = None, 
     offsets = (0, *accumulate(lengths))
     pmax = max(-(-(start + n) // PARTITION) for (_, _, _, start), n in zip(segments, lengths))
     starts = [start for _, _, _, start in segments]
-    seg_meta = [x for (_, k, _, start), n, row0 in zip(segments, lengths, offsets) for x in (row0, start, n, k.shape[1])]
+    seg_meta = [x for seg, n, row0 in zip(segments, lengths, offsets) for x in (row0, seg[3], n, cache_shape(seg)[1])]
     if ats is not None and any(at is not None for at in ats):
         return device_meta((pmax, offsets[-1]), lengths, starts, ats, seg_meta, causal)
     positions = [start + r for start, n in zip(starts, lengths) for r in last_keys(n, causal)]
@@ -463,7 +486,10 @@ def decode_attention(segments: list[Rows], scale: float, meta: mx.array | None =
     A segment is (q, k, v, start): q (n, Hq, D) after RoPE and norms, in K's dtype or already float32 (a
     drafter's, drafters/norm_rope_kernel.py); k and v the stream's whole cache
     arrays (Hkv, capacity, D), row j at position j (not slices: a slice along the positions is not row-
-    contiguous, so MLX would copy it); row r sits at position start + r and sees keys [0, start + r].
+    contiguous, so MLX would copy it); or, with v None, k the stream's joint cache (2, Hkv, capacity, D), keys
+    then values (cache.py's JointCache, a drafter's): the launch reads both from it, where two views of it would
+    be four operations a layer and stream for the host to build and encode (docs/gpu-round-profile.md); the same
+    memory read, so the same bits. Row r sits at position start + r and sees keys [0, start + r].
     Query head h reads kv head h // (Hq / Hkv). `meta` is `launch_meta`'s (made here if not given, of the
     same `causal`): where it places a segment at a device start, `start` is that start's upper bound and
     sizes the launch (a block past a row's keys returns at once), so the rows' bits are those of the rows
@@ -487,8 +513,9 @@ def decode_attention(segments: list[Rows], scale: float, meta: mx.array | None =
     # float32 queries: converted once here (no operation where they come in float32), not at every key chunk of every block
     q = mx.concatenate([s[0] for s in segments]) if len(segments) > 1 else segments[0][0]
     q = q.astype(mx.float32)
-    caches = [s[1] for s in segments] + [s[2] for s in segments] + ([] if block is None else [block])
-    ml, part_out = _partial_kernel(len(segments), block is not None)(
+    joint = segments[0][2] is None
+    caches = [s[1] for s in segments] + ([] if joint else [s[2] for s in segments]) + ([] if block is None else [block])
+    ml, part_out = _partial_kernel(len(segments), block is not None, joint)(
         inputs=[q, meta, _scale(scale), *caches],
         template=[("T", dtype), ("D", d), ("G", group), ("HQ", hq), ("HKV", hkv), ("RB", geo.rb), ("NW", geo.nw),
                   ("QPW", geo.qpw), ("P", PARTITION), ("CAUSAL", int(causal)), ("WINDOW", window or 0),
