@@ -201,7 +201,7 @@ def test_on_a_cuda_gpu_a_block_pass_runs_each_layers_attention_as_one_kernel_lau
     tests/cuda_emulator.py), a block pass runs each layer's attention for every stream in one launch with
     the layer's own mask (causal or bidirectional inside the block, a sliding window or none), instead of
     the tile products a stream at a time: a stream at a host start and one at a device start (cache.py's
-    keep_at), the 9B-shaped tiny drafter in bf16. The q and k rows' norms and RoPE take one launch a
+    keep_at), the 9B-shaped tiny drafter in bf16, each stream's context read from its joint K/V cache. The q and k rows' norms and RoPE take one launch a
     layer (drafters/norm_rope_kernel.py), and an absorb's keys one a layer. Its logits are the tile
     products' to bf16 accuracy, and a control with the windows left out of the launches is not (the masks
     are what the kernel takes)."""
@@ -227,7 +227,8 @@ def test_on_a_cuda_gpu_a_block_pass_runs_each_layers_attention_as_one_kernel_lau
     launches: list[int] = []
     decode_attention = attention_kernel.decode_attention
     monkeypatch.setattr(attention_kernel, "decode_attention",
-                        lambda segs, *a, **kw: launches.append(len(segs)) or decode_attention(segs, *a, **kw))
+                        lambda segs, *a, **kw: launches.append((len(segs), all(v is None for _, _, v, _ in segs)))
+                        or decode_attention(segs, *a, **kw))
     turned: list[tuple[str, int]] = []  # (launch, rows) of each norm-and-RoPE launch
     for name in ("keys", "queries_and_keys"):
         launch = getattr(norm_rope_kernel, name)
@@ -252,7 +253,7 @@ def test_on_a_cuda_gpu_a_block_pass_runs_each_layers_attention_as_one_kernel_lau
     tiled = logits(False)
     assert launches == [] and turned == []
     kernel = logits(True)
-    assert launches == [2] * len(drafter.layers)
+    assert launches == [(2, True)] * len(drafter.layers)  # each stream's context read from its joint cache
     layers = len(drafter.layers)
     # an absorb of each stream (40 and 29 rows: keys), then the pass over both blocks of 8 rows (q and k)
     assert turned == [("keys", 40)] * layers + [("keys", 29)] * layers + [("queries_and_keys", 16)] * layers
@@ -260,3 +261,24 @@ def test_on_a_cuda_gpu_a_block_pass_runs_each_layers_attention_as_one_kernel_lau
     for layer in drafter.layers:
         monkeypatch.setitem(layer, "window", None)
     assert error(logits(True), tiled) > 0.3  # 0.95 here
+
+
+def test_greedy_streams_draft_from_one_argmax_over_their_rows_as_each_alone(drafter):
+    """Where every stream of a v1 pass is greedy, its drafts come from one argmax over all the streams' rows (a
+    GPU round pays per operation: a slice, an argmax and a cast a stream before), each stream's the picks it
+    drafts alone; a pass with a sampled stream among greedy ones picks a stream at a time, as alone."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from forward_ops import census
+
+    drafter, states = drafter
+    greedy = [Proposal(st, 9 + i, n, SamplingParams(0.0)) for i, (st, n) in enumerate(zip(states, (4, 2, 6)))]
+    alone = [drafter.propose([p])[0] for p in greedy]
+    queued = drafter.propose_queued(greedy)
+    if not isinstance(drafter, DFlash2Drafter):  # DFlash2 walks its selector a stream at a time
+        assert census(queued)["ArgReduce"] == 1
+    assert [d.tolist() for d in queued] == alone
+    mixed = [greedy[0], Proposal(states[1], 10, 2, SamplingParams(0.7, seed=3)), greedy[2]]
+    assert drafter.propose(mixed) == [drafter.propose([p])[0] for p in mixed]

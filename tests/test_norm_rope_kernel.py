@@ -35,17 +35,29 @@ def chain(x: mx.array, w: mx.array, positions: mx.array) -> mx.array:
     return rope_rows(normed, positions, x.shape[2], THETA)
 
 
+def flat(x: mx.array) -> mx.array:
+    """Rows (rows, heads, D) as the launches take them: (rows, heads * D)."""
+    return x.reshape(x.shape[0], -1)
+
+
+def test_rows_that_are_not_whole_heads_are_refused() -> None:
+    x, w, positions = inputs(2, 3, 32)
+    with pytest.raises(ValueError, match="not whole heads"):
+        norm_rope_kernel.keys(flat(x)[:, :40], flat(x)[:, :40], w, positions, THETA, EPS)
+
+
 def relative_error(got: mx.array, want: mx.array) -> float:
     got, want = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
     return float(np.linalg.norm(got - want) / np.linalg.norm(want))
 
 
 def check(x: mx.array, w: mx.array, positions: mx.array) -> None:
-    """Both launches on rows x: the same rows as queries and keys, and as keys alone, each with value rows."""
+    """Both launches on rows x: the same rows as queries and keys, and as keys alone, each with value rows; the
+    launches take rows flat, (rows, heads * D), as a projection leaves them."""
     heads = x.shape[1]
     k = x[:, : max(1, heads // 2)]  # fewer key heads, as a drafter has
     v = (x[:, -k.shape[1] :].astype(mx.float32) * -2).astype(mx.bfloat16)  # any bf16 rows
-    queries, kv = norm_rope_kernel.queries_and_keys(x, k, v, w, w, positions, THETA, EPS)
+    queries, kv = norm_rope_kernel.queries_and_keys(flat(x), flat(k), flat(v), w, w, positions, THETA, EPS)
     assert queries.dtype == mx.float32 and queries.shape == x.shape
     assert kv.dtype == mx.bfloat16 and kv.shape == (2, k.shape[1], x.shape[0], x.shape[2])
     keys = kv[0]
@@ -54,17 +66,17 @@ def check(x: mx.array, w: mx.array, positions: mx.array) -> None:
     # a query is its key's bf16 value widened: the same arithmetic, rounded where the chain rounded
     assert mx.array_equal(queries[:, : k.shape[1]].astype(mx.bfloat16).transpose(1, 0, 2), keys).item()
     # the keys-only launch (an absorb's) turns keys and places values as the joint one does
-    assert mx.array_equal(norm_rope_kernel.keys(k, v, w, positions, THETA, EPS), kv).item()
+    assert mx.array_equal(norm_rope_kernel.keys(flat(k), flat(v), w, positions, THETA, EPS), kv).item()
     want = chain(x, w, positions)
     assert relative_error(queries.transpose(1, 0, 2), want) < 1e-2, relative_error(queries.transpose(1, 0, 2), want)
     # each row its own: alone, at its own position, it is the same bits
     for r in range(x.shape[0]):
-        alone, alone_kv = norm_rope_kernel.queries_and_keys(x[r : r + 1], k[r : r + 1], v[r : r + 1], w, w,
-                                                            positions[r : r + 1], THETA, EPS)
+        alone, alone_kv = norm_rope_kernel.queries_and_keys(flat(x[r : r + 1]), flat(k[r : r + 1]), flat(v[r : r + 1]),
+                                                            w, w, positions[r : r + 1], THETA, EPS)
         assert mx.array_equal(alone[0], queries[r]).item(), r
         assert mx.array_equal(alone_kv[:, :, 0], kv[:, :, r]).item(), r
     # a control: the same rows at other positions are other values (the positions are what turns them)
-    moved = norm_rope_kernel.keys(k, v, w, positions + 1, THETA, EPS)
+    moved = norm_rope_kernel.keys(flat(k), flat(v), w, positions + 1, THETA, EPS)
     assert not mx.array_equal(moved[0], keys).item() and mx.array_equal(moved[1], kv[1]).item()
 
 

@@ -244,9 +244,8 @@ class DFlashDrafter:
         for li, layer in enumerate(self.layers):
             k, v = layer["kv"](fused, norm=norm)
             if kernel:  # keys and values (2, heads, rows, d), as the joint cache holds them
-                kv = norm_rope_kernel.keys(k[:total].reshape(total, self.kv_heads, self.head_dim),
-                                           v[:total].reshape(total, self.kv_heads, self.head_dim), layer["k_norm"],
-                                           positions, self.config.rope_theta, self.eps)
+                kv = norm_rope_kernel.keys(k[:total], v[:total], layer["k_norm"], positions, self.config.rope_theta,
+                                           self.eps)
             for (state, _), (a, b), (start, at, rows) in zip(items, spans, starts):
                 n = b - a
                 if kernel:
@@ -340,9 +339,15 @@ class DFlashDrafter:
                       residual=residual)
 
     def drafts(self, h: mx.array, logits: mx.array, items: list[Proposal]) -> list[mx.array]:
-        """Each stream's drafts (int32) from its block rows' logits, keyed like the target's own draws."""
+        """Each stream's drafts (int32) from its block rows' logits, keyed like the target's own draws. Where
+        every stream is greedy, one argmax over all their rows (a row's pick is its own) split into the streams'
+        parts: two operations and a split a pass, not a slice, an argmax and a cast a stream (a GPU round pays per
+        operation: docs/gpu-round-profile.md)."""
+        starts = firsts(items)
+        if len(items) > 1 and all(p.params.greedy for p in items):
+            return mx.split(mx.argmax(logits, axis=-1).astype(mx.int32), starts[1:])
         out = []
-        for first, p in zip(firsts(items), items):
+        for first, p in zip(starts, items):
             part = logits[first : first + p.count]
             out.append(choose(part, draft_positions(p), p.params).astype(mx.int32))
         return out
@@ -400,21 +405,21 @@ class DFlashDrafter:
         position (one launch for both where `kernel_rope`). Returns (rows, heads * head_dim) for
         the blocks' rows."""
         rows = spans[-1][1]
-        q = q[:rows].reshape(rows, self.heads, self.head_dim)
-        k = k[:rows].reshape(rows, self.kv_heads, self.head_dim)
+        q, k, v = q[:rows], k[:rows], v[:rows]
         positions = masks.packed(items, spans)
-        v = v[:rows].reshape(rows, self.kv_heads, self.head_dim)
         if self.kernel_rope:  # float32 queries (rows, heads, d), as the attention kernel reads them; K/V joined
             queries, kv = norm_rope_kernel.queries_and_keys(q, k, v, layer["q_norm"], layer["k_norm"], positions,
                                                             self.config.rope_theta, self.eps)
         else:
+            q, k = q.reshape(rows, self.heads, self.head_dim), k.reshape(rows, self.kv_heads, self.head_dim)
             qs = rope_rows(mx.fast.rms_norm(q, layer["q_norm"], self.eps), positions, self.head_dim, self.config.rope_theta)
             ks = rope_rows(mx.fast.rms_norm(k, layer["k_norm"], self.eps), positions, self.head_dim, self.config.rope_theta)
-            queries, kv = qs.transpose(1, 0, 2), mx.stack([ks, v.transpose(1, 0, 2)])
+            vs = v.reshape(rows, self.kv_heads, self.head_dim).transpose(1, 0, 2)
+            queries, kv = qs.transpose(1, 0, 2), mx.stack([ks, vs])
         # the block's K/V are this pass's only: the launch reads them from kv itself, where the cache holds the
-        # context (no write into the cache, one scatter a layer and stream)
-        launch = [(queries[a:b], p.state.layers[li].k, p.state.layers[li].v, p.state.layers[li].length)
-                  for p, (a, b) in zip(items, spans)]
+        # context (no write into the cache, one scatter a layer and stream); it reads the context's keys and
+        # values from the stream's joint cache itself (no views of it)
+        launch = [(queries[a:b], p.state.layers[li].kv, None, p.state.layers[li].length) for p, (a, b) in zip(items, spans)]
         meta = masks.launch_meta(launch, [p.state.layers[li].at for p in items], layer["causal"])
         o = attention_kernel.decode_attention(launch, self.scale, meta, layer["causal"], layer["window"], block=kv)
         return o.reshape(rows, self.heads * self.head_dim)

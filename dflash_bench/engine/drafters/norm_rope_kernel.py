@@ -121,11 +121,21 @@ def _eps(eps: float) -> mx.array:
     return mx.array([eps], dtype=mx.float32)
 
 
+def heads_of(x: mx.array, w: mx.array) -> tuple[int, int, int]:
+    """(rows, heads, D) of rows x (rows, heads * D) as a projection leaves them, D the norm weights' length: the
+    launch reads them flat, so no reshape (an operation a GPU round pays for: docs/gpu-round-profile.md)."""
+    rows, width = x.shape
+    d = w.shape[0]
+    if width % d:
+        raise ValueError(f"rows of {width} values are not whole heads of {d}")
+    return rows, width // d, d
+
+
 def keys(k: mx.array, v: mx.array, w: mx.array, positions: mx.array, theta: float, eps: float) -> mx.array:
-    """Key rows k (rows, H, D) bf16, each (row, head) normed by w (D,) and turned at its row's position
-    (int32, rows), with their value rows v (rows, H, D) as they are: bf16 (2, H, rows, D), keys then values,
+    """Key rows k (rows, H * D) bf16, each (row, head) normed by w (D,) and turned at its row's position
+    (int32, rows), with their value rows v (rows, H * D) as they are: bf16 (2, H, rows, D), keys then values,
     what one cache write takes."""
-    rows, heads, d = k.shape
+    rows, heads, d = heads_of(k, w)
     (out,) = _keys_kernel()(
         inputs=[k, v, w, positions, _inv_freq(d, theta), _eps(eps)],
         template=[("H", heads), ("D", d)],
@@ -139,10 +149,10 @@ def keys(k: mx.array, v: mx.array, w: mx.array, positions: mx.array, theta: floa
 
 def queries_and_keys(q: mx.array, k: mx.array, v: mx.array, qw: mx.array, kw: mx.array, positions: mx.array,
                      theta: float, eps: float) -> tuple[mx.array, mx.array]:
-    """The same rows' queries q (rows, HQ, D), keys k and values v (rows, HKV, D), bf16, in one launch: the
+    """The same rows' queries q (rows, HQ * D), keys k and values v (rows, HKV * D), bf16, in one launch: the
     queries as float32 (rows, HQ, D), the keys and values as `keys` gives them."""
-    rows, hq, d = q.shape
-    hkv = k.shape[1]
+    rows, hq, d = heads_of(q, qw)
+    hkv = heads_of(k, kw)[1]
     q_out, kv_out = _qk_kernel()(
         inputs=[q, k, v, qw, kw, positions, _inv_freq(d, theta), _eps(eps)],
         template=[("HQ", hq), ("HKV", hkv), ("D", d)],
