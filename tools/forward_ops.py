@@ -15,7 +15,9 @@ counts a drafted round's drafter work instead: the fixture dflash-9b drafter's (
 of a window's 16 tap rows and its block pass for 15 drafts, a stream at a device length (as a drafted round
 queued ahead runs them, lanes.py), with `mx.fast.rms_norm` and `mx.fast.rope` as one node each, as they are on a
 GPU (on a CPU MLX composes them from several), and the drafter's CUDA launches (attention, norms and RoPE:
-drafters/norm_rope_kernel.py) one node each beside the operations their Python makes. Run it at two revisions (PYTHONPATH=a checkout) to compare.
+drafters/norm_rope_kernel.py) one node each beside the operations their Python makes; it prints those
+operations and every node, views included (each still a node for MLX to encode on a GPU). Run it at two revisions
+(PYTHONPATH=a checkout) to compare.
 """
 
 from __future__ import annotations
@@ -125,15 +127,22 @@ def drafter_attention(segs, scale, meta=None, causal=True, window=None, block=No
     q = mx.concatenate([s[0] for s in segs]) if len(segs) > 1 else segs[0][0]
     q = q.astype(mx.float32)
     return mx.depends([mx.full(q.shape, 0.0, dtype=segs[0][1].dtype)],
-                      [q, meta, *(a for s in segs for a in s[1:3]), *([] if block is None else [block])])[0]
+                      [q, meta, *(a for s in segs for a in s[1:3] if a is not None), *([] if block is None else [block])])[0]
 
 
 def joint_launch(q, k, v, qw, kw, positions, theta, eps) -> tuple[mx.array, mx.array]:
-    """norm_rope_kernel.queries_and_keys as one node: float32 queries, and keys and values (2, heads, rows, d)
-    tied to it (the stack stands for the launch's second output: not counted)."""
-    queries = mx.depends([mx.full(q.shape, 0.0, dtype=mx.float32)], [q, k, v, qw, kw, positions])[0]
-    return queries, mx.depends([mx.broadcast_to(k.transpose(1, 0, 2)[None], (2, *k.transpose(1, 0, 2).shape))],
-                               [queries])[0]
+    """norm_rope_kernel.queries_and_keys as one node: float32 queries (rows, heads, d), and keys and values
+    (2, heads, rows, d) tied to it (a broadcast, a view, standing for the launch's second output)."""
+    rows, d = q.shape[0], qw.shape[0]
+    queries = mx.depends([mx.full((rows, q.size // (rows * d), d), 0.0, dtype=mx.float32)], [q, k, v, qw, kw, positions])[0]
+    kv = mx.broadcast_to(mx.array(0, dtype=mx.bfloat16), (2, k.size // (rows * d), rows, d))
+    return queries, mx.depends([kv], [queries])[0]
+
+
+def keys_launch(k, v, w, positions, theta, eps) -> mx.array:
+    """norm_rope_kernel.keys as one node: keys and values (2, heads, rows, d)."""
+    rows, d = k.shape[0], w.shape[0]
+    return mx.depends([mx.full((2, k.size // (rows * d), rows, d), 0.0, dtype=mx.bfloat16)], [k, v, w, positions])[0]
 
 
 def drafter_ops(target, root: Path, streams: list[int], preset: str) -> None:
@@ -160,12 +169,19 @@ def drafter_ops(target, root: Path, streams: list[int], preset: str) -> None:
         drafter.absorb([(st, taps) for st in states])
         drafter.absorb = absorb
         counts = census(graph)
-        print(f"{n} stream(s), drafter absorbing 16 rows: {ops(counts)} operations that are not views", flush=True)
+        print(f"{n} stream(s), drafter absorbing 16 rows: {ops(counts)} operations that are not views, "
+              f"{nodes(counts)} nodes in all", flush=True)
         mx.eval(graph)
         drafts = drafter.propose_queued([Proposal(st, mx.array(5, dtype=mx.int32), 15, SamplingParams(0.0)) for st in states])
         counts = census(drafts)
-        print(f"{n} stream(s), drafter block pass for 15 drafts: {ops(counts)} operations that are not views "
+        print(f"{n} stream(s), drafter block pass for 15 drafts: {ops(counts)} operations that are not views, "
+              f"{nodes(counts)} nodes in all "
               f"({dict((k, c) for k, c in counts.most_common() if k not in VIEWS and k != 'Depends')})", flush=True)
+
+
+def nodes(counts: collections.Counter) -> int:
+    """A census's nodes, views included, but not `Depends` (what the stand-ins tie their inputs in with)."""
+    return sum(c for k, c in counts.items() if k != "Depends")
 
 
 def ops(counts: collections.Counter) -> int:
@@ -217,9 +233,7 @@ def main() -> None:
         from dflash_bench.engine.drafters import norm_rope_kernel
 
         # one node for a norm-and-RoPE launch: bf16 keys (heads, rows, d), and float32 queries (rows, heads, d) beside
-        norm_rope_kernel.keys = lambda k, v, w, positions, theta, eps: mx.depends(
-            [mx.broadcast_to(mx.abs(k).transpose(1, 0, 2)[None], (2, k.shape[1], k.shape[0], k.shape[2]))],
-            [v, w, positions])[0]
+        norm_rope_kernel.keys = keys_launch
         norm_rope_kernel.queries_and_keys = joint_launch
         drafter_ops(target, root, [int(s) for s in args.streams.split(",")], preset)
         return
