@@ -217,6 +217,40 @@ def test_rows_written_at_a_device_length_move_it_only_when_it_is_read() -> None:
     assert cache.at is kept and cache.length == 12
 
 
+def test_a_write_index_built_once_places_rows_as_their_positions_do_and_adds_no_node() -> None:
+    """cache.py's `write_index`: positions reshaped and broadcast to the rows' shape once (a forward's for all its
+    layers: `Segment.write_index`), where `mx.put_along_axis` made both at every write. The cache it leaves
+    equals the one the positions leave, and the write builds its two scatters alone; an index of another shape
+    is refused."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from forward_ops import census
+
+    from dflash_bench.engine.cache import write_index
+
+    def placed(rows: mx.array | None) -> AttentionCache:
+        cache = AttentionCache(2, 8)
+        cache.write(0, mx.zeros((2, 6, 8)), mx.zeros((2, 6, 8)))
+        mx.eval(cache.k, cache.v)
+        cache.keep_at(mx.array(4, dtype=mx.int32), 6, 2)
+        k, v = mx.random.normal((2, 3, 8), key=mx.random.key(1)), mx.random.normal((2, 3, 8), key=mx.random.key(2))
+        mx.eval(k, v)
+        cache.write(6, k, v, rows)
+        return cache
+
+    positions = mx.arange(3, dtype=mx.int32) + 4
+    index = write_index(positions, (2, 3, 8))
+    mx.eval(positions, index)
+    want, got = placed(positions), placed(index)
+    assert census([got.k, got.v]) == {"ScatterAxis": 2}
+    assert census([want.k, want.v]) == {"ScatterAxis": 2, "Broadcast": 1, "Reshape": 1}  # the positions: made one
+    assert mx.array_equal(got.k, want.k).item() and mx.array_equal(got.v, want.v).item()
+    assert mx.array_equal(placed(None).k, want.k).item()
+    with pytest.raises(ValueError, match="write index"):
+        placed(write_index(positions, (2, 3, 4)))
+    seg = Segment([1, 2, 3], 6, TargetState([]), at=mx.array(4, dtype=mx.int32))
+    assert seg.write_index((2, 3, 8)) is seg.write_index((2, 3, 8))  # once for every layer
+
+
 def test_the_blas_in_use_is_the_one_asked_for() -> None:
     """OpenBLAS in-process by default (where installed); the reference BLAS when asked for."""
     if UNDER_REFERENCE:

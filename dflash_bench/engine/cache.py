@@ -31,6 +31,15 @@ def tiles_for(length: int) -> int:
     return -(-length // KEY_TILE) * KEY_TILE
 
 
+def write_index(rows: mx.array, shape: tuple[int, ...]) -> mx.array:
+    """Positions `rows` (n,) int32 as a scatter of rows of `shape` (positions along the second-to-last axis)
+    takes them: reshaped and broadcast to `shape`. `mx.put_along_axis` would reshape and broadcast them at every
+    write (two nodes a layer and stream for a GPU host to build and encode, three for a cache of keys and values
+    apart); a forward builds this once a stream for all its layers (targets/base.py's `Segment.write_index`,
+    drafters/dflash.py's `absorb`), and a write handed it adds nothing (`AttentionCache.write`)."""
+    return mx.broadcast_to(rows.reshape(*(1,) * (len(shape) - 2), shape[-2], 1), shape)
+
+
 class AttentionCache:
     """One layer's keys and values for one stream, (heads, capacity, head_dim), row j at position j."""
 
@@ -58,8 +67,8 @@ class AttentionCache:
     def write(self, start: int, k: mx.array, v: mx.array, rows: mx.array | None = None) -> None:
         """Rows at positions start, start + 1, ..; while the length is a device value, `start` is its
         upper bound and the rows go at `at` (the same positions, known only to the device): `rows`,
-        those positions as an int32 array where the caller has them (a forward builds them once for
-        every layer), else made here.
+        those positions as an int32 array where the caller has them, or already as `write_index` gives
+        them for rows of k's shape (a forward builds either once for every layer), else made here.
 
         At a device length the rows are scattered along their positions (`mx.put_along_axis`), not
         copied in at a device offset (`mx.slice_update`): MLX's CUDA copy at a dynamic offset
@@ -85,8 +94,11 @@ class AttentionCache:
             for c, x in zip(caches, xs):
                 c[..., start:end, :] = x
             return caches
-        index = (self.at + mx.arange(n, dtype=mx.int32) if rows is None else rows).reshape(*(1,) * axis, n, 1)
-        return tuple(mx.put_along_axis(c, index, x, axis=axis) for c, x in zip(caches, xs))
+        if rows is None or rows.ndim == 1:
+            rows = write_index(self.at + mx.arange(n, dtype=mx.int32) if rows is None else rows, xs[0].shape)
+        elif rows.shape != xs[0].shape:
+            raise ValueError(f"a write index of shape {rows.shape} for rows of shape {xs[0].shape}")
+        return tuple(mx.put_along_axis(c, rows, x, axis=axis) for c, x in zip(caches, xs))
 
     def advance(self, start: int, n: int) -> None:
         """The lengths after `n` rows written at `start` (`write`)."""

@@ -25,7 +25,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from dflash_bench.engine.cache import JointCache, TargetState
+from dflash_bench.engine.cache import JointCache, TargetState, write_index
 from dflash_bench.engine.checkpoint import all_finite, files_sha256
 from dflash_bench.engine.draft_config import DraftConfig, read_draft_config
 from dflash_bench.engine.drafters import norm_rope_kernel
@@ -241,6 +241,9 @@ class DFlashDrafter:
             parts = [mx.arange(at, at + b - a, dtype=mx.int32) if rows is None else rows
                      for (_, at, rows), (a, b) in zip(starts, spans)]
             positions = mx.concatenate(parts) if len(parts) > 1 else parts[0]
+            # at a device length, each stream's write index once for every layer's joint write (cache.py)
+            starts = [(start, at, None if rows is None else write_index(rows, (2, self.kv_heads, b - a, self.head_dim)))
+                      for (start, at, rows), (a, b) in zip(starts, spans)]
         for li, layer in enumerate(self.layers):
             k, v = layer["kv"](fused, norm=norm)
             if kernel:  # keys and values (2, heads, rows, d), as the joint cache holds them

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from dflash_bench.engine.cache import TargetState
+from dflash_bench.engine.cache import TargetState, write_index
 from dflash_bench.engine.fused import swiglu
 from dflash_bench.engine.target_config import TargetConfig
 from dflash_bench.engine.tiles import ROW_TILE, Layout, Norm, Stacked, Weight, key_mask, linear, pad_rows, query_positions
@@ -48,6 +48,7 @@ class Segment:
     _positions: mx.array | None = field(default=None, repr=False)
     _packed: tuple[tuple[int, ...], mx.array] | None = field(default=None, repr=False)  # packed_positions'
     _launch: tuple[tuple, mx.array] | None = field(default=None, repr=False)  # dense.py's kernel_meta
+    _writes: dict[tuple[int, ...], mx.array] = field(default_factory=dict, repr=False)  # `write_index`'s
 
     @property
     def origin(self) -> int | mx.array:
@@ -71,6 +72,13 @@ class Segment:
             else:
                 self._positions = mx.arange(self.start, self.start + len(self.tokens), dtype=mx.int32)
         return self._positions
+
+    def write_index(self, shape: tuple[int, ...]) -> mx.array:
+        """Where an attention layer's cache write puts this segment's rows of `shape` at a device start: its
+        positions as cache.py's `write_index` gives them, built once for every layer."""
+        if shape not in self._writes:
+            self._writes[shape] = write_index(self.positions(), shape)
+        return self._writes[shape]
 
     def tree_view(self) -> TreeView:
         """Where a tree's rows find their keys (tree_attention.py), built once for every layer."""

@@ -124,7 +124,8 @@ class SelfAttention:
         for seg, (lo, hi) in decoding:
             cache = seg.state.layers[layer]
             assert isinstance(cache, AttentionCache)
-            cache.write(seg.start, k[:, lo:hi], v[:, lo:hi], None if seg.at is None else positions[lo:hi])
+            ks, vs = k[:, lo:hi], v[:, lo:hi]
+            cache.write(seg.start, ks, vs, None if seg.at is None else seg.write_index(ks.shape))
             caches.append(cache)
         if self.path == "kernel":
             assert all(seg.tree is None for seg, _ in decoding), "trees never reach the kernel: DenseTarget.tree_refusal"
