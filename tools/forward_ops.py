@@ -5,7 +5,8 @@ usage: python3 tools/forward_ops.py [--streams 1,4] [--drafter] [--layers 8]
 On a GPU a decode forward pays per launch (docs/gpu-round-profile.md), so the number of operations
 that are not views, and the Python time to build them, are what a change to the forward should cut.
 It counts them and times the build of a one-row step and of a 16-row window (a drafted round's verify, as a
-ratio to the step's taken in the same run: a shared host moves both), and counts those of rolling a 16-row
+ratio to the step's taken in the same run: a shared host moves both; its census also at a device start, where a
+drafted round queued ahead places it), and counts those of rolling a 16-row
 window back to its first row (`keep`, and at a device length as a drafted round keeps every stream's window:
 cache.py's `keep_windows`, whose build is timed too), on any machine:
 the 9B-shaped `tiny` preset (fixture qwen3_5-9b-4bit's layer pattern, 8 layers, or `--layers 32` as the 9B) in the gpu mode,
@@ -279,6 +280,17 @@ def measure(target, states: list) -> None:
     window_s = median_seconds(windows, after=lambda outs: (evaluated(outs), [st.keep(st.length - 15) for st in states]))
     print(f"{streams} stream(s), 16-row windows: graph build {1e3 * window_s:.2f} ms, {window_s / step_s:.2f}x the "
           "step's", flush=True)
+    # the same windows at a device start, as a drafted round queued ahead places them (lanes.py): its writes
+    # are scatters at the device positions (cache.py)
+    for st in states:
+        st.keep_at(mx.array(st.length, dtype=mx.int32), st.length, st.length)
+    outs = target.forward([Segment([5] * 16, st.length, st, list(range(16)), at=st.at) for st in states])
+    counts = census([o.logits for o in outs] + [a for st in states for a in st.arrays()])
+    print(f"{streams} stream(s), 16-row windows at a device start: {ops(counts)} operations that are not views "
+          f"({counts.total()} nodes)", flush=True)
+    evaluated(outs)
+    for st in states:
+        st.keep(st.length - 16)
     # the window evaluated, then kept to its first row (a rejected round): what `keep` asks the device for
     # (qwen3_5.py's rollback)
     evaluated(windows())
