@@ -370,6 +370,7 @@ def _partial_kernel(segments: int, block: bool = False, joint: bool = False):
 
 
 def partial_name(segments: int, block: bool, joint: bool) -> str:
+    """Pass 1's kernel name for a source variant (tests/cuda_emulator.py names its stand-ins alike)."""
     return f"dflash_attention_partial_{segments}{'_block' if block else ''}{'_joint' if joint else ''}"
 
 
