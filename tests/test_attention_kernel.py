@@ -47,9 +47,13 @@ def attention_layers(target) -> list[SelfAttention]:
     return [m for m in target.mixer_layers() if isinstance(m, SelfAttention)]
 
 
-def tiled(segments: list[attention_kernel.Rows], scale: float, meta: mx.array | None = None) -> mx.array:
+def tiled(segments: list[attention_kernel.Rows], scale: float, meta: mx.array | None = None,
+          queries: mx.array | None = None) -> mx.array:
     """What the kernel computes, as dense.py's tiled path does it per segment (exact on CPU); where `meta`
-    (the launch's layout) places a segment at a device start, at that start (its `start` an upper bound)."""
+    (the launch's layout) places a segment at a device start, at that start (its `start` an upper bound). Packed
+    `queries`, where given, must be the segments' query rows in order."""
+    if queries is not None:
+        assert mx.array_equal(queries, mx.concatenate([q for q, _, _, _ in segments])).item()
     outs = []
     rows = sum(q.shape[0] for q, _, _, _ in segments)
     for i, (q, k, v, start) in enumerate(segments):
@@ -116,6 +120,11 @@ def test_bad_arguments_are_refused_before_any_launch() -> None:
         with pytest.raises(ValueError):
             decode_attention(segments, 0.125)
             pytest.fail(why)
+    for why, packed in {"packed queries of other rows": mx.zeros((3, 8, 64)), "packed queries in bf16 beside a float32 "
+                        "cache": mx.zeros((2, 8, 64), dtype=mx.bfloat16)}.items():
+        with pytest.raises(ValueError, match="packed queries"):
+            decode_attention([(q, k, k, 0)], 0.125, queries=packed)
+            pytest.fail(why)
     for why, block in {"a block of other rows": mx.zeros((2, 2, 3, 64)), "a block in another dtype": mx.zeros(
             (2, 2, 2, 64), dtype=mx.bfloat16), "a block without its values": mx.zeros((1, 2, 2, 64))}.items():
         with pytest.raises(ValueError):
@@ -129,9 +138,9 @@ def test_every_decode_segment_goes_through_one_launch_a_layer_onto_its_own_rows(
     forward's logits are those of the tiled path bit for bit (qwen3_5's output gate included)."""
     calls: list[list[tuple[int, int, int]]] = []
 
-    def spy(segments, scale, meta=None):
+    def spy(segments, scale, meta=None, queries=None):
         calls.append([(q.shape[0], start, k.shape[1]) for q, k, v, start in segments])
-        return tiled(segments, scale, meta)
+        return tiled(segments, scale, meta, queries)
 
     monkeypatch.setattr(attention_kernel, "decode_attention", spy)
     for family in ("qwen3", "qwen3_5"):
@@ -238,7 +247,8 @@ def test_the_self_check_tries_the_kernel_first_keys_it_and_falls_back(monkeypatc
 def test_the_kernel_source_run_on_a_cpu_is_exact_and_right(monkeypatch) -> None:
     """The source's indexing, staging, masking and barriers, without a GPU: a 4-row window across a
     partition and a chunk equals its rows one at a time (junk in the cache after each), segments together
-    equal each alone, every element is written, and it agrees with the float64 reference."""
+    equal each alone and their queries handed packed (bf16 or float32) the same, every element is written, and
+    it agrees with the float64 reference."""
     cuda_emulator.install(monkeypatch)
     seed = secrets.randbits(31)
     heads, scale = (4, 2, 64), 64**-0.5
@@ -249,6 +259,10 @@ def test_the_kernel_source_run_on_a_cpu_is_exact_and_right(monkeypatch) -> None:
     error = np.abs(np.array(together.astype(mx.float32), dtype=np.float64) - want).max() / np.abs(want).max()
     assert error <= TOLERANCE[mx.bfloat16], f"seed {seed}: {error:.2e} relative"
     assert same(together, mx.concatenate([decode_attention([s], scale) for s in segments])), f"seed {seed}"
+    # the segments' query rows handed packed (as one forward holds them): read as they are, the same bits
+    packed = mx.concatenate([q for q, _, _, _ in segments])
+    assert same(decode_attention(segments, scale, queries=packed), together), f"seed {seed}"
+    assert same(decode_attention(segments, scale, queries=packed.astype(mx.float32)), together), f"seed {seed}"
     q, k, v, start = segments[0]
     [(_, junk_k, junk_v, _)] = inputs(heads, [4], [start], mx.bfloat16, seed + 1)
     positions = mx.arange(k.shape[1])[None, :, None]

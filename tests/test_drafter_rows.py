@@ -201,8 +201,9 @@ def test_on_a_cuda_gpu_a_block_pass_runs_each_layers_attention_as_one_kernel_lau
     tests/cuda_emulator.py), a block pass runs each layer's attention for every stream in one launch with
     the layer's own mask (causal or bidirectional inside the block, a sliding window or none), instead of
     the tile products a stream at a time: a stream at a host start and one at a device start (cache.py's
-    keep_at), the 9B-shaped tiny drafter in bf16, each stream's context read from its joint K/V cache. The q and k rows' norms and RoPE take one launch a
-    layer (drafters/norm_rope_kernel.py), and an absorb's keys one a layer. Its logits are the tile
+    keep_at), the 9B-shaped tiny drafter in bf16, each stream's context read from its joint K/V cache, the
+    streams' queries handed packed. The q and k rows' norms and RoPE take one launch a layer
+    (drafters/norm_rope_kernel.py), and an absorb's keys one a layer. Its logits are the tile
     products' to bf16 accuracy, and a control with the windows left out of the launches is not (the masks
     are what the kernel takes)."""
     from itertools import cycle
@@ -227,7 +228,8 @@ def test_on_a_cuda_gpu_a_block_pass_runs_each_layers_attention_as_one_kernel_lau
     launches: list[int] = []
     decode_attention = attention_kernel.decode_attention
     monkeypatch.setattr(attention_kernel, "decode_attention",
-                        lambda segs, *a, **kw: launches.append((len(segs), all(v is None for _, _, v, _ in segs)))
+                        lambda segs, *a, **kw: launches.append((len(segs), all(v is None for _, _, v, _ in segs),
+                                                                kw.get("queries") is not None))
                         or decode_attention(segs, *a, **kw))
     turned: list[tuple[str, int]] = []  # (launch, rows) of each norm-and-RoPE launch
     for name in ("keys", "queries_and_keys"):
@@ -253,7 +255,8 @@ def test_on_a_cuda_gpu_a_block_pass_runs_each_layers_attention_as_one_kernel_lau
     tiled = logits(False)
     assert launches == [] and turned == []
     kernel = logits(True)
-    assert launches == [(2, True)] * len(drafter.layers)  # each stream's context read from its joint cache
+    # each stream's context read from its joint cache, every stream's queries handed packed
+    assert launches == [(2, True, True)] * len(drafter.layers)
     layers = len(drafter.layers)
     # an absorb of each stream (40 and 29 rows: keys), then the pass over both blocks of 8 rows (q and k)
     assert turned == [("keys", 40)] * layers + [("keys", 29)] * layers + [("queries_and_keys", 16)] * layers

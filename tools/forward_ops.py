@@ -55,8 +55,9 @@ def census(outputs: list[mx.array]) -> collections.Counter:
     return collections.Counter(label.split()[0] for label in re.findall(r'label ="([^"]+)"', dot.read_text()))
 
 
-def reference_attention(segments, scale, meta=None):
-    """decode_attention's result by tiles.py's attention, for the host starts this tool uses (`meta` unused)."""
+def reference_attention(segments, scale, meta=None, queries=None):
+    """decode_attention's result by tiles.py's attention, for the host starts this tool uses (`meta` unused; the
+    segments' q rows are the packed `queries`' rows)."""
     outs = []
     for q, k, v, start in segments:
         n, kr = q.shape[0], tiles_for(start + q.shape[0])
@@ -122,10 +123,11 @@ class Launch:
         return [mx.contiguous(y[:, a:b]) for a, b in zip(starts, starts[1:])]
 
 
-def drafter_attention(segs, scale, meta=None, causal=True, window=None, block=None) -> mx.array:
+def drafter_attention(segs, scale, meta=None, causal=True, window=None, block=None, queries=None) -> mx.array:
     """attention_kernel.decode_attention's operations with its launches as one node: the segments' queries
-    joined (more than one) and made float32 (unless they are), then the kernel, whose output has K's dtype."""
-    q = mx.concatenate([s[0] for s in segs]) if len(segs) > 1 else segs[0][0]
+    (the packed `queries`, or joined where more than one) made float32 (unless they are), then the kernel, whose
+    output has K's dtype."""
+    q = queries if queries is not None else mx.concatenate([s[0] for s in segs]) if len(segs) > 1 else segs[0][0]
     q = q.astype(mx.float32)
     return mx.depends([mx.full(q.shape, 0.0, dtype=segs[0][1].dtype)],
                       [q, meta, *(a for s in segs for a in s[1:3] if a is not None), *([] if block is None else [block])])[0]
@@ -215,7 +217,8 @@ def main() -> None:
                     Settings(parallel=4, context=256, chunk=32, backend="gpu")).target
     stand_in = Launch(one_node=True)
     matmul_kernel._kernel = lambda parts=0: stand_in
-    attention_kernel.decode_attention = lambda segs, scale, meta=None: mx.abs(mx.concatenate([s[0] for s in segs]))
+    attention_kernel.decode_attention = lambda segs, scale, meta=None, queries=None: mx.abs(
+        mx.concatenate([s[0] for s in segs]) if queries is None else queries)
     # the recurrence kernel's own launches, each one node (what their Python asks for beside them is counted)
     delta_kernel.delta_packed, delta_kernel.rollback = launches
     delta_kernel._kernel = lambda *key: one_node_launch

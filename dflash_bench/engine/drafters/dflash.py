@@ -424,7 +424,8 @@ class DFlashDrafter:
         # values from the stream's joint cache itself (no views of it)
         launch = [(queries[a:b], p.state.layers[li].kv, None, p.state.layers[li].length) for p, (a, b) in zip(items, spans)]
         meta = masks.launch_meta(launch, [p.state.layers[li].at for p in items], layer["causal"])
-        o = attention_kernel.decode_attention(launch, self.scale, meta, layer["causal"], layer["window"], block=kv)
+        o = attention_kernel.decode_attention(launch, self.scale, meta, layer["causal"], layer["window"], block=kv,
+                                              queries=queries)
         return o.reshape(rows, self.heads * self.head_dim)
 
 

@@ -480,7 +480,7 @@ def launch_meta(segments: list[Rows], ats: list[mx.array | None] | None = None, 
 
 
 def decode_attention(segments: list[Rows], scale: float, meta: mx.array | None = None, causal: bool = True,
-                     window: int | None = None, block: mx.array | None = None) -> mx.array:
+                     window: int | None = None, block: mx.array | None = None, queries: mx.array | None = None) -> mx.array:
     """Every segment's attention over its own cache, in two launches: (sum n_i, Hq, D) in K's dtype,
     the segments' rows in order.
 
@@ -502,17 +502,25 @@ def decode_attention(segments: list[Rows], scale: float, meta: mx.array | None =
     With `block` (2, Hkv, sum n_i, D: every segment's rows' keys, then their values, in the segments' order), a
     segment's keys from its start on are its rows of `block`, not its cache's: a drafter's block K/V, which only
     its pass reads, need no write into the cache first (one scatter a layer and stream). The same values at the
-    same positions, so the same bits as the cache written first."""
+    same positions, so the same bits as the cache written first.
+
+    With `queries` (sum n_i, Hq, D: every segment's query rows in the segments' order, as one forward or pass
+    holds them), the launch reads them, and a segment's q gives only its row count: the segments' q rows are
+    not joined again (with several segments a copy launched a layer, and a slice a segment, for the host to build
+    and encode). The same values, so the same bits."""
     hq, hkv, d, dtype = check_segments(segments, block)
     lengths = [q.shape[0] for q, _, _, _ in segments]
     rows = sum(lengths)
+    if queries is not None and (queries.shape != (rows, hq, d) or queries.dtype not in (dtype, mx.float32)):
+        raise ValueError(f"packed queries are ({rows}, {hq}, {d}) in {dtype} or float32, got {queries.shape} in "
+                         f"{queries.dtype}")
     pmax = max(-(-(start + n) // PARTITION) for (_, _, _, start), n in zip(segments, lengths))
     meta = launch_meta(segments, causal=causal) if meta is None else meta
     group = hq // hkv
     geo = geometry(group, max(lengths))
     nt = 32 * geo.nw
     # float32 queries: converted once here (no operation where they come in float32), not at every key chunk of every block
-    q = mx.concatenate([s[0] for s in segments]) if len(segments) > 1 else segments[0][0]
+    q = queries if queries is not None else mx.concatenate([s[0] for s in segments]) if len(segments) > 1 else segments[0][0]
     q = q.astype(mx.float32)
     joint = segments[0][2] is None
     caches = [s[1] for s in segments] + ([] if joint else [s[2] for s in segments]) + ([] if block is None else [block])
