@@ -129,10 +129,11 @@ class SelfAttention:
             caches.append(cache)
         if self.path == "kernel":
             assert all(seg.tree is None for seg, _ in decoding), "trees never reach the kernel: DenseTarget.tree_refusal"
-            launch = [(q[:, lo:hi].transpose(1, 0, 2), c.k, c.v, seg.start) for (seg, (lo, hi)), c in zip(decoding, caches)]
             # the rows' queries as one array: the launch makes them float32 (one copy), not joined from the segments' first
+            queries = q.transpose(1, 0, 2)
+            launch = [(queries[lo:hi], c.k, c.v, seg.start) for (seg, (lo, hi)), c in zip(decoding, caches)]
             o = attention_kernel.decode_attention(launch, self.scale, kernel_meta(decoding, launch),
-                                                  queries=q.transpose(1, 0, 2)).reshape(rows, -1)
+                                                  queries=queries).reshape(rows, -1)
         else:
             outs = []
             for (seg, (lo, hi)), c in zip(decoding, caches):
