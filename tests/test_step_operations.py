@@ -430,3 +430,36 @@ def test_a_joint_cache_holds_what_a_separate_one_does_and_writes_at_a_device_len
     assert mx.array_equal(joint.k[:, :63], separate.k[:, :63]).item() and mx.array_equal(joint.v[:, :63], separate.v[:, :63]).item()
     other.keep_path(60, [0, 3, 5])  # a control: another path keeps other rows
     assert not mx.array_equal(other.v[:, :63], separate.v[:, :63]).item()
+
+
+@pytest.mark.parametrize("bits", [0, 4])
+@pytest.mark.parametrize("tile", [1, ROW_TILE])
+def test_a_forwards_rows_are_looked_up_once_and_each_row_is_its_own(bits: int, tile: int, monkeypatch) -> None:
+    """Decode segments (host tokens and device ids mixed) join their ids and look them up in one lookup, whose
+    rows equal each segment's looked up alone, padded as before. A prompt chunk joins unpadded decode rows (it
+    starts where they end); after a tile's padding each segment keeps its own lookup. A packed table dequantizes
+    its rows in the same one lookup."""
+    target = tiny_target("llama", "smol", layers=1, seed=3)[0]
+    if bits:
+        target.embed = Weight.packed(*mx.quantize(target.embed.w, group_size=32, bits=bits), 32, bits)
+    state = target.new_state()
+    lookups: list[int] = []
+    rows = Weight.rows
+    monkeypatch.setattr(Weight, "rows", lambda self, ids: (lookups.append(ids.shape[0]), rows(self, ids))[1])
+
+    def alone(segments: list[Segment], layout: Layout) -> mx.array:
+        return layout.pack([target.embed_rows(s.tokens if s.ids is None else s.ids) for s in segments])
+
+    decode = [Segment([5], 0, state), Segment([-1, -1], 0, state, ids=mx.array([7, 8], dtype=mx.int32)),
+              Segment([9, 3], 0, state), Segment([4], 0, state)]
+    layout = Layout.of([len(s.tokens) for s in decode], [False] * len(decode), tile)
+    expected = alone(decode, layout)
+    lookups.clear()
+    joined = target.embed_segments(decode, layout)
+    assert lookups == [6] and joined.shape == expected.shape and mx.array_equal(joined, expected).item()
+    mixed = decode[:2] + [Segment([2, 6, 1], 0, state, prefill=True)]
+    layout = Layout.of([1, 2, 3], [False, False, True], tile)
+    expected = alone(mixed, layout)
+    lookups.clear()
+    placed = target.embed_segments(mixed, layout)
+    assert lookups == ([6] if tile == 1 else [1, 2, 3]) and mx.array_equal(placed, expected).item()

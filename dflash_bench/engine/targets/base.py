@@ -194,6 +194,26 @@ class Target:
         ids = tokens if isinstance(tokens, mx.array) else mx.array(tokens, dtype=mx.int32)
         return self.embed.rows(ids).astype(self.dtype)
 
+    def embed_segments(self, segments: list[Segment], layout: Layout) -> mx.array:
+        """The forward's first rows laid out as `layout`. Where the segments' rows lie one after another from
+        row 0 (decode rows, or one prompt chunk), their ids are joined and looked up once: a lookup and its
+        dequantization a forward, not a stream (a gather is row by row, so the rows are the same bits);
+        host tokens of neighbouring segments become one array. Otherwise each segment's rows are looked up
+        and placed apart."""
+        ends = [0] + [b for _, b in layout.spans[:-1]]
+        if [a for a, _ in layout.spans] != ends:
+            return layout.pack([self.embed_rows(seg.tokens if seg.ids is None else seg.ids) for seg in segments])
+        parts: list[list[int] | mx.array] = []
+        for seg in segments:
+            if seg.ids is not None:
+                parts.append(seg.ids)
+            elif parts and isinstance(parts[-1], list):
+                parts[-1] = parts[-1] + list(seg.tokens)
+            else:
+                parts.append(list(seg.tokens))
+        ids = [mx.array(p, dtype=mx.int32) if isinstance(p, list) else p for p in parts]
+        return layout.place([(0, self.embed_rows(ids[0] if len(ids) == 1 else mx.concatenate(ids)))])
+
     def forward(self, segments: list[Segment], taps: tuple[int, ...] = ()) -> list[SegmentOut]:
         """Run every segment through the model; caches grow by each segment's rows."""
         for seg in segments:
@@ -201,7 +221,7 @@ class Target:
                 raise ValueError(f"segment starts at {seg.start} but its state holds {seg.state.length} positions")
         layout = Layout.of([len(seg.tokens) for seg in segments], [seg.prefill for seg in segments], self.row_tile)
         spans = layout.spans
-        x = layout.pack([self.embed_rows(seg.tokens if seg.ids is None else seg.ids) for seg in segments])
+        x = self.embed_segments(segments, layout)
         planes: list[mx.array] = []
         for i in range(self.config.num_layers):
             x = self.layer(i, x, segments, layout)
