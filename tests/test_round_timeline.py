@@ -13,7 +13,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from round_timeline import (  # noqa: E402  (tools/ is not a package)
-    OUTSIDE, PHASE_LABELS, ROUND, Interval, describe, describe_idle, host_pieces, idle_by_phase, read_trace, summarize)
+    OUTSIDE, PHASE_LABELS, ROUND, Interval, calls_by_name, describe, describe_calls, describe_idle, host_pieces,
+    idle_by_phase, read_calls, read_trace, summarize)
 
 
 def kernel(name: str, ts: float, dur: float) -> dict:
@@ -98,3 +99,22 @@ def test_host_pieces_follow_nested_marks_and_cut_a_child_at_its_parents_end() ->
     assert host_pieces(marks) == [Interval("a", 0, 10), Interval("b", 10, 20), Interval("c", 20, 25),
                                   Interval("b", 25, 30), Interval("a", 30, 90), Interval("d", 90, 100),
                                   Interval("e", 200, 210)]
+
+
+def test_the_hosts_cuda_calls_are_summed_by_name_inside_the_span(tmp_path) -> None:
+    call = lambda name, ts, dur, cat="cuda_runtime": {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}  # noqa: E731
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps({"traceEvents": [
+        mark(1000, 900), mark(2000, 900), mark(3000, 900),
+        call("cudaGraphLaunch", 900, 5),  # before the span: left out
+        call("cudaGraphInstantiate", 1100, 300), call("cudaGraphLaunch", 1400, 10),
+        call("cudaGraphExecUpdate", 2100, 40), call("cudaGraphLaunch", 2200, 10),
+        call("cuLaunchKernel", 2300, 6, cat="cuda_driver"),
+        call("cudaGraphLaunch", 3000, 10),  # at the span's end: left out
+        kernel("void mlx::copy_v<float>(const float *)", 1500, 10),  # a kernel, not a call
+    ]}))
+    _, rounds, _ = read_trace(str(trace))
+    calls = calls_by_name(read_calls(str(trace)), rounds)
+    assert calls == [("cudaGraphInstantiate", pytest.approx(0.15), 0.5), ("cudaGraphExecUpdate", pytest.approx(0.02), 0.5),
+                     ("cudaGraphLaunch", pytest.approx(0.01), 1.0), ("cuLaunchKernel", pytest.approx(0.003), 0.5)]
+    assert describe_calls(calls).splitlines()[1] == "     0.150 ms     0.5x cudaGraphInstantiate"

@@ -21,7 +21,9 @@ The host's phases are marked too (the target's forward, the drafter's pass and a
 `async_eval` and `eval`, and the read of a round's choices: round_split.PHASES), so each stretch of device idle
 time is put to what the host was doing then: idle while the host is in `async_eval` is MLX encoding work it has not handed over
 yet (its CUDA backend hands the device graphs of up to MLX_MAX_OPS_PER_BUFFER operations, `--ops-per-graph`), idle
-in a forward or a drafter pass is Python building a graph with nothing queued before it.
+in a forward or a drafter pass is Python building a graph with nothing queued before it. The host's CUDA API calls
+a round are summed by name (CUPTI's runtime and driver records): MLX instantiates a CUDA graph whose shape its cache
+has not seen and only updates one it has (mlx/backend/cuda/device.cpp's `commit`), and the two differ in cost.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ class Timeline:
 
 
 GAP_BINS = ((10.0, "< 10 us"), (100.0, "10-100 us"), (float("inf"), ">= 100 us"))
+CALL_CATEGORIES = ("cuda_runtime", "cuda_driver")  # the categories PyTorch's profiler gives CUDA API calls
 
 
 def read_trace(path: str) -> tuple[list[Interval], list[Interval], list[Interval]]:
@@ -83,6 +86,32 @@ def read_trace(path: str) -> tuple[list[Interval], list[Interval], list[Interval
         elif span.name in PHASE_LABELS:
             phases.append(span)
     return kernels, sorted(rounds, key=lambda r: r.start), phases
+
+
+def read_calls(path: str) -> list[Interval]:
+    """The CUDA runtime and driver API calls of a trace PyTorch's profiler wrote (CUPTI records every thread's, MLX's
+    too): the host's side of handing work over (graph instantiation or update, launches, allocations, waits)."""
+    events = json.loads(Path(path).read_text())
+    events = events.get("traceEvents", events) if isinstance(events, dict) else events
+    return [Interval(e.get("name", ""), float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events
+            if e.get("ph") == "X" and "dur" in e and e.get("cat") in CALL_CATEGORIES]
+
+
+def calls_by_name(calls: list[Interval], rounds: list[Interval], count: int | None = None) -> list[tuple[str, float, float]]:
+    """(name, ms a round, calls a round) of the API calls that start in `summarize`'s span, most time first: whether a
+    round pays graph instantiations where another pays updates shows here, not in the kernels."""
+    count, lo, hi = span(rounds, count)
+    spent, made = collections.Counter(), collections.Counter()
+    for c in calls:
+        if lo <= c.start < hi:
+            spent[c.name] += c.end - c.start
+            made[c.name] += 1
+    return [(name, us / count / 1e3, made[name] / count) for name, us in spent.most_common()]
+
+
+def describe_calls(calls: list[tuple[str, float, float]], top: int = 12) -> str:
+    return "\n".join(["  the host's CUDA API calls a round:"]
+                     + [f"  {ms:8.3f} ms {n:7.1f}x {name}" for name, ms, n in calls[:top]])
 
 
 def span(rounds: list[Interval], count: int | None) -> tuple[int, float, float]:
@@ -242,7 +271,8 @@ def run(target: str, drafter: str, rounds: int, out: Path, streams: int = 1) -> 
         if not kernels:
             raise SystemExit(f"{trace} holds no kernel records: CUPTI did not see the engine's launches")
         got[mode] = summarize(kernels, marks, rounds)
-        print(describe(mode, got[mode]) + "\n" + describe_idle(idle_by_phase(kernels, marks, phases, rounds)), flush=True)
+        print(describe(mode, got[mode]) + "\n" + describe_idle(idle_by_phase(kernels, marks, phases, rounds)) + "\n"
+              + describe_calls(calls_by_name(read_calls(str(trace)), marks, rounds)), flush=True)
     print(f"drafted / plain: a round {got['drafted'].wall_ms / got['plain'].wall_ms:.2f}x, "
           f"the device's busy time {got['drafted'].busy_ms / got['plain'].busy_ms:.2f}x")
 
@@ -263,6 +293,7 @@ def main() -> None:
         kernels, rounds, phases = read_trace(args.report)
         print(describe(Path(args.report).stem, summarize(kernels, rounds, args.rounds)))
         print(describe_idle(idle_by_phase(kernels, rounds, phases, args.rounds)))
+        print(describe_calls(calls_by_name(read_calls(args.report), rounds, args.rounds)))
     elif args.target and args.drafter:
         run(args.target, args.drafter, args.rounds or 16, Path(args.out), args.streams)
     else:
