@@ -86,6 +86,12 @@ if [ -n "${BASELINE:-}" ]; then
       --backend gpu --drafter /root/f9/d --tokens 64 --streams "$s"
   done
 fi
+# the same with graphs of 400 operations and no size limit: MLX's host waits for the device whenever more than 10
+# graphs it committed for their size are unfinished (MAX_ACTIVE_TASKS in mlx/transforms.cpp, notify_new_task in
+# mlx/backend/cuda/eval.cpp), so at 100 operations (and 1,000 MB of inputs) a graph it runs at most ~1,000 operations,
+# under half a 9B round, ahead of the device: larger graphs let a round queued ahead be queued whole
+step round-timeline-9b-ops400 300 env MLX_MAX_MB_PER_BUFFER=100000 python3 tools/round_timeline.py /root/f9/t \
+  --drafter /root/f9/d --out /root/f9/timeline400 --ops-per-graph 400
 # the same with MLX handing the device graphs of 25 operations instead of 100: where the device idles while the host
 # is in async_eval (MLX encoding work it has not handed over yet), smaller graphs start it sooner
 step round-timeline-9b-ops25 300 python3 tools/round_timeline.py /root/f9/t --drafter /root/f9/d --out /root/f9/timeline25 \
