@@ -56,6 +56,16 @@ def test_receipt_names_schema_version_command_tool_and_environment():
     assert set(data["verdict"]) >= {"passed", "failures", "unverified"} and "not_run" in data
 
 
+def test_a_receipt_names_mlxs_settings_from_the_environment(monkeypatch):
+    """An `MLX_*` variable (a graph's size on a CUDA device) moves timings, not bits: the receipt says it was set."""
+    for key in [k for k in os.environ if k.startswith("MLX_")]:
+        monkeypatch.delenv(key)
+    assert sample().to_dict()["environment"]["mlx"]["settings"] == {}
+    monkeypatch.setenv("MLX_MAX_OPS_PER_BUFFER", "400")
+    monkeypatch.setenv("MLXNOT", "1")
+    assert sample().to_dict()["environment"]["mlx"]["settings"] == {"MLX_MAX_OPS_PER_BUFFER": "400"}
+
+
 def test_a_copy_whose_git_is_not_its_own_names_its_revision(monkeypatch):
     """DFLASH_BENCH_COMMIT speaks for the tree where `.git` would not (the GPU machine's stale copy)."""
     monkeypatch.setenv("DFLASH_BENCH_COMMIT", "fb0f200+dirty")

@@ -156,14 +156,17 @@ def _memory_bytes() -> int | None:
 
 
 def environment() -> dict:
-    """Where the harness ran: OS, CPU, memory, Python, MLX and its default device, the BLAS."""
+    """Where the harness ran: OS, CPU, memory, Python, MLX and its default device, the BLAS. MLX's own settings
+    from the environment (`MLX_*`: how large a graph its CUDA backend hands the device, whether it uses CUDA graphs)
+    change a timing without changing a bit, so a receipt names the ones that were set."""
     env = {"os": platform.platform(), "machine": platform.machine(), "cpu": _cpu(), "cpu_count": os.cpu_count(),
            "memory_bytes": _memory_bytes(), "python": platform.python_version(),
            "blas": dataclasses.asdict(blas.choice())}
     try:
         import mlx.core as mx
 
-        env["mlx"] = {"version": mx.__version__, "default_device": str(mx.default_device())}
+        env["mlx"] = {"version": mx.__version__, "default_device": str(mx.default_device()),
+                      "settings": {k: v for k, v in sorted(os.environ.items()) if k.startswith("MLX_")}}
     except ImportError as err:
         env["mlx"] = {"version": None, "default_device": None, "error": str(err)}
     return env
