@@ -14,7 +14,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from round_timeline import (  # noqa: E402  (tools/ is not a package)
     OUTSIDE, PHASE_LABELS, ROUND, Interval, calls_by_name, describe, describe_calls, describe_idle, host_pieces,
-    idle_by_phase, read_calls, read_trace, summarize)
+    idle_by_phase, read_trace, summarize)
 
 
 def kernel(name: str, ts: float, dur: float) -> dict:
@@ -40,8 +40,8 @@ def test_busy_time_is_the_union_of_kernels_and_gaps_are_binned_by_length(tmp_pat
         kernel("void mlx::copy_v<float>(const float *)", 3000, 10),  # starts at the span's end: left out
         {"ph": "i", "name": "instant", "ts": 1500},  # not a duration event
     ]}))
-    kernels, rounds, phases = read_trace(str(trace))
-    assert [r.start for r in rounds] == [1000, 2000, 3000] and phases == []
+    kernels, rounds, phases, calls = read_trace(str(trace))
+    assert [r.start for r in rounds] == [1000, 2000, 3000] and phases == [] and calls == []
     t = summarize(kernels, rounds)
     assert t.rounds == 2 and t.wall_ms == 1.0
     assert t.busy_ms == pytest.approx((450 + 45 + 450 + 600) / 2 / 1e3)
@@ -73,7 +73,7 @@ def test_idle_time_goes_to_the_innermost_host_phase_open_over_it(tmp_path) -> No
         kernel("void mlx::copy_v<float>(const float *)", 1600, 100),
         kernel("void mlx::copy_v<float>(const float *)", 2200, 700),
     ]}))
-    kernels, rounds, phases = read_trace(str(trace))
+    kernels, rounds, phases, _ = read_trace(str(trace))
     assert sorted(p.name for p in phases) == ["async_eval", "forward", "keep", "read"]
     spent = idle_by_phase(kernels, rounds, phases)
     # forward 1000-1400; async_eval 1400-1500, 1550-1600 and 1700-1800; keep 1500-1550; the round alone
@@ -113,8 +113,8 @@ def test_the_hosts_cuda_calls_are_summed_by_name_inside_the_span(tmp_path) -> No
         call("cudaGraphLaunch", 3000, 10),  # at the span's end: left out
         kernel("void mlx::copy_v<float>(const float *)", 1500, 10),  # a kernel, not a call
     ]}))
-    _, rounds, _ = read_trace(str(trace))
-    calls = calls_by_name(read_calls(str(trace)), rounds)
+    _, rounds, _, made = read_trace(str(trace))
+    calls = calls_by_name(made, rounds)
     assert calls == [("cudaGraphInstantiate", pytest.approx(0.15), 0.5), ("cudaGraphExecUpdate", pytest.approx(0.02), 0.5),
                      ("cudaGraphLaunch", pytest.approx(0.01), 1.0), ("cuLaunchKernel", pytest.approx(0.003), 0.5)]
     assert describe_calls(calls).splitlines()[1] == "     0.150 ms     0.5x cudaGraphInstantiate"

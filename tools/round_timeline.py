@@ -68,33 +68,28 @@ GAP_BINS = ((10.0, "< 10 us"), (100.0, "10-100 us"), (float("inf"), ">= 100 us")
 CALL_CATEGORIES = ("cuda_runtime", "cuda_driver")  # the categories PyTorch's profiler gives CUDA API calls
 
 
-def read_trace(path: str) -> tuple[list[Interval], list[Interval], list[Interval]]:
-    """The kernels, the marked rounds and the marked host phases of a Chrome trace PyTorch's profiler wrote."""
+def read_trace(path: str) -> tuple[list[Interval], list[Interval], list[Interval], list[Interval]]:
+    """The kernels, the marked rounds, the marked host phases and the host's CUDA runtime and driver API calls of a
+    Chrome trace PyTorch's profiler wrote (CUPTI records every thread's calls, MLX's too: the host's side of handing
+    work over, graph instantiations or updates, launches, allocations, waits)."""
     events = json.loads(Path(path).read_text())
     events = events.get("traceEvents", events) if isinstance(events, dict) else events
-    kernels, rounds, phases = [], [], []
+    kernels, rounds, phases, calls = [], [], [], []
     for e in events:
         if e.get("ph") != "X" or "dur" not in e:
             continue
         span = Interval(e.get("name", ""), float(e["ts"]), float(e["ts"]) + float(e["dur"]))
         if e.get("cat") == "kernel":
             kernels.append(span)
+        elif e.get("cat") in CALL_CATEGORIES:
+            calls.append(span)
         elif str(e.get("cat", "")).startswith("gpu_"):  # the GPU track's echo of a host mark
             continue
         elif span.name == ROUND:
             rounds.append(span)
         elif span.name in PHASE_LABELS:
             phases.append(span)
-    return kernels, sorted(rounds, key=lambda r: r.start), phases
-
-
-def read_calls(path: str) -> list[Interval]:
-    """The CUDA runtime and driver API calls of a trace PyTorch's profiler wrote (CUPTI records every thread's, MLX's
-    too): the host's side of handing work over (graph instantiation or update, launches, allocations, waits)."""
-    events = json.loads(Path(path).read_text())
-    events = events.get("traceEvents", events) if isinstance(events, dict) else events
-    return [Interval(e.get("name", ""), float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in events
-            if e.get("ph") == "X" and "dur" in e and e.get("cat") in CALL_CATEGORIES]
+    return kernels, sorted(rounds, key=lambda r: r.start), phases, calls
 
 
 def calls_by_name(calls: list[Interval], rounds: list[Interval], count: int | None = None) -> list[tuple[str, float, float]]:
@@ -267,12 +262,12 @@ def run(target: str, drafter: str, rounds: int, out: Path, streams: int = 1) -> 
     for mode in ("plain", "drafted"):
         trace = out / f"round-timeline-{mode}.json"
         record(engine, prompt, mode == "drafted", rounds, trace, streams)
-        kernels, marks, phases = read_trace(str(trace))
+        kernels, marks, phases, calls = read_trace(str(trace))
         if not kernels:
             raise SystemExit(f"{trace} holds no kernel records: CUPTI did not see the engine's launches")
         got[mode] = summarize(kernels, marks, rounds)
         print(describe(mode, got[mode]) + "\n" + describe_idle(idle_by_phase(kernels, marks, phases, rounds)) + "\n"
-              + describe_calls(calls_by_name(read_calls(str(trace)), marks, rounds)), flush=True)
+              + describe_calls(calls_by_name(calls, marks, rounds)), flush=True)
     print(f"drafted / plain: a round {got['drafted'].wall_ms / got['plain'].wall_ms:.2f}x, "
           f"the device's busy time {got['drafted'].busy_ms / got['plain'].busy_ms:.2f}x")
 
@@ -290,10 +285,10 @@ def main() -> None:
     if args.ops_per_graph:
         os.environ["MLX_MAX_OPS_PER_BUFFER"] = str(args.ops_per_graph)  # before run() imports MLX
     if args.report:
-        kernels, rounds, phases = read_trace(args.report)
+        kernels, rounds, phases, calls = read_trace(args.report)
         print(describe(Path(args.report).stem, summarize(kernels, rounds, args.rounds)))
         print(describe_idle(idle_by_phase(kernels, rounds, phases, args.rounds)))
-        print(describe_calls(calls_by_name(read_calls(args.report), rounds, args.rounds)))
+        print(describe_calls(calls_by_name(calls, rounds, args.rounds)))
     elif args.target and args.drafter:
         run(args.target, args.drafter, args.rounds or 16, Path(args.out), args.streams)
     else:
