@@ -20,7 +20,8 @@ first marked step's start to the start of the step after the last, and the kerne
 The host's phases are marked too (the target's forward, the drafter's pass and absorb, the rollback's keep, MLX's
 `async_eval` and `eval`, and the read of a round's choices: round_split.PHASES), so each stretch of device idle
 time is put to what the host was doing then: idle while the host is in `async_eval` is MLX encoding work it has not handed over
-yet (its CUDA backend hands the device graphs of up to MLX_MAX_OPS_PER_BUFFER operations, `--ops-per-graph`), idle
+yet (its CUDA backend hands the device graphs of up to MLX_MAX_OPS_PER_BUFFER operations: the engine's
+backend.CUDA_GRAPH_LIMITS unless the environment or `--ops-per-graph` names another), idle
 in a forward or a drafter pass is Python building a graph with nothing queued before it. The host's CUDA API calls
 a round are summed by name (CUPTI's runtime and driver records): MLX instantiates a CUDA graph whose shape its cache
 has not seen and only updates one it has (mlx/backend/cuda/device.cpp's `commit`), and the two differ in cost.
@@ -254,8 +255,7 @@ def run(target: str, drafter: str, rounds: int, out: Path, streams: int = 1) -> 
 
     engine = Engine(target, drafter, Settings(parallel=max(4, streams), context=4096, backend="gpu"))
     print(engine.startup_line(), flush=True)
-    graph = os.environ.get("MLX_MAX_OPS_PER_BUFFER", "its default of 100 (sm_90)")
-    print(f"{streams} stream(s); MLX's CUDA graphs: up to {graph} operations", flush=True)
+    print(f"{streams} stream(s); MLX's CUDA graphs: {engine.graph_limits or 'not CUDA'}", flush=True)
     prompt = probe_ids(engine).get("code", list(range(100, 356)))
     out.mkdir(parents=True, exist_ok=True)
     got = {}

@@ -98,6 +98,7 @@ class Engine:
         (tests' doubles, built in whatever mode they were built in; or another engine's target with the
         `loaded` checkpoint it came from, which names it and gives its tokenizer and eos ids). A real
         target (a `Target`) is self-checked either way; a double that is not one has no rows to check."""
+        self.graph_limits = backends.size_cuda_graphs()  # before any GPU work: MLX reads them once (backend.py)
         self.settings = settings
         self.backend = backends.resolve(settings.backend)
         self.loaded = loaded
@@ -163,7 +164,8 @@ class Engine:
         return self.loaded.config.name or self.loaded.path.name
 
     def startup_line(self, where: str = "") -> str:
-        """Target, drafter kind, streams and context, mode, the warm-up's shapes and seconds, then `where`
+        """Target, drafter kind, streams and context, mode, MLX's CUDA graph limits (on CUDA; receipts keep this
+        line, and a graph's size moves timings), the warm-up's shapes and seconds, then `where`
         (the server's URL and plan), then the self-check's verdict (or why drafting is off)."""
         drafts = f"{self.drafter_kind} drafts" if self.drafter else "no drafter"
         s = self.settings
@@ -178,8 +180,12 @@ class Engine:
             budget += (f", draft trees of {size}" if self.tree_nodes else
                        f", draft trees off (chains): {self.target.tree_refusal}")
         warmed = f", {self.warmup.line()}" if self.warmup else ""
+        graphs = ""
+        if self.graph_limits:
+            limits = [self.graph_limits[name] for name in backends.CUDA_GRAPH_LIMITS]
+            graphs = f", MLX CUDA graphs of up to {limits[0]} operations and {limits[1]} MB"
         return (f"serving {self.model_name}: {drafts}{budget}, {s.parallel} streams of {s.context} tokens{cache}{mode}"
-                f"{warmed}{where}{proof}")
+                f"{graphs}{warmed}{where}{proof}")
 
     # -- requests ------------------------------------------------------------------------------
     def submit(self, request: Request) -> Handle:
