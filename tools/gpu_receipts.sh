@@ -23,6 +23,7 @@ set -u
 out=${1:?usage: gpu_receipts.sh OUT_DIR}
 cd "$(dirname "$0")/.."
 export PYTHONPATH=/tmp/site:$PWD
+export PYTHONUNBUFFERED=1  # a step its limit stops keeps what it printed (session 40's two timelines left empty logs)
 mkdir -p "$out" /root/f9
 log() { echo "$(date +%T) $*" >> "$out/progress"; }
 step() {  # step NAME SECONDS COMMAND...: one command, its output in OUT_DIR/NAME.log
@@ -72,28 +73,35 @@ wait
 # First, what the device does in a round as the engine runs it: busy and idle time a round, plain and drafted, with
 # each kernel kind's share, from CUPTI's records through PyTorch's profiler (docs/profiles/round-timeline-h200.txt:
 # in job M the device was busy 11.25 ms of a 20.58 ms drafted round, waiting for the host the rest); the 9B's
-# self-check runs here first (up to 212 s on a fresh machine), then is cached for the steps after
-step round-timeline-9b 480 python3 tools/round_timeline.py /root/f9/t --drafter /root/f9/d --out /root/f9/timeline
+# self-check runs here first (up to 212 s on a fresh machine; ~330 s in session 40), then is cached for the steps
+# after; the engine serves 4 lanes as engine-speed's does, and warming their 33 shapes took 256 s in session 40
+step round-timeline-9b 720 python3 tools/round_timeline.py /root/f9/t --drafter /root/f9/d --out /root/f9/timeline
 # A host change against the engine before it, back to back on this machine (hosts differ between machines and move
 # within one: docs/profiles/round-split-h200.txt): with BASELINE, a directory holding an earlier revision's
 # dflash_bench package (`git archive REV dflash_bench | tar -x -C DIR`), the 9B's rounds split at 1 and 4 streams
 # at this revision and then with BASELINE first on PYTHONPATH. For session 37's GatedDeltaNet host cuts, which only
-# a CPU has measured (docs/gpu-round-profile.md, its last section), BASELINE holds 6f04bf1's package.
+# a CPU has measured (docs/gpu-round-profile.md, its last section), BASELINE holds 6f04bf1's package, run at the
+# graph limits this engine sets (backend.CUDA_GRAPH_LIMITS; 6f04bf1 left MLX's own), so the A/B is the host's alone.
 if [ -n "${BASELINE:-}" ]; then
   for s in 1 4; do
     step "round-split-9b-$s-head" 240 python3 tools/round_split.py /root/f9/t --backend gpu --drafter /root/f9/d \
       --tokens 64 --streams "$s"
-    step "round-split-9b-$s-base" 240 env PYTHONPATH="$BASELINE:$PYTHONPATH" python3 tools/round_split.py /root/f9/t \
+    step "round-split-9b-$s-base" 240 env PYTHONPATH="$BASELINE:$PYTHONPATH" MLX_MAX_OPS_PER_BUFFER=400 \
+      MLX_MAX_MB_PER_BUFFER=100000 python3 tools/round_split.py /root/f9/t \
       --backend gpu --drafter /root/f9/d --tokens 64 --streams "$s"
   done
 fi
-# the same with graphs of 400 operations and no size limit: MLX's host waits for the device whenever more than 10
-# graphs it committed for their size are unfinished (MAX_ACTIVE_TASKS in mlx/transforms.cpp, notify_new_task in
-# mlx/backend/cuda/eval.cpp), so at 100 operations (and 1,000 MB of inputs) a graph it runs at most ~1,000 operations,
-# under half a 9B round, ahead of the device: larger graphs let a round queued ahead be queued whole
-step round-timeline-9b-ops400 300 env MLX_MAX_MB_PER_BUFFER=100000 python3 tools/round_timeline.py /root/f9/t \
-  --drafter /root/f9/d --out /root/f9/timeline400 --ops-per-graph 400
-# the same with MLX handing the device graphs of 25 operations instead of 100: where the device idles while the host
+# the same at MLX's own graph limits (100 operations, 1,000 MB of inputs on sm_90) instead of the engine's
+# (backend.CUDA_GRAPH_LIMITS): MLX's host waits for the device whenever more than 10 graphs it committed for their
+# size are unfinished (MAX_ACTIVE_TASKS in mlx/transforms.cpp), so at MLX's limits it runs under half a 9B drafted
+# round ahead (docs/gpu-round-profile.md, session 40)
+step round-timeline-9b-mlx-limits 300 env MLX_MAX_OPS_PER_BUFFER=100 MLX_MAX_MB_PER_BUFFER=1000 \
+  python3 tools/round_timeline.py /root/f9/t --drafter /root/f9/d --out /root/f9/timeline-mlx-limits
+for s in 1 4; do
+  step "round-split-9b-$s-mlx-limits" 240 env MLX_MAX_OPS_PER_BUFFER=100 MLX_MAX_MB_PER_BUFFER=1000 \
+    python3 tools/round_split.py /root/f9/t --backend gpu --drafter /root/f9/d --tokens 64 --streams "$s"
+done
+# the same with MLX handing the device graphs of 25 operations instead of 400: where the device idles while the host
 # is in async_eval (MLX encoding work it has not handed over yet), smaller graphs start it sooner
 step round-timeline-9b-ops25 300 python3 tools/round_timeline.py /root/f9/t --drafter /root/f9/d --out /root/f9/timeline25 \
   --ops-per-graph 25
