@@ -59,6 +59,11 @@ step pytest-gpu 480 python3 -m pytest -p no:cacheprovider -m gpu \
 {
   run fixture-9b 120 fixture qwen3_5-9b-4bit /root/f9/t
   run fixture-9b-drafter 120 fixture dflash-9b /root/f9/d
+  # the planner against MLX's peak at the engine's graph limits (backend.CUDA_GRAPH_LIMITS: a graph holds its
+  # intermediates until the device finishes it, and 100,000 MB no longer cuts a forward's graphs by size); MLX's
+  # peak is the process's own, so the steps beside it do not move it
+  run plan-9b 360 plan /root/f9/t --drafter /root/f9/d --parallel 4 --context 16384 --check --backend gpu \
+    --out "$out/plan-qwen3.5-9b-4bit-gpu-p4-c16384.json"
   if [ -f "$gguf" ]; then
     run exactness-default 420 exactness --backend gpu --out "$out/exactness-default-gpu-h200.json"
   fi
