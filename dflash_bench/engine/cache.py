@@ -21,6 +21,7 @@ from typing import Callable, Protocol
 
 import mlx.core as mx
 
+from dflash_bench.engine.row_ids import row_ids
 from dflash_bench.engine.tiles import KEY_TILE
 
 GROW = 4 * KEY_TILE  # capacity grows in whole key tiles
@@ -95,7 +96,7 @@ class AttentionCache:
                 c[..., start:end, :] = x
             return caches
         if rows is None or rows.ndim == 1:
-            rows = write_index(self.at + mx.arange(n, dtype=mx.int32) if rows is None else rows, xs[0].shape)
+            rows = write_index(self.at + row_ids(n) if rows is None else rows, xs[0].shape)
         elif rows.shape != xs[0].shape:
             raise ValueError(f"a write index of shape {rows.shape} for rows of shape {xs[0].shape}")
         return tuple(mx.put_along_axis(c, rows, x, axis=axis) for c, x in zip(caches, xs))

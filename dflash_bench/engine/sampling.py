@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from dflash_bench.engine.row_ids import row_ids
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -82,5 +84,5 @@ def accepted(drafts: mx.array, chosen: mx.array) -> mx.array:
     n = drafts.shape[0]
     if n == 0:
         return mx.array(0, dtype=mx.int32)
-    rows = mx.arange(n, dtype=mx.int32)
+    rows = row_ids(n)
     return mx.min(mx.where(drafts != chosen[:n], rows, mx.array(n, dtype=mx.int32)))

@@ -41,6 +41,7 @@ import mlx.core as mx
 
 from dflash_bench.engine.backend import on_cuda
 from dflash_bench.engine.matmul_kernel import available, fits, rows_matmul, splits_output
+from dflash_bench.engine.row_ids import row_ids
 
 ROW_TILE = 16
 SMALL_TILE = 8
@@ -416,7 +417,7 @@ def query_positions(start: int | mx.array, n: int) -> mx.array:
     cache.py's keep_at), padded to whole query tiles (pads repeat start)."""
     pad = (-n) % QUERY_TILE
     if isinstance(start, mx.array):
-        return mx.concatenate([mx.arange(n, dtype=mx.int32), mx.zeros((pad,), dtype=mx.int32)]) + start
+        return row_ids(n, zeros=pad) + start
     return mx.concatenate([mx.arange(start, start + n, dtype=mx.int32), mx.full((pad,), start, dtype=mx.int32)])
 
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
+from dflash_bench.engine.row_ids import row_ids
 from dflash_bench.engine.targets import attention_kernel
 
 if TYPE_CHECKING:
@@ -36,7 +37,7 @@ class BlockMasks:
         """The kernel path's row positions (int32), every stream's block from its first position (a device
         value while the host has not read it), built by the pass's first layer."""
         if self.positions is None:
-            parts = [mx.arange(b - a, dtype=mx.int32) + p.state.start for p, (a, b) in zip(items, spans)]
+            parts = [row_ids(b - a) + p.state.start for p, (a, b) in zip(items, spans)]
             self.positions = mx.concatenate(parts) if len(parts) > 1 else parts[0]
         return self.positions
 

@@ -33,6 +33,7 @@ from dflash_bench.engine.drafters.block_masks import BlockMasks, StreamBlock
 from dflash_bench.engine.errors import CheckpointError
 from dflash_bench.engine.fused import swiglu
 from dflash_bench.engine.quantize import dequantize_packed
+from dflash_bench.engine.row_ids import row_ids
 from dflash_bench.engine.sampling import SamplingParams, choose, filtered, gumbel
 from dflash_bench.engine.targets import attention_kernel
 from dflash_bench.engine.targets.base import Target, repack, rope_rows
@@ -235,7 +236,7 @@ class DFlashDrafter:
         # else every layer's k/v launch norms the rows itself (tiles.linear): no launch for the norm
         # read once: writing layer 0 advances them; at a device length, the rows' positions for every layer
         starts = [(state.length, state.start, None if isinstance(state.start, int)
-                   else mx.arange(b - a, dtype=mx.int32) + state.start) for (state, _), (a, b) in zip(items, spans)]
+                   else row_ids(b - a) + state.start) for (state, _), (a, b) in zip(items, spans)]
         kernel = self.kernel_rope
         if kernel:  # every stream's rows' positions, for one norm-and-RoPE launch a layer
             parts = [mx.arange(at, at + b - a, dtype=mx.int32) if rows is None else rows
@@ -437,7 +438,7 @@ def firsts(items: list[Proposal]) -> list[int]:
 
 def draft_positions(p: Proposal) -> mx.array:
     """The absolute positions a stream's drafts would take (its sampling keys)."""
-    return mx.arange(1, 1 + p.count, dtype=mx.int32) + p.state.start
+    return row_ids(p.count, 1) + p.state.start
 
 
 def block_ids(blocks: list[list[int | mx.array]]) -> list[int] | mx.array:

@@ -24,6 +24,7 @@ import mlx.core as mx
 
 from dflash_bench.engine.cache import TargetState, write_index
 from dflash_bench.engine.fused import swiglu
+from dflash_bench.engine.row_ids import row_ids
 from dflash_bench.engine.target_config import TargetConfig
 from dflash_bench.engine.tiles import ROW_TILE, Layout, Norm, Stacked, Weight, key_mask, linear, pad_rows, query_positions
 from dflash_bench.engine.tree import Tree
@@ -68,7 +69,7 @@ class Segment:
             if self.tree is not None:
                 self._positions = mx.array(self.tree.depths, dtype=mx.int32) + self.start
             elif self.at is not None:
-                self._positions = mx.arange(len(self.tokens), dtype=mx.int32) + self.at
+                self._positions = row_ids(len(self.tokens)) + self.at
             else:
                 self._positions = mx.arange(self.start, self.start + len(self.tokens), dtype=mx.int32)
         return self._positions

@@ -40,6 +40,7 @@ from mlx_lm.models.gated_delta import compute_g, gated_delta_ops
 
 from dflash_bench.engine.cache import AttentionCache, LinearCache, TargetState
 from dflash_bench.engine.fused import conv_silu, gated
+from dflash_bench.engine.row_ids import row_ids
 from dflash_bench.engine.target_config import TargetConfig
 from dflash_bench.engine.targets import delta_kernel
 from dflash_bench.engine.targets.base import Segment, Target, as_weight
@@ -66,7 +67,7 @@ def prefix_by_rerun(recurrence: Recurrence, q: mx.array, k: mx.array, v: mx.arra
     """The state after a window's first m rows (m a device value) by `recurrence` over every row, rows m
     and after with g = 1 and beta = 0, which leave a state as it is (s * 1 is s, the delta (v - kv) * 0
     adds zeros): mlx-lm's ops have no window end to stop at, as the kernel does (delta_kernel.py's `rollback`)."""
-    live = (mx.arange(q.shape[0], dtype=mx.int32) < m)[:, None]
+    live = (row_ids(q.shape[0]) < m)[:, None]
     g, beta = mx.where(live, g, mx.array(1, dtype=g.dtype)), mx.where(live, beta, mx.array(0, dtype=beta.dtype))
     [(_, state)] = recurrence([(q, k, v, g, beta, state)])
     return state
