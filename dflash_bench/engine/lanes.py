@@ -24,7 +24,7 @@ changes no bits. A stream that ends on eos or is cancelled meanwhile leaves its 
 meanwhile is admitted one round later.
 
 A drafted round of chains is queued ahead too (`look_ahead_windows`). Its verify's outcome stays on the
-device (`verify`): the choices, the accepted count k (the leading run of drafts equal to the choices
+device (verify.py): the choices, the accepted count k (the leading run of drafts equal to the choices
 before them), the next anchor (the choice after them), and each state's kept length (cache.py's
 `keep_at`: attention caches place the next rows at it, a GatedDeltaNet layer reruns its window's
 recurrence with the rows past it made inert). The drafter absorbs every row of the window and keeps as
@@ -54,9 +54,10 @@ from dflash_bench.engine.drafters.dflash import DFlashDrafter, Proposal
 from dflash_bench.engine.prompt_cache import Entry, PromptCache, last_boundary
 from dflash_bench.engine.request import Event, Handle, Stats
 from dflash_bench.engine.errors import ContextExceeded
-from dflash_bench.engine.sampling import SamplingParams, accepted, choose, seed_from_prompt
+from dflash_bench.engine.sampling import SamplingParams, choose, seed_from_prompt
 from dflash_bench.engine.targets.base import Segment, SegmentOut, Target
 from dflash_bench.engine.tree import Lattice, Tree, choice_ranks
+from dflash_bench.engine.verify import Verdict, Verified, Window, verify
 
 
 @dataclass
@@ -91,17 +92,6 @@ class Stream:
     @property
     def prompt(self) -> list[int]:
         return self.handle.request.prompt
-
-
-@dataclass
-class Verdict:
-    """A chain window's verify as device values (`Lanes.verify`): the accepted count k then the target's
-    choice at each row, and what reading them needs."""
-
-    values: mx.array  # int32 (1 + rows,): k, then the choices
-    keep: tuple[mx.array, int, int]  # the kept length, its host bounds (cache.py's keep_at)
-    window: list[int]  # the window's tokens where the host has them (the auto budget's tree ranks), else []
-    lattice: Lattice | None
 
 
 class Lanes:
@@ -207,13 +197,17 @@ class Lanes:
             self.plain_round(segments, outs)
             return
         absorb, proposals, draft_seconds, windows = [], [], 0.0, []
+        chains = [(s, seg, out) for s, seg, out in zip(self.streams, segments, outs)
+                  if s.pending is not None and s.tree is None]
+        verified = dict(zip([id(s) for s, _, _ in chains], verify([
+            Window(s.params, seg, out, s.drafts if s.draft_ids is None else s.draft_ids) for s, seg, out in chains])))
         for s, seg, out in zip(list(self.streams), segments, outs):
             if s.pending is None:
                 kept_taps = self.after_chunk(s, seg, out)
             elif s.tree is not None:
                 kept_taps = self.after_tree(s, seg, out)
             else:
-                kept_taps = self.verify(s, seg, out)
+                kept_taps = self.keep_verdict(s, seg, out, verified[id(s)])
                 windows.append(s)
             if s.drafting and kept_taps is not None:
                 absorb.append((s.drafter_state, kept_taps))
@@ -290,25 +284,21 @@ class Lanes:
             left = min(left - 1, self.context - s.verdict.keep[1] - 1)
         return max(0, min(self.drafter.block - 1, left))
 
-    def verify(self, s: Stream, seg: Segment, out: SegmentOut) -> mx.array | None:
-        """A chain window's keyed choices and its accepted count k, as device values: the state keeps the
-        pending token and the k drafts equal to the choices before them (cache.py's `keep_at`, which
-        `round` runs for all of its windows at once: `keep_windows`), the drafter absorbs every row and
-        keeps as many, the next pass starts from the choice after them (`anchor`), and `read` reads them
-        later. Returns the window's taps, every row."""
+    def keep_verdict(self, s: Stream, seg: Segment, out: SegmentOut, v: Verified) -> mx.array | None:
+        """A chain window's verify (verify.py's device values): the state keeps the pending token and the k
+        drafts equal to the choices before them (cache.py's `keep_at`, which `round` runs for all of its
+        windows at once: `keep_windows`), the drafter absorbs every row and keeps as many, the next pass
+        starts from the choice after them (`anchor`), and `read` reads them later. Returns the window's taps,
+        every row."""
         n = len(seg.tokens)
-        chosen = choose(out.logits, seg.positions() + 1, s.params).astype(mx.int32)
-        drafts = s.draft_ids if s.draft_ids is not None else mx.array(s.drafts, dtype=mx.int32)
-        k = accepted(drafts, chosen)
-        s.anchor = chosen[k]
-        keep = (seg.origin + k + 1, s.known + n, s.known + 1)
-        s.verdict = Verdict(mx.concatenate([k.reshape(1), chosen]), keep,
-                            list(seg.tokens) if seg.ids is None else [], s.lattice)
+        s.anchor = v.anchor
+        keep = (v.k + (seg.origin + 1), s.known + n, s.known + 1)  # one add where the origin is the host's
+        s.verdict = Verdict(v.values, keep, list(seg.tokens) if seg.ids is None else [], s.lattice)
         s.drafts, s.draft_ids, s.lattice = (), None, None
         return out.taps
 
     def read(self, windows: list[Stream]) -> None:
-        """Read the chain windows' verifies (`verify`): stats, the budget's record, the kept tokens out. A
+        """Read the chain windows' verifies (`keep_verdict`): stats, the budget's record, the kept tokens out. A
         state that no queued round has written past is settled at its length."""
         values = [s.verdict.values.tolist() for s in windows]
         for s, (k, *chosen) in zip(windows, values):

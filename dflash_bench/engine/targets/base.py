@@ -107,6 +107,8 @@ class TreeView:
 class SegmentOut:
     logits: mx.array | None  # (len(logit_rows), vocab) float32
     taps: mx.array | None  # (rows, taps * hidden): the tap layers' outputs side by side
+    joint: mx.array | None = None  # the forward's logits, every segment's rows: `logits` is its rows from `first` on
+    first: int = 0
 
 
 def packed_positions(segments: list[Segment]) -> mx.array:
@@ -238,6 +240,8 @@ class Target:
                 SegmentOut(
                     logits=logits[cursor : cursor + n] if n else None,
                     taps=tap_rows[a:b] if (seg.want_taps and tap_rows is not None) else None,
+                    joint=logits,
+                    first=cursor,
                 )
             )
             cursor += n
