@@ -463,3 +463,17 @@ def test_a_forwards_rows_are_looked_up_once_and_each_row_is_its_own(bits: int, t
     lookups.clear()
     placed = target.embed_segments(mixed, layout)
     assert lookups == ([6] if tile == 1 else [1, 2, 3]) and mx.array_equal(placed, expected).item()
+
+
+@pytest.mark.parametrize("rows", [[0, 1, 2, 3], [5], [2, 3, 4], [0, 2, 3]])
+def test_the_logits_of_consecutive_rows_take_a_slice_not_a_gather(rows: list[int]) -> None:
+    """Every decode forward wants its rows' logits one after another (and a prompt chunk its last row): those
+    are a slice of the rows (a view), where picking them by index is a gather, an operation a forward. The same
+    logits either way."""
+    target = tiny_target("llama", "smol", layers=1, seed=4)[0]
+    x = mx.random.normal((8, target.config.hidden_size), key=mx.random.key(2)).astype(target.dtype)
+    got = target.logits(x, rows)
+    gathers = census([got])["Gather"]
+    assert gathers == (0 if rows != [0, 2, 3] else 1)
+    want = target.logits(mx.stack([x[r] for r in rows]), list(range(len(rows))))
+    assert mx.array_equal(got, want).item()

@@ -258,7 +258,12 @@ class Target:
     def logits(self, x: mx.array, rows: list[int]) -> mx.array:
         """Float32 logits of the packed rows `rows` after the final norm (their lm_head products run in row
         tiles; on the row kernel, one call with the norm in it: tiles.linear)."""
-        h = pad_rows(x[mx.array(rows, dtype=mx.int32)], self.row_tile)
+        first = rows[0]
+        if rows == list(range(first, first + len(rows))):  # a slice (a view), where a gather is an operation
+            picked = x[first : first + len(rows)]
+        else:
+            picked = x[mx.array(rows, dtype=mx.int32)]
+        h = pad_rows(picked, self.row_tile)
         return linear(h, self.lm_head, norm=(self.norm, self.eps))[: len(rows)].astype(mx.float32)
 
     def mlp(self, x: mx.array, layout: Layout, gate_up: Stacked, down: Weight, residual: mx.array, norm: Norm) -> mx.array:
