@@ -69,18 +69,18 @@ def unbroken(server, few_prompts, tmp_path_factory):
 def keep_one_row_too_many(monkeypatch) -> None:
     """lanes.py, broken: when a window's drafts are not all accepted (kept length short of the window's
     end), keep one more row than the accepted ones plus the pending token (a device value, as the
-    engine's own keep: cache.py's keep_windows, which a round runs for its windows after `verify`)."""
+    engine's own keep: cache.py's keep_windows, which a round runs for its windows after `keep_verdict`)."""
     ends: dict[int, mx.array] = {}
-    verify, keep_windows = lanes.Lanes.verify, lanes.keep_windows
+    keep_verdict, keep_windows = lanes.Lanes.keep_verdict, lanes.keep_windows
 
-    def noting(self, s, seg, out):
+    def noting(self, s, seg, out, verified):
         ends[id(s.segment_state)] = seg.origin + len(seg.tokens)
-        return verify(self, s, seg, out)
+        return keep_verdict(self, s, seg, out, verified)
 
     def off_by_one(kept: list) -> None:
         keep_windows([(state, (mx.where(k < ends[id(state)], k + 1, k), bound, low)) for state, (k, bound, low) in kept])
 
-    monkeypatch.setattr(lanes.Lanes, "verify", noting)
+    monkeypatch.setattr(lanes.Lanes, "keep_verdict", noting)
     monkeypatch.setattr(lanes, "keep_windows", off_by_one)
 
 

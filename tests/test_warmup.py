@@ -7,7 +7,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from dflash_bench.engine import warmup
+from dflash_bench.engine import verify, warmup
 from dflash_bench.engine.engine import Engine, Settings
 from dflash_bench.engine.request import Request
 from dflash_bench.fixtures.small import write_fixture
@@ -43,14 +43,19 @@ def test_warmed_before_the_engine_serves_and_named_in_the_startup_line(pair):
 
 
 @pytest.mark.parametrize("backend", ["cpu", "gpu"])
-def test_every_shape_warmed_changes_no_output_and_leaves_nothing_behind(pair, backend):
+def test_every_shape_warmed_changes_no_output_and_leaves_nothing_behind(pair, backend, monkeypatch):
     settings = Settings(parallel=2, context=256, prompt_cache_gib=0.01, backend=backend)
     cold = Engine(*pair, Settings(**{**settings.__dict__, "warm": False}))
     want = [r.tokens for r in cold.run([Request(p, max_tokens=12, ignore_eos=True, draft=False) for p in PROMPTS])]
     engine = Engine(*pair, settings)
+    # a first pass makes what a process keeps for its life (row_ids.py's index arrays); the second must leave nothing
+    warmup.warm(engine.target, engine.drafter, 2, engine.settings.chunk, every=True)
     mx.clear_cache()
     before = mx.get_active_memory()
+    runs, joint = [], verify.joint
+    monkeypatch.setattr(verify, "joint", lambda windows: (runs.append(len(windows)), joint(windows))[1])
     done = warmup.warm(engine.target, engine.drafter, 2, engine.settings.chunk, every=True)  # a GPU's whole plan
+    assert 2 in runs  # two streams' windows verified together, as lanes.py verifies a round of them
     assert done.shapes == len(warmup.shapes(2, engine.drafter.block, engine.settings.chunk, True))
     assert done.drafter_passes == 2
     assert mx.get_active_memory() <= before  # every scratch state released

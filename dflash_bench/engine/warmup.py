@@ -8,7 +8,7 @@ client after /health has said ready. So the engine runs, after its self-check an
 
 - decode rounds of 1..parallel segments, each of 1 row and of every attention row bucket up to the
   drafter's block (`window_rows`), every segment then kept to its first row as a device value, as a
-  drafted round that kept no draft does (lanes.py's `verify`, cache.py's `keep_at`), and the next
+  drafted round that kept no draft does (verify.py, lanes.py's `keep_verdict`, cache.py's `keep_at`), and the next
   round's windows placed at it;
 - rounds of 0..parallel-1 such windows beside one prompt chunk of 1, 16 and `chunk` rows (a prompt's
   last chunk has any length: these are meant to reach MLX's matrix-vector, small- and large-tile
@@ -35,6 +35,7 @@ from dflash_bench.engine.cache import TargetState, keep_windows
 from dflash_bench.engine.drafters.dflash import DFlashDrafter, Proposal
 from dflash_bench.engine.sampling import SamplingParams, accepted, choose
 from dflash_bench.engine.targets.base import Segment, SegmentOut, Target
+from dflash_bench.engine.verify import Window, verify
 
 PROMPT_ROWS = (1, 16)  # short prompt chunks beside the full one
 SAMPLERS = (SamplingParams(), SamplingParams(temperature=0.7, top_k=40, top_p=0.9, seed=1))
@@ -139,7 +140,8 @@ def window(state: TargetState, rows: int, want_taps: bool) -> Segment:
 
 def sample(segments: list[Segment], outs: list[SegmentOut]) -> None:
     """Each segment's logits through the sampler, greedy and sampled, and the accepted count of drafts
-    from the picks (lanes.py's verify), evaluated with the forward."""
+    from the picks, then the round's greedy windows verified as lanes.py verifies them (verify.py: several
+    windows of one width together), evaluated with the forward."""
     picks = []
     for seg, out in zip(segments, outs):
         if out.logits is not None:
@@ -147,6 +149,10 @@ def sample(segments: list[Segment], outs: list[SegmentOut]) -> None:
             for params in SAMPLERS:
                 chosen = choose(out.logits, positions, params).astype(mx.int32)
                 picks += [chosen, accepted(chosen[1:], chosen)]
+    windows = [Window(SAMPLERS[0], seg, out, mx.zeros((len(seg.tokens) - 1,), dtype=mx.int32))
+               for seg, out in zip(segments, outs)
+               if out.logits is not None and len(seg.logit_rows) == len(seg.tokens) > 1 and not seg.prefill]
+    picks += [a for v in verify(windows) for a in (v.values, v.anchor)]
     mx.eval(picks)
 
 
