@@ -326,11 +326,16 @@ class Lanes:
         going = [s for s in self.streams if s.emitted + (s.anchor is not None) < s.request.max_tokens]
         if not going:
             return None
-        segments = []
+        parts = []  # every stream's anchor then its drafts, joined once (a join a stream was an operation each)
         for s in going:
-            anchor = (mx.array(s.pending, dtype=mx.int32) if s.anchor is None else s.anchor).reshape(1)
-            ids = anchor if s.draft_ids is None else mx.concatenate([anchor, s.draft_ids])
-            n, state = ids.shape[0], s.segment_state
+            parts.append((mx.array(s.pending, dtype=mx.int32) if s.anchor is None else s.anchor).reshape(1))
+            if s.draft_ids is not None:
+                parts.append(s.draft_ids)
+        joined, segments, cursor = mx.concatenate(parts) if len(parts) > 1 else parts[0], [], 0
+        for s in going:
+            n, state = 1 + (0 if s.draft_ids is None else s.draft_ids.shape[0]), s.segment_state
+            ids = joined[cursor : cursor + n]  # a view
+            cursor += n
             segments.append(Segment([-1] * n, state.length, state, list(range(n)), s.drafting, ids=ids, at=state.at))
         outs = self.target.forward(segments, self.drafter.taps if self.drafter else ())
         mx.async_eval([o.logits for o in outs], [o.taps for o in outs if o.taps is not None],

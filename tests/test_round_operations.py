@@ -1,5 +1,6 @@
-"""A drafted round's positions at a device length come from kept host arrays (row_ids.py): no `arange` but the
-tiled attention's key masks (which a GPU's attention kernel does not build), the same values and tokens."""
+"""What a drafted round builds a stream: its positions at a device length come from kept host arrays (row_ids.py),
+so no `arange` but the tiled attention's key masks (which a GPU's attention kernel does not build), and the next
+round's windows' ids are joined once for every stream (lanes.py's look_ahead_windows); the same tokens."""
 
 from __future__ import annotations
 
@@ -30,11 +31,13 @@ def test_row_ids_are_aranges_values_kept_and_no_operation() -> None:
     assert "Arange" not in census([row_ids(6) + at]) and census([mx.arange(6, dtype=mx.int32) + at])["Arange"] == 1
 
 
-def round_graphs(engine: Engine, rounds: int, monkeypatch: pytest.MonkeyPatch) -> tuple[collections.Counter, list[str]]:
+def round_graphs(engine: Engine, rounds: int, monkeypatch: pytest.MonkeyPatch) -> tuple[collections.Counter, list[str],
+                                                                                      list[str]]:
     """The primitives of every graph `rounds` rounds hand to MLX's eval and async_eval, summed, and the functions
-    that called `mx.arange` meanwhile."""
+    that called `mx.arange` and `mx.concatenate` meanwhile."""
     seen: collections.Counter = collections.Counter()
     callers: list[str] = []
+    joins: list[str] = []
     for name in ("eval", "async_eval"):
         real = getattr(mx, name)
 
@@ -51,15 +54,23 @@ def round_graphs(engine: Engine, rounds: int, monkeypatch: pytest.MonkeyPatch) -
         callers.append(sys._getframe(1).f_code.co_name)
         return arange(*args, **kwargs)
 
+    concatenate = mx.concatenate
+
+    def joined(*args: object, **kwargs: object) -> mx.array:
+        joins.append(sys._getframe(1).f_code.co_name)
+        return concatenate(*args, **kwargs)
+
     monkeypatch.setattr(mx, "arange", recorded)
+    monkeypatch.setattr(mx, "concatenate", joined)
     for _ in range(rounds):
         engine.step()
     monkeypatch.undo()
-    return seen, callers
+    return seen, callers, joins
 
 
 @pytest.mark.parametrize("streams", (1, 2))
-def test_a_drafted_round_builds_no_arange_but_the_tiled_key_masks(streams: int, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_drafted_round_builds_no_arange_but_the_tiled_key_masks_and_joins_the_next_ids_once(
+        streams: int, monkeypatch: pytest.MonkeyPatch) -> None:
     target, _ = tiny_target("llama", "small", layers=2, seed=5)
     weights, d = tiny_drafter_for(target.config)
     engine = Engine(model=target, draft_model=DFlashDrafter(d, weights, target), eos_ids=(),
@@ -69,9 +80,10 @@ def test_a_drafted_round_builds_no_arange_but_the_tiled_key_masks(streams: int, 
     handles = [engine.submit(Request(p, max_tokens=24, ignore_eos=True, draft=True)) for p in prompts]
     for _ in range(3):  # the prompts, then rounds placed at device lengths (queued ahead)
         engine.step()
-    graphs, callers = round_graphs(engine, 4, monkeypatch)
+    graphs, callers, joins = round_graphs(engine, 4, monkeypatch)
     assert graphs["ScatterAxis"] > 0  # windows written at device lengths: the rounds this is about
     assert set(callers) == {"key_mask"}
+    assert joins.count("look_ahead_windows") == 4  # one a round, whatever the streams
     while engine.lanes.busy:
         engine.step()
     assert [h.result().tokens for h in handles] == alone
