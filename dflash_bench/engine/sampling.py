@@ -80,9 +80,9 @@ def choose(logits: mx.array, positions: mx.array, params: SamplingParams) -> mx.
 def accepted(drafts: mx.array, chosen: mx.array) -> mx.array:
     """How many drafts a window keeps, as a device value: the first draft unequal to the choice before
     it (the choice at the row of the draft's parent), or all of them. An elementwise compare and a
-    minimum, kernels every round runs anyway (the warm-up runs this too)."""
-    n = drafts.shape[0]
+    minimum, kernels every round runs anyway (the warm-up runs this too). Along the last axis: drafts
+    (windows, n) and choices (windows, n + 1) give each window's count (verify.py's windows together)."""
+    n = drafts.shape[-1]
     if n == 0:
         return mx.array(0, dtype=mx.int32)
-    rows = row_ids(n)
-    return mx.min(mx.where(drafts != chosen[:n], rows, mx.array(n, dtype=mx.int32)))
+    return mx.min(mx.where(drafts != chosen[..., :n], row_ids(n), mx.array(n, dtype=mx.int32)), axis=-1)

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from dflash_bench.engine.row_ids import row_ids
 from dflash_bench.engine.sampling import SamplingParams, accepted, choose
 from dflash_bench.engine.targets.base import Segment, SegmentOut
 from dflash_bench.engine.tree import Lattice
@@ -67,10 +66,14 @@ def verify(windows: list[Window]) -> list[Verified]:
     return verified
 
 
+def drafts_array(w: Window) -> mx.array:
+    """The window's drafts as an int32 array (the host's become an input, not an operation)."""
+    return w.drafts if isinstance(w.drafts, mx.array) else mx.array(w.drafts, dtype=mx.int32)
+
+
 def alone(w: Window) -> Verified:
     chosen = choose(w.out.logits, w.segment.positions() + 1, w.params).astype(mx.int32)
-    drafts = w.drafts if isinstance(w.drafts, mx.array) else mx.array(w.drafts, dtype=mx.int32)
-    k = accepted(drafts, chosen)
+    k = accepted(drafts_array(w), chosen)
     return Verified(mx.concatenate([k.reshape(1), chosen]), k, chosen[k])
 
 
@@ -95,12 +98,10 @@ def joint(windows: list[Window]) -> list[Verified]:
     logits = windows[0].out.joint[first : first + streams * rows]
     picks = mx.argmax(logits, axis=-1).astype(mx.int32).reshape(streams, rows)
     if any(isinstance(w.drafts, mx.array) for w in windows):
-        drafts = mx.stack([mx.array(w.drafts, dtype=mx.int32) if isinstance(w.drafts, tuple) else w.drafts
-                           for w in windows])
+        drafts = mx.stack([drafts_array(w) for w in windows])
     else:  # the host's drafts: an input, not an operation
         drafts = mx.array([list(w.drafts) for w in windows], dtype=mx.int32)
-    n = rows - 1
-    ks = mx.min(mx.where(drafts != picks[:, :n], row_ids(n), mx.array(n, dtype=mx.int32)), axis=1)
+    ks = accepted(drafts, picks)
     anchors = mx.take_along_axis(picks, ks[:, None], axis=1)
     values = mx.concatenate([ks[:, None], picks], axis=1)
     # a row as a slice (a view): an int index is a gather in MLX
