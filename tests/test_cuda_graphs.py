@@ -51,6 +51,7 @@ def test_the_engine_sets_them_before_it_loads_a_target(unset: pytest.MonkeyPatch
 
 def test_the_startup_line_names_the_limits_on_cuda_and_only_there(unset: pytest.MonkeyPatch) -> None:
     target, _ = tiny_target("llama", "small", layers=2, seed=3)
+    unset.setattr(backends, "on_cuda", lambda: False)  # (this test runs on a CUDA machine too)
     plain = Engine(model=target, eos_ids=(), settings=Settings(context=64, warm=False))
     assert plain.graph_limits == {} and "MLX CUDA graphs" not in plain.startup_line()
     assert OPS not in os.environ
