@@ -1,6 +1,7 @@
 """What a drafted round builds a stream: its positions at a device length come from kept host arrays (row_ids.py),
 so no `arange` but the tiled attention's key masks (which a GPU's attention kernel does not build), and the next
-round's windows' ids are joined once for every stream (lanes.py's look_ahead_windows); the same tokens."""
+round's windows' ids are joined once for every stream (lanes.py's look_ahead_windows) and looked up as joined; the same
+tokens."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from dflash_bench.engine.drafters.dflash import DFlashDrafter
 from dflash_bench.engine.engine import Engine, Settings
 from dflash_bench.engine.request import Request
 from dflash_bench.engine.row_ids import row_ids
+from dflash_bench.engine.targets.base import Segment
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from forward_ops import census  # noqa: E402  (tools/: the operation census the GPU figures were counted with)
@@ -84,6 +86,14 @@ def test_a_drafted_round_builds_no_arange_but_the_tiled_key_masks_and_joins_the_
     assert graphs["ScatterAxis"] > 0  # windows written at device lengths: the rounds this is about
     assert set(callers) <= {"key_mask"}  # (none where the GPU's attention kernel runs: it builds no masks)
     assert joins.count("look_ahead_windows") == 4  # one a round, whatever the streams
+    assert "embed_segments" not in joins  # the forward looks that join up as it is
     while engine.lanes.busy:
         engine.step()
     assert [h.result().tokens for h in handles] == alone
+
+
+def test_joined_ids_of_another_length_are_refused_by_name() -> None:
+    target, _ = tiny_target("llama", "small", layers=2, seed=5)
+    state = target.new_state()
+    with pytest.raises(ValueError, match=r"joined ids have shape \(2,\), expected \(3,\)"):
+        target.forward([Segment([1, 2, 3], 0, state, [2])], ids=mx.array([1, 2], dtype=mx.int32))

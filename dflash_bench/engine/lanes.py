@@ -337,7 +337,7 @@ class Lanes:
             ids = joined[cursor : cursor + n]  # a view
             cursor += n
             segments.append(Segment([-1] * n, state.length, state, list(range(n)), s.drafting, ids=ids, at=state.at))
-        outs = self.target.forward(segments, self.drafter.taps if self.drafter else ())
+        outs = self.target.forward(segments, self.drafter.taps if self.drafter else (), ids=joined)
         mx.async_eval([o.logits for o in outs], [o.taps for o in outs if o.taps is not None],
                       [a for s in self.streams for a in self.arrays(s)])
         return {id(s): (seg, out) for s, seg, out in zip(going, segments, outs)}

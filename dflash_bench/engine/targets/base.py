@@ -197,15 +197,18 @@ class Target:
         ids = tokens if isinstance(tokens, mx.array) else mx.array(tokens, dtype=mx.int32)
         return self.embed.rows(ids).astype(self.dtype)
 
-    def embed_segments(self, segments: list[Segment], layout: Layout) -> mx.array:
+    def embed_segments(self, segments: list[Segment], layout: Layout, ids: mx.array | None = None) -> mx.array:
         """The forward's first rows laid out as `layout`. Where the segments' rows lie one after another from
         row 0 (decode rows, or one prompt chunk), their ids are joined and looked up once: a lookup and its
         dequantization a forward, not a stream (a gather is row by row, so the rows are the same bits);
-        host tokens of neighbouring segments become one array. Otherwise each segment's rows are looked up
-        and placed apart."""
+        host tokens of neighbouring segments become one array, and `ids`, every segment's ids already
+        joined by the caller, is looked up as it is. Otherwise each segment's rows are looked up and placed
+        apart."""
         ends = [0] + [b for _, b in layout.spans[:-1]]
         if [a for a, _ in layout.spans] != ends:
             return layout.pack([self.embed_rows(seg.tokens if seg.ids is None else seg.ids) for seg in segments])
+        if ids is not None:
+            return layout.place([(0, self.embed_rows(ids))])
         parts: list[list[int] | mx.array] = []
         for seg in segments:
             if seg.ids is not None:
@@ -217,14 +220,20 @@ class Target:
         ids = [mx.array(p, dtype=mx.int32) if isinstance(p, list) else p for p in parts]
         return layout.place([(0, self.embed_rows(ids[0] if len(ids) == 1 else mx.concatenate(ids)))])
 
-    def forward(self, segments: list[Segment], taps: tuple[int, ...] = ()) -> list[SegmentOut]:
-        """Run every segment through the model; caches grow by each segment's rows."""
+    def forward(self, segments: list[Segment], taps: tuple[int, ...] = (), ids: mx.array | None = None
+                ) -> list[SegmentOut]:
+        """Run every segment through the model; caches grow by each segment's rows. `ids`, where the caller
+        holds every segment's ids as one array in order (lanes.py's look_ahead_windows, whose segments' ids
+        are views of it), spares the embedding joining them again."""
         for seg in segments:
             if seg.start != seg.state.length:
                 raise ValueError(f"segment starts at {seg.start} but its state holds {seg.state.length} positions")
+        rows = sum(len(seg.tokens) for seg in segments)
+        if ids is not None and ids.shape != (rows,):
+            raise ValueError(f"the joined ids have shape {tuple(ids.shape)}, expected ({rows},): one a segment row")
         layout = Layout.of([len(seg.tokens) for seg in segments], [seg.prefill for seg in segments], self.row_tile)
         spans = layout.spans
-        x = self.embed_segments(segments, layout)
+        x = self.embed_segments(segments, layout, ids)
         planes: list[mx.array] = []
         for i in range(self.config.num_layers):
             x = self.layer(i, x, segments, layout)
