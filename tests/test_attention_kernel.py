@@ -57,6 +57,8 @@ def tiled(segments: list[attention_kernel.Rows], scale: float, meta: mx.array | 
     outs = []
     rows = sum(q.shape[0] for q, _, _, _ in segments)
     for i, (q, k, v, start) in enumerate(segments):
+        if v is None:  # a joint cache: keys then values (cache.py's JointCache)
+            k, v = k[0], k[1]
         n, kr = q.shape[0], tiles_for(start + q.shape[0])
         at = start if meta is None else meta[2 + rows + 4 * i + 1]
         seen = key_mask(query_positions(at, n), 0, kr, at + n)
@@ -135,11 +137,13 @@ def test_bad_arguments_are_refused_before_any_launch() -> None:
 def test_every_decode_segment_goes_through_one_launch_a_layer_onto_its_own_rows(monkeypatch) -> None:
     """On the kernel path each layer makes one call with every decode segment (a prompt chunk takes SDPA),
     each with its stream's whole cache and start; with the call standing in as the tiled path, the
-    forward's logits are those of the tiled path bit for bit (qwen3_5's output gate included)."""
+    forward's logits are those of the tiled path bit for bit (qwen3_5's output gate included). A target's
+    cache holds keys and values in one array (cache.py's JointCache), which the launch reads as it is."""
     calls: list[list[tuple[int, int, int]]] = []
 
     def spy(segments, scale, meta=None, queries=None):
-        calls.append([(q.shape[0], start, k.shape[1]) for q, k, v, start in segments])
+        assert all(v is None and k.ndim == 4 for _, k, v, _ in segments)
+        calls.append([(q.shape[0], start, k.shape[2]) for q, k, v, start in segments])
         return tiled(segments, scale, meta, queries)
 
     monkeypatch.setattr(attention_kernel, "decode_attention", spy)

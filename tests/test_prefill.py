@@ -189,9 +189,9 @@ def test_the_lanes_mark_prompt_chunks_and_only_them_as_prefill() -> None:
     seen: list[tuple[bool, int, int]] = []
     forward = target.forward
 
-    def spy(segments, taps=()):
+    def spy(segments, taps=(), **kwargs):
         seen.extend((seg.prefill, seg.start, len(seg.tokens)) for seg in segments)
-        return forward(segments, taps)
+        return forward(segments, taps, **kwargs)
 
     target.forward = spy
     prompts = [random_tokens(n, 70 + n) for n in (75, 40, 5)]

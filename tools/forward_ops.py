@@ -57,9 +57,11 @@ def census(outputs: list[mx.array]) -> collections.Counter:
 
 def reference_attention(segments, scale, meta=None, queries=None):
     """decode_attention's result by tiles.py's attention, for the host starts this tool uses (`meta` unused; the
-    segments' q rows are the packed `queries`' rows)."""
+    segments' q rows are the packed `queries`' rows; a joint cache, v None, read as its keys and values)."""
     outs = []
     for q, k, v, start in segments:
+        if v is None:
+            k, v = k[0], k[1]
         n, kr = q.shape[0], tiles_for(start + q.shape[0])
         seen = key_mask(query_positions(start, n), 0, kr, start + n)
         outs.append(attention(pad_queries(q.transpose(1, 0, 2)), k[:, :kr], v[:, :kr], seen, scale=scale)[:, :n]

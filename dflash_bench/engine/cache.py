@@ -141,6 +141,10 @@ class AttentionCache:
         out.k, out.v, out.length, out.low = mx.array(self.k[:, :n]), mx.array(self.v[:, :n]), length, length
         return out
 
+    def arrays(self) -> list[mx.array]:
+        """The arrays the cache holds (what a round evaluates to keep its writes)."""
+        return [self.k, self.v]
+
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
@@ -148,10 +152,12 @@ class AttentionCache:
 
 class JointCache(AttentionCache):
     """An AttentionCache whose keys and values lie in one array, (2, heads, capacity, head_dim): keys then
-    values, `k` and `v` views of it. A drafter's cache (drafters/dflash.py): its pass and its absorb write
-    each layer's rows for every round, and at a device length a write is a scatter (`write`'s docstring), which
-    a GPU round pays per launch (docs/gpu-round-profile.md): with both in one array it is one scatter a write,
-    not two, where the rows come joined (`write_joint`: drafters/norm_rope_kernel.py makes them so)."""
+    values, `k` and `v` views of it (with the strides a cache of its own would have). A drafter's cache
+    (drafters/dflash.py) and a target's attention layer's (targets/dense.py): every round writes each layer's
+    rows, and at a device length a write is a scatter (`write`'s docstring), which a GPU round pays per launch
+    (docs/gpu-round-profile.md): with both in one array it is one scatter a write, not two, where the rows come
+    joined (`write_joint`: drafters/norm_rope_kernel.py makes them so for a drafter; a target's decode joins its
+    streams' rows once and writes each stream's view), and attention_kernel.py reads both from the one array."""
 
     def __init__(self, kv_heads: int, head_dim: int, dtype: mx.Dtype = mx.float32):
         self.kv = mx.zeros((2, kv_heads, 0, head_dim), dtype=dtype)
@@ -178,6 +184,9 @@ class JointCache(AttentionCache):
             index = mx.array([start + r for r in rows], dtype=mx.int32)
             self.kv[:, :, start : start + len(rows)] = self.kv[:, :, index]
         self.length = start + len(rows)
+
+    def arrays(self) -> list[mx.array]:
+        return [self.kv]
 
     def snapshot(self, length: int) -> "JointCache":
         out = JointCache(self.kv.shape[1], self.kv.shape[3], self.kv.dtype)
@@ -248,6 +257,9 @@ class LinearCache:
             raise ValueError("a linear-attention state can be snapshotted only at its committed length")
         return LinearCache(self.conv, self.state, length)
 
+    def arrays(self) -> list[mx.array]:
+        return [self.conv, self.state]
+
     @property
     def nbytes(self) -> int:
         return self.conv.nbytes + self.state.nbytes
@@ -311,7 +323,7 @@ class TargetState:
     def arrays(self) -> list[mx.array]:
         out: list[mx.array] = []
         for layer in self.layers:
-            out += [layer.k, layer.v] if isinstance(layer, AttentionCache) else [layer.conv, layer.state]
+            out += layer.arrays()
         return out
 
     def committed(self) -> list[mx.array]:

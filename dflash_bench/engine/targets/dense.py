@@ -12,7 +12,7 @@ from typing import Literal
 
 import mlx.core as mx
 
-from dflash_bench.engine.cache import AttentionCache, TargetState
+from dflash_bench.engine.cache import AttentionCache, JointCache, TargetState
 from dflash_bench.engine.fused import sigmoid_gate
 from dflash_bench.engine.target_config import TargetConfig
 from dflash_bench.engine.targets import attention_kernel
@@ -120,18 +120,19 @@ class SelfAttention:
         q, gate, k, v = self.split(q[:rows], k[:rows], v[:rows])
         positions = packed_positions([seg for seg, _ in decoding])
         q, k, v = self.rope_rows(q, positions), self.rope_rows(k, positions), v.transpose(1, 0, 2)  # (H, rows, D)
+        kv = mx.stack([k, v])  # every stream's rows joined once: a write a stream (cache.py's JointCache)
         caches = []
         for seg, (lo, hi) in decoding:
             cache = seg.state.layers[layer]
-            assert isinstance(cache, AttentionCache)
-            ks, vs = k[:, lo:hi], v[:, lo:hi]
-            cache.write(seg.start, ks, vs, None if seg.at is None else seg.write_index(ks.shape))
+            assert isinstance(cache, JointCache)
+            rows_kv = kv if len(decoding) == 1 else kv[:, :, lo:hi]  # (no view where it is all of them)
+            cache.write_joint(seg.start, rows_kv, None if seg.at is None else seg.write_index(rows_kv.shape))
             caches.append(cache)
         if self.path == "kernel":
             assert all(seg.tree is None for seg, _ in decoding), "trees never reach the kernel: DenseTarget.tree_refusal"
             # the rows' queries as one array: the launch makes them float32 (one copy), not joined from the segments' first
             queries = q.transpose(1, 0, 2)
-            launch = [(queries[lo:hi], c.k, c.v, seg.start) for (seg, (lo, hi)), c in zip(decoding, caches)]
+            launch = [(queries[lo:hi], c.kv, None, seg.start) for (seg, (lo, hi)), c in zip(decoding, caches)]
             o = attention_kernel.decode_attention(launch, self.scale, kernel_meta(decoding, launch),
                                                   queries=queries).reshape(rows, -1)
         else:
@@ -206,7 +207,7 @@ class DenseTarget(Target):
 
     def new_state(self) -> TargetState:
         c = self.config
-        return TargetState([AttentionCache(c.num_kv_heads, c.head_dim, self.dtype) for _ in range(c.num_layers)])
+        return TargetState([JointCache(c.num_kv_heads, c.head_dim, self.dtype) for _ in range(c.num_layers)])
 
     def mixer_layers(self) -> list[SelfAttention]:
         return self.attn

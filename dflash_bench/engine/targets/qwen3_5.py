@@ -38,7 +38,7 @@ from typing import Callable
 import mlx.core as mx
 from mlx_lm.models.gated_delta import compute_g, gated_delta_ops
 
-from dflash_bench.engine.cache import AttentionCache, LinearCache, TargetState
+from dflash_bench.engine.cache import JointCache, LinearCache, TargetState
 from dflash_bench.engine.fused import conv_silu, gated
 from dflash_bench.engine.row_ids import row_ids
 from dflash_bench.engine.target_config import TargetConfig
@@ -302,7 +302,7 @@ class HybridTarget(Target):
         c = self.config
         return TargetState(
             [
-                m.new_cache() if isinstance(m, GatedDeltaNet) else AttentionCache(c.num_kv_heads, c.head_dim, self.dtype)
+                m.new_cache() if isinstance(m, GatedDeltaNet) else JointCache(c.num_kv_heads, c.head_dim, self.dtype)
                 for m in self.mixers
             ]
         )
