@@ -45,7 +45,10 @@ class HashTarget:
     def new_state(self) -> TargetState:
         return TargetState([AttentionCache(1, 1), LinearCache(mx.zeros((1, 1)), mx.zeros((1,), dtype=mx.int32))])
 
-    def forward(self, segments: list[Segment], taps: tuple[int, ...] = ()) -> list[SegmentOut]:
+    def forward(self, segments: list[Segment], taps: tuple[int, ...] = (), ids: mx.array | None = None
+                ) -> list[SegmentOut]:
+        """Every segment's logits from its state's history (`ids`, the segments' ids joined, adds nothing: each
+        segment reads its own)."""
         self.forwards += 1
         outs = []
         for seg in segments:
