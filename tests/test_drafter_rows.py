@@ -285,3 +285,48 @@ def test_greedy_streams_draft_from_one_argmax_over_their_rows_as_each_alone(draf
     assert [d.tolist() for d in queued] == alone
     mixed = [greedy[0], Proposal(states[1], 10, 2, SamplingParams(0.7, seed=3)), greedy[2]]
     assert drafter.propose(mixed) == [drafter.propose([p])[0] for p in mixed]
+
+
+def test_a_kernel_pass_at_device_lengths_reads_each_streams_length_from_its_first_layer_only(monkeypatch, tmp_path) -> None:
+    """Every layer of a stream's drafter state holds the same positions (`absorb` writes each alike), so the block
+    pass's launch layouts take the state's device length, read from its first layer, for every layer: reading
+    another layer's adds the rows written since (cache.py's `at`), an addition a layer and stream built for
+    nothing. Streams kept at device lengths with rows absorbed since; the drafts equal those of states settled at
+    the same lengths."""
+    from dflash_bench.engine.cache import AttentionCache
+    from dflash_bench.engine.drafters.dflash import load_drafter
+    from dflash_bench.fixtures.big import write_big
+
+    engine = Engine(write_big("qwen3_5-9b-4bit", tmp_path / "t", "tiny"), None,
+                    Settings(context=256, chunk=32, backend="gpu"))
+    drafter = load_drafter(write_big("dflash-9b", tmp_path / "d", "tiny"), engine.target, dtype=mx.bfloat16)
+    cuda_emulator.install(monkeypatch)
+    cuda_emulator.install_norm_rope(monkeypatch)
+    monkeypatch.setattr(drafter, "kernel_attention", True)
+    taps = engine.target.forward([Segment(list(range(8, 48)), 0, engine.target.new_state(), want_taps=True)],
+                                 drafter.taps)[0].taps
+
+    def states(placed: bool) -> list:
+        out = []
+        for n, kept in ((30, 26), (24, 21)):
+            state = drafter.new_state()
+            drafter.absorb([(state, taps[:n])])
+            if placed:  # kept at a device length, then 6 more rows written at it
+                state.keep_at(mx.array(kept, dtype=mx.int32), n, kept - 2)
+            else:
+                state.keep(kept)
+            drafter.absorb([(state, taps[n : n + 6])])
+            out.append(state)
+        return out
+
+    settled, placed = states(False), states(True)
+    read = AttentionCache.at.fget
+    reads: list[int] = []
+    layers = {id(layer): i for st in placed for i, layer in enumerate(st.layers)}
+    monkeypatch.setattr(AttentionCache, "at", property(
+        lambda self: reads.append(layers.get(id(self), -1)) or read(self), AttentionCache.at.fset))
+    want = drafter.propose_queued([Proposal(st, 9 + i, 7, SamplingParams(0.0)) for i, st in enumerate(settled)])
+    reads.clear()
+    got = drafter.propose_queued([Proposal(st, 9 + i, 7, SamplingParams(0.0)) for i, st in enumerate(placed)])
+    assert reads and set(reads) == {0}, reads
+    assert [d.tolist() for d in got] == [d.tolist() for d in want]

@@ -424,7 +424,10 @@ class DFlashDrafter:
         # context (no write into the cache, one scatter a layer and stream); it reads the context's keys and
         # values from the stream's joint cache itself (no views of it)
         launch = [(queries[a:b], p.state.layers[li].kv, None, p.state.layers[li].length) for p, (a, b) in zip(items, spans)]
-        meta = masks.launch_meta(launch, [p.state.layers[li].at for p in items], layer["causal"])
+        # every layer of a stream holds the same positions (`absorb` writes each alike), so the state's device length
+        # (its first layer's, read once a pass by `start`) stands for this layer's: reading a layer's own adds the rows
+        # written since (cache.py's `at`), an addition a layer and stream
+        meta = masks.launch_meta(launch, [p.state.at for p in items], layer["causal"])
         o = attention_kernel.decode_attention(launch, self.scale, meta, layer["causal"], layer["window"], block=kv,
                                               queries=queries)
         return o.reshape(rows, self.heads * self.head_dim)
