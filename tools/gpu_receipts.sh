@@ -120,8 +120,11 @@ fi
 # (docs/gpu-round-profile.md), so a 4-bit drafter is the serving choice to weigh against the bar (job A's pair decided nothing)
 # (job J: with the untimed pass at full length, 3 reps on a slow host ran past 540 s one probe in; job K's 2 reps took
 # 429 s, 113 of them to ready, and its chat plain row's two reps were 48% apart: 3 reps, whose median one slow rep
-# cannot move, take about 540 s on such a host)
-run engine-speed-9b 720 engine-speed /root/f9/t --drafter /root/f9/d --levels 1,4 --tokens 128 --reps 3 \
+# cannot move, take about 540 s on such a host; session 41's H100 took 309.5 s to ready, its self-check cached, warming
+# 4 lanes' 33 shapes 158 s of it, and then ~290 s for the code probe's 2 reps with the bf16 drafter alone: its 600 s
+# limit stopped it before chat, docs/profiles/engine-speed-h100-41.txt; 3 reps of both drafters on both probes need
+# about 1,500 s on such a machine)
+run engine-speed-9b 1500 engine-speed /root/f9/t --drafter /root/f9/d --levels 1,4 --tokens 128 --reps 3 \
   --drafter-bits 0,4 --backend gpu --out "$out/engine-speed-qwen3.5-9b-4bit-gpu-h200.json"
 if [ -f "$gguf" ]; then
   run engine-speed-default 540 engine-speed default --levels 1,4 --tokens 256 --reps 3 --drafter-bits 0 \
