@@ -292,7 +292,7 @@ class Lanes:
         every row."""
         n = len(seg.tokens)
         s.anchor = v.anchor
-        keep = (v.k + (seg.origin + 1), s.known + n, s.known + 1)  # one add where the origin is the host's
+        keep = (v.kept + seg.origin, s.known + n, s.known + 1)  # one add, the origin the host's or the device's
         s.verdict = Verdict(v.values, keep, list(seg.tokens) if seg.ids is None else [], s.lattice)
         s.drafts, s.draft_ids, s.lattice = (), None, None
         return out.taps
@@ -301,7 +301,8 @@ class Lanes:
         """Read the chain windows' verifies (`keep_verdict`): stats, the budget's record, the kept tokens out. A
         state that no queued round has written past is settled at its length."""
         values = [s.verdict.values.tolist() for s in windows]
-        for s, (k, *chosen) in zip(windows, values):
+        for s, (kept, *chosen) in zip(windows, values):
+            k = kept - 1  # the drafts accepted (verify.py counts the pending token too)
             verdict, s.verdict, s.anchor = s.verdict, None, None
             s.known += k + 1
             if self.ahead is None or id(s) not in self.ahead:

@@ -77,12 +77,13 @@ def choose(logits: mx.array, positions: mx.array, params: SamplingParams) -> mx.
     return mx.argmax(scores + gumbel(params.seed, positions, logits.shape[-1]), axis=-1)
 
 
-def accepted(drafts: mx.array, chosen: mx.array) -> mx.array:
+def accepted(drafts: mx.array, chosen: mx.array, plus: int = 0) -> mx.array:
     """How many drafts a window keeps, as a device value: the first draft unequal to the choice before
-    it (the choice at the row of the draft's parent), or all of them. An elementwise compare and a
-    minimum, kernels every round runs anyway (the warm-up runs this too). Along the last axis: drafts
+    it (the choice at the row of the draft's parent), or all of them; `plus` more, counted in the same
+    operations (verify.py counts the window's rows kept, the pending token's included). An elementwise compare
+    and a minimum, kernels every round runs anyway (the warm-up runs this too). Along the last axis: drafts
     (windows, n) and choices (windows, n + 1) give each window's count (verify.py's windows together)."""
     n = drafts.shape[-1]
     if n == 0:
-        return mx.array(0, dtype=mx.int32)
-    return mx.min(mx.where(drafts != chosen[..., :n], row_ids(n), mx.array(n, dtype=mx.int32)), axis=-1)
+        return mx.array(plus, dtype=mx.int32)
+    return mx.min(mx.where(drafts != chosen[..., :n], row_ids(n, plus), mx.array(n + plus, dtype=mx.int32)), axis=-1)

@@ -1,9 +1,10 @@
 """A round's chain windows verified on the device: each window's choices, its accepted count and its anchor.
 
 A window is a stream's pending token then its drafts. The target's choice at each row (sampling.choose), the
-accepted count k (the leading run of drafts equal to the choices before them: sampling.accepted) and the anchor
-(the choice after them, row k) stay device values until lanes.py's `read`, so the next round can be queued on
-them. Alone, a window's verify is a pick, a cast, a compare, a select, a minimum, a gather and a join: seven
+rows kept k + 1 (the pending token and the leading run of k drafts equal to the choices before them:
+sampling.accepted, counting the pending token in the same operations, so that the kept length is one addition
+from a device origin, lanes.py's `keep_verdict`) and the anchor (the choice after them, row k) stay device values
+until lanes.py's `read`, so the next round can be queued on them. Alone, a window's verify is a pick, a cast, a compare, a select, a minimum, a gather and a join: seven
 operations a stream, each a kernel launch on a GPU. Greedy windows of one width whose logits rows lie one after
 another in the forward's logits (every stream's full-block window, as rounds usually are) are verified together
 in the same seven (and a stack of their drafts): an argmax, a compare and a minimum are row by row, so each
@@ -23,10 +24,10 @@ from dflash_bench.engine.tree import Lattice
 
 @dataclass
 class Verdict:
-    """A chain window's verify as device values: the accepted count k then the target's choice at each row,
+    """A chain window's verify as device values: its rows kept (k + 1) then the target's choice at each row,
     and what reading them needs."""
 
-    values: mx.array  # int32 (1 + rows,): k, then the choices
+    values: mx.array  # int32 (1 + rows,): k + 1, then the choices
     keep: tuple[mx.array, int, int]  # the kept length, its host bounds (cache.py's keep_at)
     window: list[int]  # the window's tokens where the host has them (the auto budget's tree ranks), else []
     lattice: Lattice | None
@@ -45,10 +46,11 @@ class Window:
 
 @dataclass(frozen=True)
 class Verified:
-    """A window's verify: [k, choices...], k, and the anchor (the choice at row k), device values."""
+    """A window's verify: [k + 1, choices...], the rows kept k + 1 (the pending token and k drafts), and the
+    anchor (the choice at row k), device values."""
 
     values: mx.array
-    k: mx.array
+    kept: mx.array
     anchor: mx.array
 
 
@@ -73,8 +75,9 @@ def drafts_array(w: Window) -> mx.array:
 
 def alone(w: Window) -> Verified:
     chosen = choose(w.out.logits, w.segment.positions() + 1, w.params).astype(mx.int32)
-    k = accepted(drafts_array(w), chosen)
-    return Verified(mx.concatenate([k.reshape(1), chosen]), k, chosen[k])
+    kept = accepted(drafts_array(w), chosen, plus=1)
+    values = mx.concatenate([kept.reshape(1), chosen])
+    return Verified(values, kept, values[kept])  # values[k + 1] is the choice at row k
 
 
 def greedy_chain(w: Window) -> bool:
@@ -101,9 +104,9 @@ def joint(windows: list[Window]) -> list[Verified]:
         drafts = mx.stack([drafts_array(w) for w in windows])
     else:  # the host's drafts: an input, not an operation
         drafts = mx.array([list(w.drafts) for w in windows], dtype=mx.int32)
-    ks = accepted(drafts, picks)
-    anchors = mx.take_along_axis(picks, ks[:, None], axis=1)
-    values = mx.concatenate([ks[:, None], picks], axis=1)
+    kept = accepted(drafts, picks, plus=1)
+    values = mx.concatenate([kept[:, None], picks], axis=1)
+    anchors = mx.take_along_axis(values, kept[:, None], axis=1)  # values[k + 1]: the choice at row k
     # a row as a slice (a view): an int index is a gather in MLX
-    return [Verified(values[i : i + 1].reshape(rows + 1), ks[i : i + 1].reshape(()), anchors[i, 0])
+    return [Verified(values[i : i + 1].reshape(rows + 1), kept[i : i + 1].reshape(()), anchors[i, 0])
             for i in range(streams)]
