@@ -18,8 +18,9 @@
 # job's first 300 s so). A session's 1,800 s of device time covers the uploads, the first phase and about three
 # timed steps: the steps run in the order the open bars need them.
 # STEPS=a,b,c (step names, as OUT_DIR/progress shows them) runs only those steps, in the script's order: a session
-# whose device time covers a few steps names the bars' (session 41's H100 job: fixture-9b,fixture-9b-drafter,
-# engine-speed-9b,engine-speed-default,exactness-default). tools/device_poll.sh polls OUT_DIR from later calls.
+# whose device time covers a few steps names the bars' (fixture-9b,fixture-9b-drafter,engine-speed-9b,
+# engine-speed-default: about 1,300 s on session 41's H100; exactness-default, if named, runs in the first phase,
+# before them). tools/device_poll.sh polls OUT_DIR from later calls.
 # (Already packed MLX alone? `split -b 21000000` of the GGUF carries it as raw parts instead, one call
 # each; `cat` them to /tmp/site/extra/SmolLM2-135M-Instruct.Q4_1.gguf before starting the job.)
 set -u
