@@ -19,8 +19,9 @@
 # timed steps: the steps run in the order the open bars need them.
 # STEPS=a,b,c (step names, as OUT_DIR/progress shows them) runs only those steps, in the script's order: a session
 # whose device time covers a few steps names the bars' (fixture-9b,fixture-9b-drafter,engine-speed-9b,
-# engine-speed-default: about 1,300 s on session 41's H100; exactness-default, if named, runs in the first phase,
-# before them). tools/device_poll.sh polls OUT_DIR from later calls.
+# engine-speed-default; as written, with 3 reps and both drafter precisions, the 9B's step alone may take its whole
+# 1,500 s limit, more than a session's device time leaves after the uploads: see its comment; exactness-default, if
+# named, runs in the first phase, before them). tools/device_poll.sh polls OUT_DIR from later calls.
 # (Already packed MLX alone? `split -b 21000000` of the GGUF carries it as raw parts instead, one call
 # each; `cat` them to /tmp/site/extra/SmolLM2-135M-Instruct.Q4_1.gguf before starting the job.)
 set -u
