@@ -20,8 +20,9 @@
 # STEPS=a,b,c (step names, as OUT_DIR/progress shows them) runs only those steps, in the script's order: a session
 # whose device time covers a few steps names the bars' (fixture-9b,fixture-9b-drafter,engine-speed-9b,
 # engine-speed-default; as written, with 3 reps and both drafter precisions, the 9B's step alone may take its whole
-# 1,500 s limit, more than a session's device time leaves after the uploads: see its comment; exactness-default, if
-# named, runs in the first phase, before them). tools/device_poll.sh polls OUT_DIR from later calls.
+# 1,500 s limit, more than a session's device time leaves after the uploads: SPEED_9B_ARGS="--reps 2 --drafter-bits 0"
+# (options given again win) made session 41's shorter run; exactness-default, if named, runs in the first phase,
+# before them). tools/device_poll.sh polls OUT_DIR from later calls.
 # (Already packed MLX alone? `split -b 21000000` of the GGUF carries it as raw parts instead, one call
 # each; `cat` them to /tmp/site/extra/SmolLM2-135M-Instruct.Q4_1.gguf before starting the job.)
 set -u
@@ -134,7 +135,7 @@ fi
 # limit stopped it before chat, docs/profiles/engine-speed-h100-41.txt; 3 reps of both drafters on both probes need
 # about 1,500 s on such a machine)
 run engine-speed-9b 1500 engine-speed /root/f9/t --drafter /root/f9/d --levels 1,4 --tokens 128 --reps 3 \
-  --drafter-bits 0,4 --backend gpu --out "$out/engine-speed-qwen3.5-9b-4bit-gpu-$dev.json"
+  --drafter-bits 0,4 --backend gpu --out "$out/engine-speed-qwen3.5-9b-4bit-gpu-$dev.json" ${SPEED_9B_ARGS:-}
 if [ -f "$gguf" ]; then
   run engine-speed-default 540 engine-speed default --levels 1,4 --tokens 256 --reps 3 --drafter-bits 0 \
     --backend gpu --out "$out/engine-speed-default-gpu-$dev.json"
