@@ -134,7 +134,8 @@ fi
 # 4 lanes' 33 shapes 158 s of it, and then ~290 s for the code probe's 2 reps with the bf16 drafter alone: its 600 s
 # limit stopped it before chat, docs/profiles/engine-speed-h100-41.txt; at that pace, about 145 s a rep of a probe
 # and drafter, 3 reps of both drafters on both probes would take about 2,000 s, an estimate never run: this limit
-# stops it at 1,500 s, and SPEED_9B_ARGS="--reps 2 --drafter-bits 0" fits one probe pair in ~900 s)
+# stops it at 1,500 s; SPEED_9B_ARGS="--reps 2 --drafter-bits 0" ran both probes in 555 s in session 42, ready after
+# 252 s, on an H100, and exactness-default took 405 s there)
 run engine-speed-9b 1500 engine-speed /root/f9/t --drafter /root/f9/d --levels 1,4 --tokens 128 --reps 3 \
   --drafter-bits 0,4 --backend gpu --out "$out/engine-speed-qwen3.5-9b-4bit-gpu-$dev.json" ${SPEED_9B_ARGS:-}
 if [ -f "$gguf" ]; then
