@@ -40,6 +40,12 @@ def chain(name: str, op: Callable[[mx.array], mx.array], x: mx.array, n: int = 4
     print(f"{name:28s} build {build:6.2f} us  encode {encode:6.2f} us  wait {wait:6.2f} us per op", flush=True)
 
 
+def copied(cache: mx.array, rows: mx.array, start: int) -> mx.array:
+    """`rows` written into `cache` at a host offset along its positions, as a plain step writes (a slice update)."""
+    cache[..., start : start + rows.shape[-2], :] = rows
+    return cache
+
+
 def main() -> None:
     x = mx.random.normal((1, 4096)).astype(mx.bfloat16)
     ones = mx.ones((4096,), dtype=mx.bfloat16)
@@ -56,6 +62,29 @@ def main() -> None:
     chain("ours rows_matmul M1", lambda y: rows_matmul(y, q, s, b, 4, 64), x)
     chain("ours rows_matmul M16", lambda y: rows_matmul(y, q, s, b, 4, 64), x16)
     chain("compiled elementwise", mx.compile(lambda y: (y * 2 + 1) * y), x)
+    # what a drafted round asks for and a plain one does not (docs/gpu-round-profile.md: its queuing took 7.06 ms
+    # against a plain round's 5.00 on the H200 in session 40): 16 rows scattered into a joint K/V cache at a
+    # device length (cache.py's `placed`) against the copy at a host offset a plain step makes, and a kernel
+    # launch of ~200 inputs (the GatedDeltaNet rollback's, every layer's arrays: delta_kernel.py's `rollback`)
+    # against one of 2
+    cache = mx.zeros((2, 4, 512, 256), dtype=mx.bfloat16)
+    rows = mx.ones((2, 4, 16, 256), dtype=mx.bfloat16)
+    at = mx.array(100, dtype=mx.int32)
+    where = mx.broadcast_to((at + mx.arange(16, dtype=mx.int32)).reshape(1, 1, 16, 1), rows.shape)
+    mx.eval(cache, rows, where)
+    chain("scatter 16 rows, device at", lambda y: mx.put_along_axis(y, where, rows, axis=2), cache)
+    chain("copy 16 rows, host offset", lambda y: copied(y, rows, 100), cache)
+    for inputs in (2, 200):
+        kernel = mx.fast.cuda_kernel(name=f"inputs_{inputs}", input_names=[f"a{i}" for i in range(inputs)],
+                                     output_names=["out"], ensure_row_contiguous=True,
+                                     source="const int i = blockIdx.x * blockDim.x + threadIdx.x;\n"
+                                            "if (i < 4096) out[i] = a0[i] + a1[i];\n")
+        others = [mx.full((1, 4096), float(i), dtype=mx.bfloat16) for i in range(inputs - 1)]
+        mx.eval(others)
+        chain(f"kernel of {inputs} inputs", lambda y, k=kernel, o=others: k(
+            inputs=[y, *o], grid=(4096, 1, 1), threadgroup=(256, 1, 1), output_shapes=[(1, 4096)],
+            output_dtypes=[mx.bfloat16])[0], x)
+    chain("split 24, first part", lambda y: mx.split(mx.concatenate([y] * 24), 24)[0], x, 200)
     print("done", flush=True)
 
 
