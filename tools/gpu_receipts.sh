@@ -55,14 +55,15 @@ dev=${dev:-gpu}
 log start "${DFLASH_BENCH_COMMIT:-no DFLASH_BENCH_COMMIT, so receipts name the commit of the copy .git}" "$dev" "${STEPS:-every step}"
 # Correctness first, in parallel (no speed is read from these): every GPU test, and beside it the 9B
 # fixtures and the default model's exactness. A step's limit stops it and lets the rest go on.
-# The GPU tests of the kernels the engine launches and of gpu mode's contracts: first the kernels sessions 37-38
+# The GPU tests of the kernels the engine launches and of gpu mode's contracts: first the kernel cache's (session 42:
+# kept code launches with MLX's bits, MLX launches what is kept; never run on a GPU yet), then the kernels sessions 37-38
 # changed (the attention kernel's block test, which launches joint K/V caches; the norm-and-RoPE kernel's flat rows;
 # the recurrence kernel's), then the row kernel's and the norm's, and gpu mode's 12 last (job M spent the step's last
 # 4 minutes in gpu mode's module fixture, an engine's first self-check: docs/profiles/pytest-gpu-h200-17.txt; the
 # timed steps' engines run the same self-check at startup). NVRTC compiles at first use. The attention kernel's
 # others run after the timed steps. (The two server files import `openai`, which the GPU machine's Python lacks;
 # CI runs them.)
-step pytest-gpu 480 python3 -m pytest -p no:cacheprovider -m gpu \
+step pytest-gpu 480 python3 -m pytest -p no:cacheprovider -m gpu tests/test_kernel_cache.py \
   "tests/test_attention_kernel.py::test_on_the_device_a_blocks_keys_from_its_own_rows_equal_them_written_first" \
   tests/test_norm_rope_kernel.py tests/test_delta_kernel.py tests/test_matmul_kernel.py tests/test_matmul_norm.py \
   tests/test_gpu_mode.py &

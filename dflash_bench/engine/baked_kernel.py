@@ -9,17 +9,19 @@ write, and keeps one kernel object for it that is then called without template a
 that runs is the same code, so its bits are the same. On the H200 (tools/kernel_call_probe.py,
 docs/profiles/kernel-call-probe-h200.txt, a run beside other work) building a row-kernel call cost
 1.5-4.9 us less that way at four shapes, with the bits equal to the templated call's at each; the
-engine's rounds with it are not yet timed there.
+engine's rounds with it are not yet timed there. A variant's first launch in a process also keeps its compiled
+code where MLX looks for it (engine/kernel_cache.py), so the next process on the machine does not compile it.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
-TemplateArg = int | bool | mx.Dtype
+from dflash_bench.engine import kernel_cache
+from dflash_bench.engine.backend import on_cuda
+from dflash_bench.engine.kernel_cache import CUDA_TYPES  # MLX's C++ type a dtype template argument becomes
 
-# The C++ type MLX's `cuda_kernel` writes for a dtype template argument (its dtype_to_cuda_type).
-CUDA_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16"}
+TemplateArg = int | bool | mx.Dtype
 
 
 def constants(template: tuple[tuple[str, TemplateArg], ...]) -> str:
@@ -63,4 +65,13 @@ class BakedKernel:
         return made
 
     def __call__(self, inputs: list[mx.array], template: list[tuple[str, TemplateArg]] | tuple, **launch) -> list[mx.array]:
-        return self.kernel(tuple(template))(inputs=inputs, **launch)
+        template = tuple(template)
+        made = self.kernels.get(template)
+        if made is None:  # a variant's first launch in the process: on CUDA, a worker keeps its code for the next process
+            made = self.kernel(template)
+            cache = kernel_cache.active() if on_cuda() else None
+            if cache is not None:
+                cache.keep(self.name + suffix(template), self.header, constants(template) + self.source,
+                           list(zip(self.input_names, (x.dtype for x in inputs))),
+                           list(zip(self.output_names, launch["output_dtypes"])))
+        return made(inputs=inputs, **launch)

@@ -23,7 +23,7 @@ from pathlib import Path
 import mlx.core as mx
 
 from dflash_bench.engine import backend as backends
-from dflash_bench.engine import selfcheck, warmup
+from dflash_bench.engine import kernel_cache, selfcheck, warmup
 from dflash_bench.engine.budget import Budget, measure_cost
 from dflash_bench.engine.checkpoint import LoadedTarget, load_target
 from dflash_bench.engine.constants import CHUNK, GIB
@@ -181,6 +181,8 @@ class Engine:
                        f", draft trees off (chains): {self.target.tree_refusal}")
         warmed = f", {self.warmup.line()}" if self.warmup else ""
         graphs = ""
+        if self.graph_limits and kernel_cache.status():  # on CUDA: whether our kernels were compiled or loaded
+            warmed += f" ({kernel_cache.status()})"
         if self.graph_limits:
             limits = [self.graph_limits[name] for name in backends.CUDA_GRAPH_LIMITS]
             graphs = f", MLX CUDA graphs of up to {limits[0]} operations and {limits[1]} MB"

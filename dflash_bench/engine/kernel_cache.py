@@ -1,0 +1,304 @@
+"""Our CUDA kernels' compiled code kept on disk, so only a machine's first process compiles them.
+
+MLX compiles a `mx.fast.cuda_kernel` with NVRTC at its first launch in a process and, unlike its own
+kernels, never writes the result to its disk cache (`get_jit_module(..., false)` in MLX's
+backend/cuda/custom_kernel.cpp), though it looks there first for every module, ours included. So every
+process compiled each of our kernel variants again: on an H100, warming the 9B's 33 shapes took 144 s
+and the default model's 99.6 s though the same model had run there minutes before
+(docs/profiles/engine-speed-h100-42.txt). `KernelCache.keep`, at a variant's first launch in a process,
+compiles it on a worker and writes the code where MLX looks for it, under the module name MLX gives it (the
+kernel's name and libstdc++'s `std::hash` of the source MLX generates around our body: `mlx_source`,
+`module_name`), so every later process on the machine loads it instead of compiling.
+
+What is compiled is that source with MLX's NVRTC options (`options`), but for one line: MLX resolves its
+default header (`mlx/backend/cuda/device/utils.cuh`) from headers built into its library, which no file
+holds, so here it becomes the CUDA headers that one includes (`COMPILED_HEADER`). Our kernels use none
+of MLX's own definitions, so the function compiled is the same: with NVRTC 13.0 for sm_90a, 82 of 88
+variants (every launch of the kernel tests' emulated runs) gave MLX's machine code byte for byte, and the
+other 6 (the drafter's norm-and-RoPE, whose sinf/cosf read a table) differed only in the constant-bank
+offset that table's address is read from (2-8 instructions), which MLX's headers' own globals move
+(docs/gpu-round-profile.md, session 42). On a GPU, tests/test_kernel_cache.py checks that launches from
+the kept code equal MLX's own compile bit for bit, and that MLX launches what is kept (not yet run there:
+README.md); the self-check proves every kernel where it runs, whichever compiled it (selfcheck.py).
+
+Anything that stops a variant from being kept (no NVRTC library, no writable folder, a compile error,
+a body reading an input's `_shape`) leaves it to MLX, which compiles it as before; `status` says how
+many were compiled and kept, found and left, for the startup line.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import tempfile
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+import mlx.core as mx
+
+SEED = 0xC70F6907  # libstdc++'s seed for std::hash<std::string> (`std::_Hash_bytes`)
+MAX_NAME = 245  # MLX's longest cache file name before it nests folders (jit_module.cpp's get_ptx_path)
+MLX_HEADER = '\n#include "mlx/backend/cuda/device/utils.cuh"\n\n#include <cooperative_groups.h>\n\n'
+COMPILED_HEADER = """
+#define LIBCUDACXX_ENABLE_SIMPLIFIED_COMPLEX_OPERATIONS
+#include <cuda/std/complex>
+#include <cuda/std/type_traits>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda/std/array>
+#include <cuda/std/limits>
+#include <cuda/std/tuple>
+
+#include <cooperative_groups.h>
+
+"""
+# The C++ type MLX writes for an array of each dtype (its backend/cuda/utils.cpp's dtype_to_cuda_type)
+CUDA_TYPES = {mx.bool_: "bool", mx.int8: "int8_t", mx.int16: "int16_t", mx.int32: "int32_t", mx.int64: "int64_t",
+              mx.uint8: "uint8_t", mx.uint16: "uint16_t", mx.uint32: "uint32_t", mx.uint64: "uint64_t",
+              mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float", mx.float64: "double"}
+
+
+def std_hash(text: str) -> int:
+    """`std::hash<std::string>` of `text`, as MLX's process computes it (libstdc++'s `_Hash_bytes`)."""
+    data = text.encode()
+    return _hash_bytes()(data, len(data), SEED)
+
+
+@lru_cache(maxsize=1)
+def _hash_bytes():
+    lib = ctypes.CDLL(ctypes.util.find_library("stdc++") or "libstdc++.so.6")
+    fn = lib._ZSt11_Hash_bytesPKvmm
+    fn.restype, fn.argtypes = ctypes.c_size_t, [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t]
+    return fn
+
+
+def mlx_source(name: str, header: str, body: str, inputs: list[tuple[str, mx.Dtype]],
+               outputs: list[tuple[str, mx.Dtype]]) -> str:
+    """The source MLX generates for a `cuda_kernel` called `name` (no template arguments: baked_kernel.py
+    writes them into the body) with these (name, dtype) inputs and outputs, none of whose `_shape`,
+    `_strides` or `_ndim` the body reads (MLX would add parameters for them)."""
+    params = [f"    const {CUDA_TYPES[d]}* {n},\n" for n, d in inputs]
+    params += [f"    {CUDA_TYPES[d]}* {n}" for n, d in outputs]
+    return (MLX_HEADER + header + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+            + f"__global__ void custom_kernel_{name}(\n" + "".join(params[:len(inputs)])
+            + ",\n".join(params[len(inputs):]) + ") {\n" + body + "\n}\n\n} // namespace mlx::core::cu\n")
+
+
+def module_name(name: str, source: str) -> str:
+    """MLX's module name for the kernel (custom_kernel.cpp's `eval_gpu`)."""
+    return f"custom_kernel_{name}_{std_hash(source):x}"
+
+
+def cache_dir() -> Path:
+    """The folder MLX reads compiled modules from (jit_module.cpp's `ptx_cache_dir`): MLX_PTX_CACHE_DIR, else
+    the temporary folder's mlx/VERSION/ptx (std::filesystem::temp_directory_path's variables, then /tmp)."""
+    named = os.environ.get("MLX_PTX_CACHE_DIR")
+    if named is not None:
+        return Path(named).absolute()
+    tmp = next((os.environ[v] for v in ("TMPDIR", "TMP", "TEMP", "TEMPDIR") if os.environ.get(v)), "/tmp")
+    return Path(tmp) / "mlx" / mx.__version__ / "ptx"
+
+
+def module_path(folder: Path, module: str) -> Path:
+    """Where MLX looks for a module's compiled code (jit_module.cpp's `get_ptx_path`)."""
+    if len(module) <= MAX_NAME:
+        return folder / f"{module}.ptx"
+    parts = [module[i : i + MAX_NAME] for i in range(0, len(module), MAX_NAME)]
+    return folder.joinpath(*parts[:-1], parts[-1] + ".ptx")
+
+
+def architecture() -> tuple[int, int]:
+    """The device's compute capability, from MLX's device info ("sm_90")."""
+    digits = str(mx.device_info().get("architecture", "")).removeprefix("sm_")
+    if not digits.isdigit() or len(digits) < 2:
+        raise RuntimeError(f"no compute capability in MLX's device info: {digits!r}")
+    return int(digits[:-1]), int(digits[-1])
+
+
+def include_paths() -> list[Path]:
+    """MLX's NVRTC include folders (jit_module.cpp's `include_path_args`): the headers in MLX's package, its
+    CCCL, then the CUDA runtime's (the CUDA 13 pip package beside MLX's, as MLX's CUDA 13 builds look for it,
+    else CUDA_HOME, CUDA_PATH or /usr/local/cuda)."""
+    root = Path(mx.__file__).resolve().parent
+    out = [p for p in (root / "include", root / "include" / "cccl") if p.exists()]
+    cudart = root.parent / "nvidia" / "cu13" / "include"
+    if not cudart.exists():
+        cudart = Path(os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda") / "include"
+    return out + [cudart]
+
+
+def options(major: int, minor: int, includes: list[Path]) -> list[str]:
+    """MLX's NVRTC options for a device it compiles machine code (SASS) for (jit_module.cpp's `compile`)."""
+    arch = f"sm_{major}{minor}{'a' if major >= 9 else ''}"
+    return ["--device-as-default-execution-space", f"--gpu-architecture={arch}",
+            *(f"--include-path={p}" for p in includes)]
+
+
+def loaded(prefix: str) -> str | None:
+    """The file of a shared library this process has loaded whose name starts with `prefix`, if any (Linux)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    return next((p for p in (line.rsplit(" ", 1)[-1] for line in maps.splitlines()) if Path(p).name.startswith(prefix)),
+                None)
+
+
+class Nvrtc:
+    """The few NVRTC calls a compile needs, through ctypes: the library MLX's CUDA build loaded (it needs it,
+    so `import mlx.core` loads it), so the compiler is MLX's."""
+
+    def __init__(self, path: str | None = None):
+        self.lib = ctypes.CDLL(path or loaded("libnvrtc.so") or ctypes.util.find_library("nvrtc") or "libnvrtc.so")
+        self.lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+
+    def version(self) -> tuple[int, int]:
+        major, minor = ctypes.c_int(), ctypes.c_int()
+        self._check(self.lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
+        return major.value, minor.value
+
+    def _check(self, result: int, call: str, log: str = "") -> None:
+        if result:
+            raise RuntimeError(f"{call}: {self.lib.nvrtcGetErrorString(result).decode()}{log}")
+
+    def compile(self, source: str, program: str, name: str, opts: list[str]) -> tuple[bytes, str]:
+        """(cubin, the lowered name of the function `name`) of `source` compiled with `opts`."""
+        prog = ctypes.c_void_p()
+        self._check(self.lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), program.encode(), 0, None, None),
+                    "nvrtcCreateProgram")
+        try:
+            self._check(self.lib.nvrtcAddNameExpression(prog, name.encode()), "nvrtcAddNameExpression")
+            args = (ctypes.c_char_p * len(opts))(*(o.encode() for o in opts))
+            result = self.lib.nvrtcCompileProgram(prog, len(opts), args)
+            if result:
+                size = ctypes.c_size_t()
+                self.lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+                log = ctypes.create_string_buffer(size.value + 1)
+                self.lib.nvrtcGetProgramLog(prog, log)
+                self._check(result, "nvrtcCompileProgram", f": {log.value.decode(errors='replace')[:2000]}")
+            lowered = ctypes.c_char_p()
+            self._check(self.lib.nvrtcGetLoweredName(prog, name.encode(), ctypes.byref(lowered)), "nvrtcGetLoweredName")
+            mangled = lowered.value.decode()
+            size = ctypes.c_size_t()
+            self._check(self.lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
+            cubin = ctypes.create_string_buffer(size.value)
+            self._check(self.lib.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
+            return cubin.raw, mangled
+        finally:
+            self.lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+@dataclass
+class KernelCache:
+    """Keeps each kernel variant's compiled module in MLX's cache folder, from its first launch in the process
+    (`keep`); counts what it did, for the startup line (`status`).
+
+    A variant not on disk is compiled on a worker thread (NVRTC runs without the GIL), not before its launch:
+    the launch that first meets it is MLX's own compile, as before, and the process after it finds the kept
+    code. Not waiting keeps a first start's time what it was even where the name here were not the one MLX
+    looks for (then MLX compiles every variant in every process, as before, and the workers' compiles are
+    wasted on otherwise idle cores); whether a first start should wait for the workers, which compile a
+    forward's variants side by side, is for a GPU run to say (docs/gpu-round-profile.md, session 42)."""
+
+    folder: Path
+    nvrtc: Nvrtc
+    opts: list[str]
+    kept: int = 0  # compiled here and written
+    found: int = 0  # already on disk: MLX loads it without compiling
+    left: int = 0  # not kept (the reason in `why`): MLX compiles it itself
+    why: str = ""
+    seen: set = field(default_factory=set)
+    jobs: list[Future] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    pool: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max(1, (os.cpu_count() or 2) // 2), thread_name_prefix="kernel-cache"))
+
+    def keep(self, name: str, header: str, body: str, inputs: list[tuple[str, mx.Dtype]],
+             outputs: list[tuple[str, mx.Dtype]]) -> None:
+        """Make sure MLX will find this variant compiled: unless it is on disk already, compile and write it on a
+        worker (`wait` joins the workers)."""
+        key = (name, tuple(d for _, d in inputs), tuple(d for _, d in outputs))
+        if key in self.seen:
+            return
+        self.seen.add(key)
+        try:
+            if any(f"{n}_{what}" in body for n, _ in inputs for what in ("shape", "strides", "ndim")):
+                raise RuntimeError(f"{name} reads an input's shape, which MLX passes in parameters not written here")
+            source = mlx_source(name, header, body, inputs, outputs)
+        except (RuntimeError, KeyError) as e:
+            self.leave(e)
+            return
+        path = module_path(self.folder, module_name(name, source))
+        if path.exists():
+            self.found += 1
+            return
+        self.jobs.append(self.pool.submit(self.compile, name, source, path))
+
+    def compile(self, name: str, source: str, path: Path) -> None:
+        """One variant compiled (MLX's source with `COMPILED_HEADER` for MLX's header) and written."""
+        function = f"mlx::core::cu::custom_kernel_{name}"
+        try:
+            cubin, mangled = self.nvrtc.compile(source.replace(MLX_HEADER, COMPILED_HEADER, 1), path.stem + ".cu",
+                                                function, self.opts)
+            write(path, cubin, f"{function}\t{mangled}\n")
+        except (OSError, RuntimeError) as e:
+            self.leave(e)
+            return
+        with self.lock:
+            self.kept += 1
+
+    def leave(self, error: Exception) -> None:
+        with self.lock:
+            self.left += 1
+            self.why = self.why or f"{type(error).__name__}: {error}"[:300]
+
+    def wait(self) -> None:
+        """Join the compiles started so far."""
+        for job in self.jobs:
+            job.result()
+
+    def status(self) -> str:
+        """What the process's first launches did: "kernels: 12 compiled and kept, 30 found in FOLDER"."""
+        with self.lock:
+            busy = sum(not job.done() for job in self.jobs)
+            line = f"kernels: {self.kept} compiled and kept, {self.found} found in {self.folder}"
+            line += f", {busy} compiling" if busy else ""
+            return line + (f", {self.left} left to MLX ({self.why})" if self.left else "")
+
+
+def write(path: Path, cubin: bytes, names: str) -> None:
+    """The module's files as MLX writes them (its code, then its kernels' lowered names), each renamed into
+    place whole, so a process reading the folder meanwhile never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for target, data in ((path.with_suffix(".txt"), names.encode()), (path, cubin)):  # the code last: MLX reads it first
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".part-")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, target)
+
+
+_cache: KernelCache | None = None
+_off = ""  # why the cache is off, once `active` has found it so
+
+
+def active() -> KernelCache | None:
+    """The process's kernel cache on a CUDA device whose NVRTC makes machine code, else None (`off` says why)."""
+    global _cache, _off
+    if _cache is None and not _off:
+        try:
+            nvrtc = Nvrtc()
+            if nvrtc.version() < (11, 8):  # MLX compiles PTX then (jit_module.cpp), which this does not write
+                raise RuntimeError(f"NVRTC {nvrtc.version()} makes PTX, not machine code")
+            _cache = KernelCache(cache_dir(), nvrtc, options(*architecture(), include_paths()))
+        except (OSError, RuntimeError, AttributeError) as e:
+            _off = f"kernel cache off: {e}"[:300]
+    return _cache
+
+
+def status() -> str:
+    """The process's kernel cache for the startup line: what it did, or why it is off ("" before any launch)."""
+    return _cache.status() if _cache is not None else _off
