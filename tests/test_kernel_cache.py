@@ -2,7 +2,8 @@
 
 On any machine: the module name's hash is libstdc++'s `std::hash`, the source is laid out as MLX lays it, the
 cache folder and file names are MLX's, a variant is compiled and written once and then found, a failure
-leaves the variant to MLX, and `BakedKernel` keeps each variant at its first launch. On a CUDA GPU: the
+leaves the variant to MLX, the cache is on only where a canary kernel shows MLX launching what is kept, and
+`BakedKernel` keeps each variant at its first launch. On a CUDA GPU: the
 source equals what MLX prints for the same launch, launches from kept code equal MLX's own compile bit for
 bit (in fresh processes), and MLX launches what is kept (a kept module swapped for another kernel of the
 same name changes the output)."""
@@ -174,6 +175,42 @@ def test_off_a_cuda_gpu_no_variant_is_kept(monkeypatch) -> None:
     assert baked_kernel.BakedKernel("k", ["x"], ["y"], "", "")([mx.zeros((1,))], [], output_dtypes=[mx.float32]) == ["out"]
 
 
+def mlx_like(folder: Path):
+    """Stands in for `mx.fast.cuda_kernel` as MLX behaves: a kernel whose module (by the name MLX would give it)
+    is kept in `folder` runs the kept code, which for the canary writes 2; otherwise MLX's own compile, 1."""
+    def make(name, input_names, output_names, source, header="", ensure_row_contiguous=True):
+        def call(inputs, grid, threadgroup, output_shapes, output_dtypes):
+            src = mlx_source(name, header, source, list(zip(input_names, (x.dtype for x in inputs))),
+                             list(zip(output_names, output_dtypes)))
+            return [mx.array([2.0 if module_path(folder, module_name(name, src)).exists() else 1.0])]
+        return call
+    return make
+
+
+def test_the_cache_is_on_only_where_mlx_launches_what_it_keeps(monkeypatch, tmp_path: Path) -> None:
+    nvrtc = FakeNvrtc()
+    monkeypatch.setattr(mx.fast, "cuda_kernel", mlx_like(tmp_path))
+    cache = KernelCache(tmp_path, nvrtc, [])
+    kernel_cache.prove(cache)  # compiles the canary's kept code (writing 2) and launches it
+    assert len(nvrtc.calls) == 1 and "out[0] = 2.0f;" in nvrtc.calls[0][0]
+    kernel_cache.prove(KernelCache(tmp_path, nvrtc, []))  # kept already: one launch, no compile
+    assert len(nvrtc.calls) == 1
+    monkeypatch.setattr(mx.fast, "cuda_kernel", mlx_like(tmp_path / "elsewhere"))  # an MLX that looks elsewhere
+    with pytest.raises(RuntimeError, match="MLX ran its own compile of the canary kernel"):
+        kernel_cache.prove(cache)
+    # in the process: off, with the reason on the startup line, and no variant kept
+    monkeypatch.setattr(kernel_cache, "_cache", None)
+    monkeypatch.setattr(kernel_cache, "_off", "")
+    monkeypatch.setattr(kernel_cache, "Nvrtc", lambda: type("N", (FakeNvrtc,), {"version": lambda self: (13, 0)})())
+    monkeypatch.setattr(kernel_cache, "architecture", lambda: (9, 0))
+    monkeypatch.setattr(kernel_cache, "cache_dir", lambda: tmp_path)
+    assert kernel_cache.active() is None
+    assert kernel_cache.status().startswith("kernel cache off: MLX ran its own compile of the canary kernel")
+    monkeypatch.setattr(kernel_cache, "_off", "")
+    monkeypatch.setattr(mx.fast, "cuda_kernel", mlx_like(tmp_path))
+    assert kernel_cache.active() is not None and kernel_cache.status().startswith("kernels: 0 compiled and kept")
+
+
 # -- on a CUDA GPU ----------------------------------------------------------------------------------------------
 
 PROBE = r"""
@@ -250,6 +287,7 @@ def test_on_the_device_kept_code_launches_with_mlxs_bits_and_is_what_mlx_launche
                         "  if (threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y == 0)\n"
                         "    for (int i = 0; i < rows[0] * N; ++i) y[i] = __float2bfloat16(7.0f);", inputs, outputs)
     cache = kernel_cache.active()
+    assert cache is not None, kernel_cache.status()  # the canary proved MLX launches kept code here
     cubin, mangled = cache.nvrtc.compile(sevens.replace(kernel_cache.MLX_HEADER, kernel_cache.COMPILED_HEADER),
                                          "sevens.cu", f"mlx::core::cu::custom_kernel_{name}", cache.opts)
     path = module_path(tmp_path / "kept", module_name(name, real))

@@ -63,3 +63,47 @@ def test_every_shape_warmed_changes_no_output_and_leaves_nothing_behind(pair, ba
     for draft in (True, False):
         got = engine.run([Request(p, max_tokens=12, ignore_eos=True, draft=draft) for p in PROMPTS])
         assert [r.tokens for r in got] == want
+
+
+def test_where_mlx_launches_kept_kernels_every_forward_is_built_first_and_compiled_ahead(pair, monkeypatch):
+    """On a CUDA GPU whose MLX launches the kernel cache's code (kernel_cache.prove), the warm-up builds the whole
+    plan without evaluating or reading anything, waits for the compiles those launches started, then runs it."""
+    settings = Settings(parallel=2, context=256, backend="gpu")
+    cold = Engine(*pair, Settings(**{**settings.__dict__, "warm": False}))
+    want = [r.tokens for r in cold.run([Request(p, max_tokens=8, ignore_eos=True, draft=True) for p in PROMPTS])]
+    engine = Engine(*pair, Settings(**{**settings.__dict__, "warm": False}))
+    calls = []
+
+    class Kept:  # the process's kernel cache, proven
+        def wait(self):
+            calls.append("wait")
+
+    monkeypatch.setattr(warmup, "on_cuda", lambda: True)
+    monkeypatch.setattr(warmup.kernel_cache, "active", lambda: Kept())
+    monkeypatch.setattr(warmup.kernel_cache, "wait", lambda: Kept().wait())
+    real_run, real_eval, real_propose = warmup.run, mx.eval, engine.drafter.propose
+
+    def refuse(*_):
+        raise AssertionError("the forwards built ahead were evaluated or read")
+
+    def run(*args, evaluate=True):
+        calls.append(("run", evaluate))
+        if not evaluate:  # nothing evaluated and no drafts read while the compiles run
+            monkeypatch.setattr(mx, "eval", refuse)
+            monkeypatch.setattr(engine.drafter, "propose", refuse)
+        try:
+            return real_run(*args, evaluate=evaluate)
+        finally:
+            monkeypatch.setattr(mx, "eval", real_eval)
+            monkeypatch.setattr(engine.drafter, "propose", real_propose)
+
+    monkeypatch.setattr(warmup, "run", run)
+    done = warmup.warm(engine.target, engine.drafter, 2, engine.settings.chunk, every=True)
+    assert calls == [("run", False), "wait", ("run", True)]
+    assert done.ahead is not None and "of it compiling their kernels ahead)" in done.line()
+    got = engine.run([Request(p, max_tokens=8, ignore_eos=True, draft=True) for p in PROMPTS])
+    assert [r.tokens for r in got] == want
+    monkeypatch.setattr(warmup.kernel_cache, "active", lambda: None)  # no proven cache: one evaluated run
+    calls.clear()
+    assert warmup.warm(engine.target, engine.drafter, 2, engine.settings.chunk, every=True).ahead is None
+    assert calls == [("run", True)]

@@ -21,9 +21,13 @@ offset that table's address is read from (2-8 instructions), which MLX's headers
 the kept code equal MLX's own compile bit for bit, and that MLX launches what is kept (not yet run there:
 README.md); the self-check proves every kernel where it runs, whichever compiled it (selfcheck.py).
 
-Anything that stops a variant from being kept (no NVRTC library, no writable folder, a compile error,
-a body reading an input's `_shape`) leaves it to MLX, which compiles it as before; `status` says how
-many were compiled and kept, found and left, for the startup line.
+The cache turns itself on in a process only after a canary proves MLX launches kept code (`prove`: the
+kernel MLX is given writes 1, the code kept under its module name writes 2), so a name or folder that is
+not this MLX's turns it off instead of compiling everything twice. Anything that stops a variant from
+being kept (no NVRTC library, no writable folder, a compile error, a body reading an input's `_shape`)
+leaves it to MLX, which compiles it as before; `status` says how many were compiled and kept, found and
+left, or why the cache is off, for the startup line. With it on, the warm-up builds every forward first
+so the workers compile their variants side by side before any runs (warmup.py).
 """
 
 from __future__ import annotations
@@ -197,12 +201,11 @@ class KernelCache:
     """Keeps each kernel variant's compiled module in MLX's cache folder, from its first launch in the process
     (`keep`); counts what it did, for the startup line (`status`).
 
-    A variant not on disk is compiled on a worker thread (NVRTC runs without the GIL), not before its launch:
-    the launch that first meets it is MLX's own compile, as before, and the process after it finds the kept
-    code. Not waiting keeps a first start's time what it was even where the name here were not the one MLX
-    looks for (then MLX compiles every variant in every process, as before, and the workers' compiles are
-    wasted on otherwise idle cores); whether a first start should wait for the workers, which compile a
-    forward's variants side by side, is for a GPU run to say (docs/gpu-round-profile.md, session 42)."""
+    A variant not on disk is compiled on a worker thread (NVRTC runs without the GIL) and its launch does not
+    wait: a launch that meets a variant first (one the warm-up did not build ahead) is MLX's own compile, as
+    before, and the next process finds the kept code. The warm-up waits (`wait`) after building every forward
+    without evaluating it, so a first start's variants compile side by side on the host's cores, where MLX
+    compiles them one after another at their launches (warmup.py)."""
 
     folder: Path
     nvrtc: Nvrtc
@@ -238,13 +241,17 @@ class KernelCache:
             return
         self.jobs.append(self.pool.submit(self.compile, name, source, path))
 
-    def compile(self, name: str, source: str, path: Path) -> None:
+    def build(self, name: str, source: str, path: Path) -> None:
         """One variant compiled (MLX's source with `COMPILED_HEADER` for MLX's header) and written."""
         function = f"mlx::core::cu::custom_kernel_{name}"
+        cubin, mangled = self.nvrtc.compile(source.replace(MLX_HEADER, COMPILED_HEADER, 1), path.stem + ".cu",
+                                            function, self.opts)
+        write(path, cubin, f"{function}\t{mangled}\n")
+
+    def compile(self, name: str, source: str, path: Path) -> None:
+        """`build`, on a worker: counted kept, or left to MLX with the reason."""
         try:
-            cubin, mangled = self.nvrtc.compile(source.replace(MLX_HEADER, COMPILED_HEADER, 1), path.stem + ".cu",
-                                                function, self.opts)
-            write(path, cubin, f"{function}\t{mangled}\n")
+            self.build(name, source, path)
         except (OSError, RuntimeError) as e:
             self.leave(e)
             return
@@ -281,22 +288,54 @@ def write(path: Path, cubin: bytes, names: str) -> None:
         os.replace(tmp, target)
 
 
+CANARY = "dflash_kernel_cache_canary"
+ASKED, KEPT = "  out[0] = 1.0f;", "  out[0] = 2.0f;"  # the canary's body as MLX is given it, and as it is kept
+
+
+def prove(cache: KernelCache) -> None:
+    """Raise unless MLX launches the code kept in `cache`'s folder: the canary kernel MLX is asked to run writes
+    1, the code kept under the module name MLX would give it writes 2 (compiled here once a folder). A 1 means
+    MLX compiled the canary itself: the name or folder here is not MLX's (another MLX version's layout), and
+    nothing is kept in that process. The check costs one small launch where the canary is kept already."""
+    io = ([("x", mx.float32)], [("out", mx.float32)])
+    path = module_path(cache.folder, module_name(CANARY, mlx_source(CANARY, "", ASKED, *io)))
+    if not path.exists():
+        cache.build(CANARY, mlx_source(CANARY, "", KEPT, *io), path)
+    kernel = mx.fast.cuda_kernel(name=CANARY, input_names=["x"], output_names=["out"], source=ASKED, header="",
+                                 ensure_row_contiguous=True)
+    (out,) = kernel(inputs=[mx.zeros((1,), dtype=mx.float32)], grid=(1, 1, 1), threadgroup=(1, 1, 1),
+                    output_shapes=[(1,)], output_dtypes=[mx.float32])
+    got = out.item()
+    if got != 2.0:
+        raise RuntimeError(f"MLX ran its own compile of the canary kernel (it wrote {got:g}), not the code kept in "
+                           f"{cache.folder}: the module names or folder here are not this MLX's")
+
+
 _cache: KernelCache | None = None
 _off = ""  # why the cache is off, once `active` has found it so
 
 
 def active() -> KernelCache | None:
-    """The process's kernel cache on a CUDA device whose NVRTC makes machine code, else None (`off` says why)."""
+    """The process's kernel cache on a CUDA device whose NVRTC makes machine code and whose MLX launches what is
+    kept (`prove`), else None (`status` says why)."""
     global _cache, _off
     if _cache is None and not _off:
         try:
             nvrtc = Nvrtc()
             if nvrtc.version() < (11, 8):  # MLX compiles PTX then (jit_module.cpp), which this does not write
                 raise RuntimeError(f"NVRTC {nvrtc.version()} makes PTX, not machine code")
-            _cache = KernelCache(cache_dir(), nvrtc, options(*architecture(), include_paths()))
-        except (OSError, RuntimeError, AttributeError) as e:
+            cache = KernelCache(cache_dir(), nvrtc, options(*architecture(), include_paths()))
+            prove(cache)
+            _cache = cache
+        except (OSError, RuntimeError, AttributeError, ValueError) as e:
             _off = f"kernel cache off: {e}"[:300]
     return _cache
+
+
+def wait() -> None:
+    """Join the process's kernel compiles started so far (where the cache is on)."""
+    if _cache is not None:
+        _cache.wait()
 
 
 def status() -> str:

@@ -18,6 +18,10 @@ client after /health has said ready. So the engine runs, after its self-check an
 - with a drafter, a drafter pass for 1..parallel streams after each round of full windows (every row
   absorbed, one kept on the device, the anchor a device value, as lanes.py runs it).
 
+Where the process's kernel cache is on (kernel_cache.py: MLX proven to launch our kept kernel code), the
+plan is first built without being evaluated, so every kernel variant it launches compiles on the cache's
+workers side by side before the evaluated run, which then loads them.
+
 Every state is a scratch one, dropped at the end, so no stream's output and no prompt-cache entry can
 depend on it (tests/test_warmup.py). On a CPU nothing compiles at first use, so `every=False` keeps the
 same code path to two forwards (a full window then a drafter pass; a one-row step beside a 16-row
@@ -31,6 +35,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from dflash_bench.engine import kernel_cache
+from dflash_bench.engine.backend import on_cuda
 from dflash_bench.engine.cache import TargetState, keep_windows
 from dflash_bench.engine.drafters.dflash import DFlashDrafter, Proposal
 from dflash_bench.engine.sampling import SamplingParams, accepted, choose
@@ -58,12 +64,14 @@ class Warmup:
     shapes: int  # target forwards run
     drafter_passes: int
     seconds: float
+    ahead: float | None = None  # seconds of them building every forward first and compiling its kernels, if done
 
     def line(self) -> str:
         passes = ""
         if self.drafter_passes:
             passes = f" and {self.drafter_passes} drafter pass{'es' if self.drafter_passes > 1 else ''}"
-        return f"warmed {self.shapes} shapes{passes} in {self.seconds:.1f} s"
+        ahead = "" if self.ahead is None else f" ({self.ahead:.1f} s of it compiling their kernels ahead)"
+        return f"warmed {self.shapes} shapes{passes} in {self.seconds:.1f} s{ahead}"
 
 
 def window_rows(block: int | None) -> list[int]:
@@ -93,17 +101,26 @@ def shapes(parallel: int, block: int | None, chunk: int, every: bool) -> list[Sh
 
 def warm(target: Target, drafter: DFlashDrafter | None, parallel: int, chunk: int, every: bool) -> Warmup:
     """Run `shapes(...)` on scratch states, evaluating each; every state is gone when `run` returns, and
-    MLX's buffer cache then drops their memory."""
+    MLX's buffer cache then drops their memory. On a CUDA GPU whose MLX launches our kept kernel code
+    (kernel_cache.py), every forward is first only built, never evaluated, so each kernel variant's first
+    launch hands its compile to the cache's workers, which compile them side by side; the evaluated run
+    after them then finds every variant compiled, where MLX would compile them one after another."""
     start = time.perf_counter()
     plan = shapes(parallel, drafter.block if drafter is not None else None, chunk, every)
+    ahead = None
+    if every and on_cuda() and kernel_cache.active() is not None:
+        run(target, drafter, parallel, plan, evaluate=False)
+        kernel_cache.wait()
+        ahead = time.perf_counter() - start
     passes = run(target, drafter, parallel, plan)
     mx.clear_cache()
-    return Warmup(len(plan), passes, time.perf_counter() - start)
+    return Warmup(len(plan), passes, time.perf_counter() - start, ahead)
 
 
-def run(target: Target, drafter: DFlashDrafter | None, parallel: int, plan: list[Shape]) -> int:
+def run(target: Target, drafter: DFlashDrafter | None, parallel: int, plan: list[Shape], evaluate: bool = True) -> int:
     """The plan's forwards on `parallel` scratch streams (each window kept to its first row on the device,
-    as a drafted round that kept no draft does); returns the drafter passes run."""
+    as a drafted round that kept no draft does); returns the drafter passes run. With `evaluate` False the
+    forwards, samplers and drafter passes are built and dropped, never evaluated or read."""
     taps = drafter.taps if drafter is not None else ()
     states = [target.new_state() for _ in range(parallel)]
     passes = 0
@@ -112,12 +129,13 @@ def run(target: Target, drafter: DFlashDrafter | None, parallel: int, plan: list
         if shape.prompt:
             segments.append(prompt_chunk(target, shape.prompt, shape.after, bool(taps)))
         outs = target.forward(segments, taps)
-        sample(segments, outs)
+        if evaluate:
+            sample(segments, outs)
         # kept together, as lanes.py keeps a round's windows (several streams' in one rollback launch)
         keep_windows([(seg.state, (mx.array(1, dtype=mx.int32) + seg.origin, seg.start + len(seg.tokens),
                                    seg.start + 1)) for seg in segments[: len(shape.windows)]])
         if drafter is not None and shape.draft:
-            propose(drafter, outs[: len(shape.windows)])
+            propose(drafter, outs[: len(shape.windows)], read=evaluate)
             passes += 1
     return passes
 
@@ -156,12 +174,16 @@ def sample(segments: list[Segment], outs: list[SegmentOut]) -> None:
     mx.eval(picks)
 
 
-def propose(drafter: DFlashDrafter, outs: list[SegmentOut]) -> None:
+def propose(drafter: DFlashDrafter, outs: list[SegmentOut], read: bool = True) -> None:
     """A round's drafter pass for these streams: absorb each window's rows and keep the first on the device,
-    then draft a block from a device anchor."""
+    then draft a block from a device anchor (its drafts read back, as a round reads them, unless not `read`)."""
     dstates = [drafter.new_state() for _ in outs]
     drafter.absorb([(d, out.taps) for d, out in zip(dstates, outs)])
     for d, out in zip(dstates, outs):
         d.keep_at(mx.array(1, dtype=mx.int32), out.taps.shape[0], 1)
     anchor = mx.array(0, dtype=mx.int32)
-    drafter.propose([Proposal(d, anchor, drafter.block - 1, SAMPLERS[0]) for d in dstates])  # its drafts are read: evaluated
+    proposals = [Proposal(d, anchor, drafter.block - 1, SAMPLERS[0]) for d in dstates]
+    if read:
+        drafter.propose(proposals)  # its drafts are read: evaluated
+    else:
+        drafter.propose_queued(proposals)
