@@ -110,7 +110,7 @@ def test_a_variant_is_compiled_and_written_once_then_found(tmp_path: Path) -> No
     assert len(nvrtc.calls) == 1 and (cache.kept, cache.found, cache.left) == (1, 0, 0)
     compiled, program, name = nvrtc.calls[0]
     assert compiled == source.replace(kernel_cache.MLX_HEADER, kernel_cache.COMPILED_HEADER)
-    assert "utils.cuh" not in compiled and program == path.stem + ".cu"
+    assert "utils.cuh" not in compiled and program == module_name("dflash_k_4", source) + ".cu"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".part-")]
     later = KernelCache(tmp_path, FakeNvrtc(), [])  # the next process
     later.keep(*VARIANT)
@@ -145,6 +145,12 @@ def test_what_cannot_be_kept_is_left_to_mlx_and_said(tmp_path: Path) -> None:
     cache.wait()
     assert (cache.kept, cache.left) == (0, 1) and not list(tmp_path.iterdir())
     assert "1 left to MLX (RuntimeError: nvrtcCompileProgram: error)" in cache.status()
+    odd = FakeNvrtc()
+    odd.compile = lambda *args: (_ for _ in ()).throw(ValueError("an odd failure"))  # any error: left, never raised
+    other = KernelCache(tmp_path, odd, [])
+    other.keep(*VARIANT)
+    other.wait()
+    assert other.left == 1 and "ValueError: an odd failure" in other.status()
     shaped = KernelCache(tmp_path, FakeNvrtc(), [])
     shaped.keep("k", "", "  y[0] = x_shape[0];", [("x", mx.float32)], [("y", mx.float32)])
     assert shaped.left == 1 and "shape" in shaped.why and not list(tmp_path.iterdir())
@@ -205,7 +211,7 @@ def test_the_cache_is_on_only_where_mlx_launches_what_it_keeps(monkeypatch, tmp_
     monkeypatch.setattr(kernel_cache, "architecture", lambda: (9, 0))
     monkeypatch.setattr(kernel_cache, "cache_dir", lambda: tmp_path)
     assert kernel_cache.active() is None
-    assert kernel_cache.status().startswith("kernel cache off: MLX ran its own compile of the canary kernel")
+    assert kernel_cache.status().startswith("kernel cache off: RuntimeError: MLX ran its own compile of the canary")
     monkeypatch.setattr(kernel_cache, "_off", "")
     monkeypatch.setattr(mx.fast, "cuda_kernel", mlx_like(tmp_path))
     assert kernel_cache.active() is not None and kernel_cache.status().startswith("kernels: 0 compiled and kept")

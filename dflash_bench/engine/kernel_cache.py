@@ -235,24 +235,26 @@ class KernelCache:
         except (RuntimeError, KeyError) as e:
             self.leave(e)
             return
-        path = module_path(self.folder, module_name(name, source))
-        if path.exists():
+        module = module_name(name, source)
+        if module_path(self.folder, module).exists():
             self.found += 1
             return
-        self.jobs.append(self.pool.submit(self.compile, name, source, path))
+        self.jobs.append(self.pool.submit(self.compile, name, source, module))
 
-    def build(self, name: str, source: str, path: Path) -> None:
-        """One variant compiled (MLX's source with `COMPILED_HEADER` for MLX's header) and written."""
+    def build(self, name: str, source: str, module: str) -> None:
+        """`source` (MLX's, with `COMPILED_HEADER` for MLX's header) compiled as MLX compiles module `module`, and
+        written where MLX looks for that module."""
         function = f"mlx::core::cu::custom_kernel_{name}"
-        cubin, mangled = self.nvrtc.compile(source.replace(MLX_HEADER, COMPILED_HEADER, 1), path.stem + ".cu",
-                                            function, self.opts)
-        write(path, cubin, f"{function}\t{mangled}\n")
+        cubin, mangled = self.nvrtc.compile(source.replace(MLX_HEADER, COMPILED_HEADER, 1), module + ".cu", function,
+                                            self.opts)
+        write(module_path(self.folder, module), cubin, f"{function}\t{mangled}\n")
 
-    def compile(self, name: str, source: str, path: Path) -> None:
-        """`build`, on a worker: counted kept, or left to MLX with the reason."""
+    def compile(self, name: str, source: str, module: str) -> None:
+        """`build`, on a worker: counted kept, or left to MLX with the reason. Any failure is caught: a variant
+        the cache could not keep is MLX's to compile, never an error of the launch or of `wait`."""
         try:
-            self.build(name, source, path)
-        except (OSError, RuntimeError) as e:
+            self.build(name, source, module)
+        except Exception as e:  # noqa: BLE001 (see the docstring)
             self.leave(e)
             return
         with self.lock:
@@ -298,9 +300,9 @@ def prove(cache: KernelCache) -> None:
     MLX compiled the canary itself: the name or folder here is not MLX's (another MLX version's layout), and
     nothing is kept in that process. The check costs one small launch where the canary is kept already."""
     io = ([("x", mx.float32)], [("out", mx.float32)])
-    path = module_path(cache.folder, module_name(CANARY, mlx_source(CANARY, "", ASKED, *io)))
-    if not path.exists():
-        cache.build(CANARY, mlx_source(CANARY, "", KEPT, *io), path)
+    module = module_name(CANARY, mlx_source(CANARY, "", ASKED, *io))
+    if not module_path(cache.folder, module).exists():
+        cache.build(CANARY, mlx_source(CANARY, "", KEPT, *io), module)
     kernel = mx.fast.cuda_kernel(name=CANARY, input_names=["x"], output_names=["out"], source=ASKED, header="",
                                  ensure_row_contiguous=True)
     (out,) = kernel(inputs=[mx.zeros((1,), dtype=mx.float32)], grid=(1, 1, 1), threadgroup=(1, 1, 1),
@@ -327,8 +329,8 @@ def active() -> KernelCache | None:
             cache = KernelCache(cache_dir(), nvrtc, options(*architecture(), include_paths()))
             prove(cache)
             _cache = cache
-        except (OSError, RuntimeError, AttributeError, ValueError) as e:
-            _off = f"kernel cache off: {e}"[:300]
+        except Exception as e:  # noqa: BLE001 (anything that stops the cache leaves compiling to MLX, as before it)
+            _off = f"kernel cache off: {type(e).__name__}: {e}"[:300]
     return _cache
 
 
