@@ -18,7 +18,7 @@
 # job's first 300 s so). A session's 1,800 s of device time covers the uploads, the first phase and about three
 # timed steps: the steps run in the order the open bars need them.
 # STEPS=a,b,c (step names, as OUT_DIR/progress shows them) runs only those steps, in the script's order: a session
-# whose device time covers a few steps names the bars' (fixture-9b,fixture-9b-drafter,engine-speed-9b,
+# whose device time covers a few steps names the bars' (kernel-cache,fixture-9b,fixture-9b-drafter,engine-speed-9b,
 # engine-speed-default; as written, with 3 reps and both drafter precisions, the 9B's step alone may take its whole
 # 1,500 s limit, more than a session's device time leaves after the uploads: SPEED_9B_ARGS="--reps 2 --drafter-bits 0"
 # (options given again win) made session 41's shorter run; exactness-default, if named, runs in the first phase,
@@ -53,17 +53,21 @@ fi
 dev=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o "H[0-9]*" | head -1 | tr A-Z a-z)
 dev=${dev:-gpu}
 log start "${DFLASH_BENCH_COMMIT:-no DFLASH_BENCH_COMMIT, so receipts name the commit of the copy .git}" "$dev" "${STEPS:-every step}"
+# The kernel cache's GPU tests alone, first (engine/kernel_cache.py, session 42, never yet run on a GPU): whether MLX
+# launches the code kept for it (the canary, a swapped module) with its own compile's bits. Every later step's engine
+# then says in its startup line what it compiled ahead, kept and found (a first start of a model compiles its
+# variants side by side; a later one finds them), against session 42's 144.0 s (9B) and 99.6 s (default) warm-ups.
+step kernel-cache 300 python3 -m pytest -p no:cacheprovider -m gpu -s tests/test_kernel_cache.py
 # Correctness first, in parallel (no speed is read from these): every GPU test, and beside it the 9B
 # fixtures and the default model's exactness. A step's limit stops it and lets the rest go on.
-# The GPU tests of the kernels the engine launches and of gpu mode's contracts: first the kernel cache's (session 42:
-# kept code launches with MLX's bits, MLX launches what is kept; never run on a GPU yet), then the kernels sessions 37-38
+# The GPU tests of the kernels the engine launches and of gpu mode's contracts: first the kernels sessions 37-38
 # changed (the attention kernel's block test, which launches joint K/V caches; the norm-and-RoPE kernel's flat rows;
 # the recurrence kernel's), then the row kernel's and the norm's, and gpu mode's 12 last (job M spent the step's last
 # 4 minutes in gpu mode's module fixture, an engine's first self-check: docs/profiles/pytest-gpu-h200-17.txt; the
 # timed steps' engines run the same self-check at startup). NVRTC compiles at first use. The attention kernel's
 # others run after the timed steps. (The two server files import `openai`, which the GPU machine's Python lacks;
 # CI runs them.)
-step pytest-gpu 480 python3 -m pytest -p no:cacheprovider -m gpu tests/test_kernel_cache.py \
+step pytest-gpu 480 python3 -m pytest -p no:cacheprovider -m gpu \
   "tests/test_attention_kernel.py::test_on_the_device_a_blocks_keys_from_its_own_rows_equal_them_written_first" \
   tests/test_norm_rope_kernel.py tests/test_delta_kernel.py tests/test_matmul_kernel.py tests/test_matmul_norm.py \
   tests/test_gpu_mode.py &
