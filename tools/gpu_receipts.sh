@@ -23,6 +23,9 @@
 # 1,500 s limit, more than a session's device time leaves after the uploads: SPEED_9B_ARGS="--reps 2 --drafter-bits 0"
 # (options given again win) made session 41's shorter run; exactness-default, if named, runs in the first phase,
 # before them). tools/device_poll.sh polls OUT_DIR from later calls.
+# PTX_OUT=/root/mlx-ptx.tgz packs MLX's compiled modules after every step (below); one call at the session's end,
+# `cp /root/mlx-ptx.tgz $OUT/`, brings them back, to be kept as .dev/mlx-ptx.tgz and carried to the next session's
+# machine in a call of its own (with the working tree; it rides with no part), then PTX_IN=.dev/mlx-ptx.tgz.
 # (Already packed MLX alone? `split -b 21000000` of the GGUF carries it as raw parts instead, one call
 # each; `cat` them to /tmp/site/extra/SmolLM2-135M-Instruct.Q4_1.gguf before starting the job.)
 set -u
@@ -38,6 +41,19 @@ step() {  # step NAME SECONDS COMMAND...: one command, its output in OUT_DIR/NAM
   if [ -n "${STEPS:-}" ] && [[ ",$STEPS," != *",$name,"* ]]; then return 0; fi
   timeout "$limit" "$@" > "$out/$name.log" 2>&1
   log "$name" $?
+  keep_ptx
+}
+# MLX's compiled modules, its own and ours (engine/kernel_cache.py keeps ours where MLX looks: MLX_PTX_CACHE_DIR, else
+# /tmp/mlx/VERSION/ptx), carried from one session's machine to the next (both H100 and H200 are sm_90): PTX_IN, a
+# .tgz of an earlier job's folder, is unpacked into it before the steps, and with PTX_OUT the folder is packed there
+# after every step (a job the machine's return cuts short keeps what its finished steps compiled). A fresh machine
+# otherwise compiles every module again: minutes of each session's device time (warming the 9B took 144 s in
+# session 42, and MLX's own quantized matmul for a prompt's rows once took ~5 minutes in NVRTC).
+ptx=$(python3 -c "from dflash_bench.engine.kernel_cache import cache_dir; print(cache_dir())" 2>/dev/null)
+keep_ptx() {
+  if [ -n "${PTX_OUT:-}" ] && [ -n "$ptx" ] && [ -d "$ptx" ]; then
+    tar -C "$ptx" -czf "$PTX_OUT.part" . && mv "$PTX_OUT.part" "$PTX_OUT"
+  fi
 }
 run() {  # run NAME SECONDS ARGS...: one dflash-bench command, as a step
   local name=$1 limit=$2
@@ -53,6 +69,10 @@ fi
 dev=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o "H[0-9]*" | head -1 | tr A-Z a-z)
 dev=${dev:-gpu}
 log start "${DFLASH_BENCH_COMMIT:-no DFLASH_BENCH_COMMIT, so receipts name the commit of the copy .git}" "$dev" "${STEPS:-every step}"
+if [ -n "${PTX_IN:-}" ] && [ -f "$PTX_IN" ] && [ -n "$ptx" ]; then
+  mkdir -p "$ptx" && tar -C "$ptx" -xzf "$PTX_IN"
+  log "compiled modules from $PTX_IN: $(find "$ptx" -name '*.ptx' | wc -l) in $ptx"
+fi
 # The kernel cache's GPU tests alone, first (engine/kernel_cache.py, session 42, never yet run on a GPU): whether MLX
 # launches the code kept for it (the canary, a swapped module) with its own compile's bits. Every later step's engine
 # then says in its startup line what it compiled ahead, kept and found (a first start of a model compiles its
