@@ -80,7 +80,6 @@ def test_where_mlx_launches_kept_kernels_every_forward_is_built_first_and_compil
 
     monkeypatch.setattr(warmup, "on_cuda", lambda: True)
     monkeypatch.setattr(warmup.kernel_cache, "active", lambda: Kept())
-    monkeypatch.setattr(warmup.kernel_cache, "wait", lambda: Kept().wait())
     real_run, real_eval, real_propose = warmup.run, mx.eval, engine.drafter.propose
 
     def refuse(*_):

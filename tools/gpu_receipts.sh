@@ -49,7 +49,10 @@ step() {  # step NAME SECONDS COMMAND...: one command, its output in OUT_DIR/NAM
 # after every step (a job the machine's return cuts short keeps what its finished steps compiled). A fresh machine
 # otherwise compiles every module again: minutes of each session's device time (warming the 9B took 144 s in
 # session 42, and MLX's own quantized matmul for a prompt's rows once took ~5 minutes in NVRTC).
-ptx=$(python3 -c "from dflash_bench.engine.kernel_cache import cache_dir; print(cache_dir())" 2>/dev/null)
+ptx=""
+if [ -n "${PTX_IN:-}${PTX_OUT:-}" ]; then  # (MLX's import, only where a carry is asked for)
+  ptx=$(python3 -c "from dflash_bench.engine.kernel_cache import cache_dir; print(cache_dir())" 2>/dev/null)
+fi
 keep_ptx() {
   if [ -n "${PTX_OUT:-}" ] && [ -n "$ptx" ] && [ -d "$ptx" ]; then
     tar -C "$ptx" -czf "$PTX_OUT.part" . && mv "$PTX_OUT.part" "$PTX_OUT"

@@ -181,8 +181,8 @@ class Engine:
                        f", draft trees off (chains): {self.target.tree_refusal}")
         warmed = f", {self.warmup.line()}" if self.warmup else ""
         graphs = ""
-        if self.graph_limits and kernel_cache.status():  # on CUDA: whether our kernels were compiled or loaded
-            warmed += f" ({kernel_cache.status()})"
+        kernels = kernel_cache.status() if self.graph_limits else ""  # on CUDA: our kernels compiled, kept or found
+        warmed += f" ({kernels})" if kernels else ""
         if self.graph_limits:
             limits = [self.graph_limits[name] for name in backends.CUDA_GRAPH_LIMITS]
             graphs = f", MLX CUDA graphs of up to {limits[0]} operations and {limits[1]} MB"

@@ -333,11 +333,6 @@ def active() -> KernelCache | None:
     return _cache
 
 
-def wait() -> None:
-    """Join the process's kernel compiles started so far (where the cache is on)."""
-    if _cache is not None:
-        _cache.wait()
-
 
 def status() -> str:
     """The process's kernel cache for the startup line: what it did, or why it is off ("" before any launch)."""

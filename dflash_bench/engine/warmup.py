@@ -108,9 +108,10 @@ def warm(target: Target, drafter: DFlashDrafter | None, parallel: int, chunk: in
     start = time.perf_counter()
     plan = shapes(parallel, drafter.block if drafter is not None else None, chunk, every)
     ahead = None
-    if every and on_cuda() and kernel_cache.active() is not None:
+    cache = kernel_cache.active() if every and on_cuda() else None
+    if cache is not None:
         run(target, drafter, parallel, plan, evaluate=False)
-        kernel_cache.wait()
+        cache.wait()
         ahead = time.perf_counter() - start
     passes = run(target, drafter, parallel, plan)
     mx.clear_cache()
