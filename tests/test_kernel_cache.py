@@ -207,14 +207,16 @@ def test_the_cache_is_on_only_where_mlx_launches_what_it_keeps(monkeypatch, tmp_
     # in the process: off, with the reason on the startup line, and no variant kept
     monkeypatch.setattr(kernel_cache, "_cache", None)
     monkeypatch.setattr(kernel_cache, "_off", "")
-    monkeypatch.setattr(kernel_cache, "Nvrtc", lambda: type("N", (FakeNvrtc,), {"version": lambda self: (13, 0)})())
+    made = lambda path: type("N", (), {"version": lambda self: (13, 0), "path": path})()  # noqa: E731
+    monkeypatch.setattr(kernel_cache, "Nvrtc", made)
+    monkeypatch.setattr(kernel_cache, "Apart", lambda path: nvrtc)  # compiles in processes of their own: test_nvrtc.py
     monkeypatch.setattr(kernel_cache, "architecture", lambda: (9, 0))
     monkeypatch.setattr(kernel_cache, "cache_dir", lambda: tmp_path)
     assert kernel_cache.active() is None
     assert kernel_cache.status().startswith("kernel cache off: RuntimeError: MLX ran its own compile of the canary")
     monkeypatch.setattr(kernel_cache, "_off", "")
     monkeypatch.setattr(mx.fast, "cuda_kernel", mlx_like(tmp_path))
-    assert kernel_cache.active() is not None and kernel_cache.status().startswith("kernels: 0 compiled and kept")
+    assert kernel_cache.active().nvrtc is nvrtc and kernel_cache.status().startswith("kernels: 0 compiled and kept")
 
 
 # -- on a CUDA GPU ----------------------------------------------------------------------------------------------

@@ -6,9 +6,10 @@ backend/cuda/custom_kernel.cpp), though it looks there first for every module, o
 process compiled each of our kernel variants again: on an H100, warming the 9B's 33 shapes took 144 s
 and the default model's 99.6 s though the same model had run there minutes before
 (docs/profiles/engine-speed-h100-42.txt). `KernelCache.keep`, at a variant's first launch in a process,
-compiles it on a worker and writes the code where MLX looks for it, under the module name MLX gives it (the
-kernel's name and libstdc++'s `std::hash` of the source MLX generates around our body: `mlx_source`,
-`module_name`), so every later process on the machine loads it instead of compiling.
+compiles it on a worker (in a process of its own: engine/nvrtc.py) and writes the code where MLX looks for
+it, under the module name MLX gives it (the kernel's name and libstdc++'s `std::hash` of the source MLX
+generates around our body: `mlx_source`, `module_name`), so every later process on the machine loads it
+instead of compiling.
 
 What is compiled is that source with MLX's NVRTC options (`options`), but for one line: MLX resolves its
 default header (`mlx/backend/cuda/device/utils.cuh`) from headers built into its library, which no file
@@ -44,6 +45,8 @@ from functools import lru_cache
 from pathlib import Path
 
 import mlx.core as mx
+
+from dflash_bench.engine.nvrtc import Apart, Nvrtc
 
 SEED = 0xC70F6907  # libstdc++'s seed for std::hash<std::string> (`std::_Hash_bytes`)
 MAX_NAME = 245  # MLX's longest cache file name before it nests folders (jit_module.cpp's get_ptx_path)
@@ -153,63 +156,21 @@ def loaded(prefix: str) -> str | None:
                 None)
 
 
-class Nvrtc:
-    """The few NVRTC calls a compile needs, through ctypes: the library MLX's CUDA build loaded (it needs it,
-    so `import mlx.core` loads it), so the compiler is MLX's."""
-
-    def __init__(self, path: str | None = None):
-        self.lib = ctypes.CDLL(path or loaded("libnvrtc.so") or ctypes.util.find_library("nvrtc") or "libnvrtc.so")
-        self.lib.nvrtcGetErrorString.restype = ctypes.c_char_p
-
-    def version(self) -> tuple[int, int]:
-        major, minor = ctypes.c_int(), ctypes.c_int()
-        self._check(self.lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
-        return major.value, minor.value
-
-    def _check(self, result: int, call: str, log: str = "") -> None:
-        if result:
-            raise RuntimeError(f"{call}: {self.lib.nvrtcGetErrorString(result).decode()}{log}")
-
-    def compile(self, source: str, program: str, name: str, opts: list[str]) -> tuple[bytes, str]:
-        """(cubin, the lowered name of the function `name`) of `source` compiled with `opts`."""
-        prog = ctypes.c_void_p()
-        self._check(self.lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), program.encode(), 0, None, None),
-                    "nvrtcCreateProgram")
-        try:
-            self._check(self.lib.nvrtcAddNameExpression(prog, name.encode()), "nvrtcAddNameExpression")
-            args = (ctypes.c_char_p * len(opts))(*(o.encode() for o in opts))
-            result = self.lib.nvrtcCompileProgram(prog, len(opts), args)
-            if result:
-                size = ctypes.c_size_t()
-                self.lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
-                log = ctypes.create_string_buffer(size.value + 1)
-                self.lib.nvrtcGetProgramLog(prog, log)
-                self._check(result, "nvrtcCompileProgram", f": {log.value.decode(errors='replace')[:2000]}")
-            lowered = ctypes.c_char_p()
-            self._check(self.lib.nvrtcGetLoweredName(prog, name.encode(), ctypes.byref(lowered)), "nvrtcGetLoweredName")
-            mangled = lowered.value.decode()
-            size = ctypes.c_size_t()
-            self._check(self.lib.nvrtcGetCUBINSize(prog, ctypes.byref(size)), "nvrtcGetCUBINSize")
-            cubin = ctypes.create_string_buffer(size.value)
-            self._check(self.lib.nvrtcGetCUBIN(prog, cubin), "nvrtcGetCUBIN")
-            return cubin.raw, mangled
-        finally:
-            self.lib.nvrtcDestroyProgram(ctypes.byref(prog))
-
-
 @dataclass
 class KernelCache:
     """Keeps each kernel variant's compiled module in MLX's cache folder, from its first launch in the process
     (`keep`); counts what it did, for the startup line (`status`).
 
-    A variant not on disk is compiled on a worker thread (NVRTC runs without the GIL) and its launch does not
-    wait: a launch that meets a variant first (one the warm-up did not build ahead) is MLX's own compile, as
-    before, and the next process finds the kept code. The warm-up waits (`wait`) after building every forward
-    without evaluating it, so a first start's variants compile side by side on the host's cores, where MLX
-    compiles them one after another at their launches (warmup.py)."""
+    A variant not on disk is compiled on a worker thread, which hands the compile to a process of its own
+    (`nvrtc` is an `Apart` where `active` makes the cache: NVRTC compiles one program at a time in a process,
+    engine/nvrtc.py), and its launch does not wait: a launch that meets a variant first (one the warm-up did
+    not build ahead) is MLX's own compile, as before, and the next process finds the kept code. The warm-up
+    waits (`wait`) after building every forward without evaluating it, so a first start's variants compile
+    side by side on the host's cores, where MLX compiles them one after another at their launches
+    (warmup.py)."""
 
     folder: Path
-    nvrtc: Nvrtc
+    nvrtc: Nvrtc | Apart  # anything with Nvrtc.compile's signature
     opts: list[str]
     kept: int = 0  # compiled here and written
     found: int = 0  # already on disk: MLX loads it without compiling
@@ -323,10 +284,10 @@ def active() -> KernelCache | None:
     global _cache, _off
     if _cache is None and not _off:
         try:
-            nvrtc = Nvrtc()
+            nvrtc = Nvrtc(loaded("libnvrtc.so"))  # the library MLX loaded: MLX's compiler
             if nvrtc.version() < (11, 8):  # MLX compiles PTX then (jit_module.cpp), which this does not write
                 raise RuntimeError(f"NVRTC {nvrtc.version()} makes PTX, not machine code")
-            cache = KernelCache(cache_dir(), nvrtc, options(*architecture(), include_paths()))
+            cache = KernelCache(cache_dir(), Apart(nvrtc.path), options(*architecture(), include_paths()))
             prove(cache)
             _cache = cache
         except Exception as e:  # noqa: BLE001 (anything that stops the cache leaves compiling to MLX, as before it)
