@@ -4,10 +4,10 @@ NVRTC compiles one program at a time in a process, whatever the threads: on this
 the row kernel's variants compiled in 8.8 s one after another, 8.6 s on 2 threads and 5.6 s in 2 processes
 (NVRTC 13.0, tools/nvrtc_probe.py, docs/profiles/nvrtc-probe-cpu.txt), and on an H100's 16-core host 8
 threads compiled the 9B's 126 variants in 82 s, about 5 s a variant a thread against ~1.1 s alone
-(docs/profiles/engine-speed-h100-43.txt). So the kernel
-cache's workers each hand their compile to a Python process running this file (`python -I`: the standard library
-only, no MLX, no package import) with the library MLX loaded, and its compiles run side by side on the host's
-cores. A compile that crashes NVRTC takes down that process, not the server.
+(docs/profiles/engine-speed-h100-43.txt). So the kernel cache's workers each hand their compile to a Python
+process running this file (`python -I`: the standard library only, no MLX, no package import) with the
+library MLX loaded, and its compiles run side by side on the host's cores. A compile that crashes NVRTC
+takes down that process, not the server.
 """
 
 from __future__ import annotations
