@@ -19,6 +19,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
+from dflash_bench.engine import kernel_cache
 from dflash_bench.engine.kernel_cache import KernelCache, mlx_source, module_name, module_path
 from dflash_bench.engine.nvrtc import Apart, Nvrtc
 
@@ -162,3 +163,22 @@ def test_the_probe_times_the_three_ways(library: str) -> None:
     too_many = subprocess.run([sys.executable, str(root / "tools" / "nvrtc_probe.py"), "--variants", "99", "--library",
                                library, "--arch", "90"], capture_output=True, text=True, timeout=300, cwd=root)
     assert too_many.returncode != 0 and "at most 17 distinct variants" in too_many.stderr
+
+
+def test_the_cache_compiles_apart_where_a_process_can_else_in_this_one(library: str, tmp_path: Path) -> None:
+    chosen, note = kernel_cache.compiler(Nvrtc(library), ["--opt"])
+    assert isinstance(chosen, Apart) and chosen.path == library and note == ""
+
+    class Here:  # compiles in this process; its library cannot be loaded by another one
+        path = str(tmp_path / "gone" / "libnvrtc.so.13")
+
+        def compile(self, *args) -> tuple[bytes, str]:
+            return b"code", "_Zk"
+
+    here = Here()
+    chosen, note = kernel_cache.compiler(here, [])
+    assert chosen is here and note.startswith("compiling in this process, one at a time (RuntimeError: NVRTC's process")
+    cache = KernelCache(tmp_path / "ptx", chosen, [], note=note)
+    cache.keep("k", "", "  y[0] = x[0];", [("x", mx.float32)], [("y", mx.float32)])
+    cache.wait()
+    assert cache.kept == 1 and cache.status().endswith("; " + note)

@@ -162,8 +162,8 @@ class KernelCache:
     (`keep`); counts what it did, for the startup line (`status`).
 
     A variant not on disk is compiled on a worker thread, which hands the compile to a process of its own
-    (`nvrtc` is an `Apart` where `active` makes the cache: NVRTC compiles one program at a time in a process,
-    engine/nvrtc.py), and its launch does not wait: a launch that meets a variant first (one the warm-up did
+    (`nvrtc` is an `Apart` where `active` makes the cache and such a process works: NVRTC compiles one program
+    at a time in a process, engine/nvrtc.py; `compiler`), and its launch does not wait: a launch that meets a variant first (one the warm-up did
     not build ahead) is MLX's own compile, as before, and the next process finds the kept code. The warm-up
     waits (`wait`) after building every forward without evaluating it, so a first start's variants compile
     side by side on the host's cores, where MLX compiles them one after another at their launches
@@ -176,6 +176,7 @@ class KernelCache:
     found: int = 0  # already on disk: MLX loads it without compiling
     left: int = 0  # not kept (the reason in `why`): MLX compiles it itself
     why: str = ""
+    note: str = ""  # how it compiles, where not in processes of their own (`compiler`)
     seen: set = field(default_factory=set)
     jobs: list[Future] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -237,7 +238,8 @@ class KernelCache:
             busy = sum(not job.done() for job in self.jobs)
             line = f"kernels: {self.kept} compiled and kept, {self.found} found in {self.folder}"
             line += f", {busy} compiling" if busy else ""
-            return line + (f", {self.left} left to MLX ({self.why})" if self.left else "")
+            line += f", {self.left} left to MLX ({self.why})" if self.left else ""
+            return line + (f"; {self.note}" if self.note else "")
 
 
 def write(path: Path, cubin: bytes, names: str) -> None:
@@ -249,6 +251,21 @@ def write(path: Path, cubin: bytes, names: str) -> None:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, target)
+
+
+TRIVIAL = "__global__ void dflash_kernel_cache_probe() {}\n"
+
+
+def compiler(nvrtc: Nvrtc, opts: list[str]) -> tuple[Nvrtc | Apart, str]:
+    """The cache's compiler and the note for its status: compiles in processes of their own (`Apart`, side by
+    side) where a trivial one works there (about 0.1 s at a process's start), else `nvrtc` in this process,
+    one compile at a time, as before engine/nvrtc.py, with the reason."""
+    apart = Apart(nvrtc.path)
+    try:
+        apart.compile(TRIVIAL, "probe.cu", "dflash_kernel_cache_probe", opts)
+    except Exception as e:  # noqa: BLE001 (no compile process here: the cache still keeps what it compiles)
+        return nvrtc, f"compiling in this process, one at a time ({type(e).__name__}: {e})"[:300]
+    return apart, ""
 
 
 CANARY = "dflash_kernel_cache_canary"
@@ -287,7 +304,9 @@ def active() -> KernelCache | None:
             nvrtc = Nvrtc(loaded("libnvrtc.so"))  # the library MLX loaded: MLX's compiler
             if nvrtc.version() < (11, 8):  # MLX compiles PTX then (jit_module.cpp), which this does not write
                 raise RuntimeError(f"NVRTC {nvrtc.version()} makes PTX, not machine code")
-            cache = KernelCache(cache_dir(), Apart(nvrtc.path), options(*architecture(), include_paths()))
+            opts = options(*architecture(), include_paths())
+            chosen, note = compiler(nvrtc, opts)
+            cache = KernelCache(cache_dir(), chosen, opts, note=note)
             prove(cache)
             _cache = cache
         except Exception as e:  # noqa: BLE001 (anything that stops the cache leaves compiling to MLX, as before it)
