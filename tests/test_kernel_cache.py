@@ -271,9 +271,7 @@ def test_on_the_device_the_source_is_what_mlx_generates(capfd) -> None:
         k: v for k, v in call.options.items() if k != "template"}))
     printed = capfd.readouterr().out
     generated = printed.split("```\n", 1)[1].rsplit("\n```", 1)[0]
-    name = kernel.name + baked_kernel.suffix(tuple(template))
-    assert generated == mlx_source(name, kernel.header, baked_kernel.constants(tuple(template)) + kernel.source,
-                                   list(zip(kernel.input_names, (a.dtype for a in inputs))), [("y", mx.bfloat16)])
+    assert generated == mlx_source(*kernel.variant(tuple(template), [a.dtype for a in inputs], [mx.bfloat16]))
 
 
 @on_cuda
@@ -287,12 +285,11 @@ def test_on_the_device_kept_code_launches_with_mlxs_bits_and_is_what_mlx_launche
     assert "2 compiled and kept, 0 found" in kept["status"] and "0 compiled and kept, 2 found" in found["status"]
     # the one-row variant's kept module swapped for a kernel of the same name that writes 7s: MLX launches it
     template = tuple(matmul_kernel.launch(1, 512, 256, 4, 64, ()).options["template"])
-    name = "dflash_rows_matmul" + baked_kernel.suffix(template)
-    kernel = matmul_kernel._kernel(0)
     dtypes = [mx.bfloat16, mx.uint32, mx.bfloat16, mx.bfloat16, mx.int32, mx.bfloat16, mx.bfloat16]
-    inputs, outputs = list(zip(kernel.input_names, dtypes)), [("y", mx.bfloat16)]
-    real = mlx_source(name, kernel.header, baked_kernel.constants(template) + kernel.source, inputs, outputs)
-    sevens = mlx_source(name, kernel.header, baked_kernel.constants(template) +
+    name, header, body, inputs, outputs = matmul_kernel._kernel(0).variant(template, dtypes, [mx.bfloat16])
+    assert name.startswith("dflash_rows_matmul_")
+    real = mlx_source(name, header, body, inputs, outputs)
+    sevens = mlx_source(name, header, baked_kernel.constants(template) +
                         "  if (threadIdx.x == 0 && blockIdx.x == 0 && blockIdx.y == 0)\n"
                         "    for (int i = 0; i < rows[0] * N; ++i) y[i] = __float2bfloat16(7.0f);", inputs, outputs)
     cache = kernel_cache.active()

@@ -21,7 +21,7 @@ from pathlib import Path
 import dflash_bench  # noqa: F401  (loads the BLAS before mlx.core)
 import mlx.core as mx
 
-from dflash_bench.engine import baked_kernel, kernel_cache, matmul_kernel
+from dflash_bench.engine import kernel_cache, matmul_kernel
 from dflash_bench.engine.nvrtc import Apart, Nvrtc
 
 # (rows, K, N, bits, group size): the 9B's projections (fixture qwen3_5-9b-4bit), then the default model's
@@ -39,9 +39,8 @@ def variants(count: int) -> list[tuple[str, str]]:
     found: dict[str, str] = {}
     for shape in SHAPES:
         template = tuple(matmul_kernel.launch(*shape, ()).options["template"])
-        name = kernel.name + baked_kernel.suffix(template)
-        found[name] = kernel_cache.mlx_source(name, kernel.header, baked_kernel.constants(template) + kernel.source,
-                                              list(zip(kernel.input_names, DTYPES)), [("y", mx.bfloat16)])
+        variant = kernel.variant(template, DTYPES, [mx.bfloat16])
+        found[variant[0]] = kernel_cache.mlx_source(*variant)
     if count > len(found):
         raise SystemExit(f"--variants: at most {len(found)} distinct variants in SHAPES, not {count}")
     return list(found.items())[:count]

@@ -64,6 +64,13 @@ class BakedKernel:
                 source=constants(template) + self.source, header=self.header, ensure_row_contiguous=True)
         return made
 
+    def variant(self, template: tuple[tuple[str, TemplateArg], ...], input_dtypes: list[mx.Dtype],
+                output_dtypes: list[mx.Dtype]) -> tuple[str, str, str, list, list]:
+        """These constants' variant as `kernel` makes it, in kernel_cache.mlx_source's arguments: its name, header,
+        body (the constants, then the source), and its (name, dtype) inputs and outputs."""
+        return (self.name + suffix(template), self.header, constants(template) + self.source,
+                list(zip(self.input_names, input_dtypes)), list(zip(self.output_names, output_dtypes)))
+
     def __call__(self, inputs: list[mx.array], template: list[tuple[str, TemplateArg]] | tuple, **launch) -> list[mx.array]:
         template = tuple(template)
         made = self.kernels.get(template)
@@ -71,7 +78,5 @@ class BakedKernel:
             made = self.kernel(template)
             cache = kernel_cache.active() if on_cuda() else None
             if cache is not None:
-                cache.keep(self.name + suffix(template), self.header, constants(template) + self.source,
-                           list(zip(self.input_names, (x.dtype for x in inputs))),
-                           list(zip(self.output_names, launch["output_dtypes"])))
+                cache.keep(*self.variant(template, [x.dtype for x in inputs], launch["output_dtypes"]))
         return made(inputs=inputs, **launch)
