@@ -217,6 +217,12 @@ def test_the_cache_is_on_only_where_mlx_launches_what_it_keeps(monkeypatch, tmp_
     monkeypatch.setattr(kernel_cache, "_off", "")
     monkeypatch.setattr(mx.fast, "cuda_kernel", mlx_like(tmp_path))
     assert kernel_cache.active().nvrtc is nvrtc and kernel_cache.status().startswith("kernels: 0 compiled and kept")
+    # compiles in processes of their own run a core each (the warm-up waits for them); in this process NVRTC
+    # compiles one at a time, and half the cores' threads only queue there
+    monkeypatch.setattr(kernel_cache.os, "sched_getaffinity", lambda pid: set(range(12)), raising=False)
+    assert kernel_cache.workers(apart=True)._max_workers == 12 and kernel_cache.workers(apart=False)._max_workers == 6
+    monkeypatch.setattr(kernel_cache, "_cache", None)
+    assert kernel_cache.active().pool._max_workers == 12
 
 
 # -- on a CUDA GPU ----------------------------------------------------------------------------------------------

@@ -85,8 +85,8 @@ fi
 step kernel-cache 300 python3 -m pytest -p no:cacheprovider -m gpu -s tests/test_kernel_cache.py
 # NVRTC's compile throughput on this host, alone (engine/nvrtc.py: one compile at a time in a process, so the cache
 # compiles each variant in a process of its own since session 43; measured on a 2-core CPU only): 16 variants one
-# after another, on 8 threads, in 8 processes
-step nvrtc-probe 240 python3 tools/nvrtc_probe.py --variants 16 --workers 8
+# after another, on 16 threads, in 16 processes (the cache runs a compile process a core: kernel_cache.workers)
+step nvrtc-probe 240 python3 tools/nvrtc_probe.py --variants 16 --workers 16
 # Correctness first, in parallel (no speed is read from these): every GPU test, and beside it the 9B
 # fixtures and the default model's exactness. A step's limit stops it and lets the rest go on.
 # The GPU tests of the kernels the engine launches and of gpu mode's contracts: first the kernels sessions 37-38

@@ -180,8 +180,7 @@ class KernelCache:
     seen: set = field(default_factory=set)
     jobs: list[Future] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
-    pool: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(max(1, (os.cpu_count() or 2) // 2), thread_name_prefix="kernel-cache"))
+    pool: ThreadPoolExecutor = field(default_factory=lambda: workers(apart=False))
 
     def keep(self, name: str, header: str, body: str, inputs: list[tuple[str, mx.Dtype]],
              outputs: list[tuple[str, mx.Dtype]]) -> None:
@@ -240,6 +239,15 @@ class KernelCache:
             line += f", {busy} compiling" if busy else ""
             line += f", {self.left} left to MLX ({self.why})" if self.left else ""
             return line + (f"; {self.note}" if self.note else "")
+
+
+def workers(apart: bool) -> ThreadPoolExecutor:
+    """The cache's compile threads: one a core this process may use where each compile is a process of its own
+    (`apart`: the warm-up's build-ahead pass waits for them, so the cores are otherwise idle, and an NVRTC process
+    is one core's work, engine/nvrtc.py), half of them in this process, where NVRTC compiles one program at a time
+    whatever the threads."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+    return ThreadPoolExecutor(cores if apart else max(1, cores // 2), thread_name_prefix="kernel-cache")
 
 
 def write(path: Path, cubin: bytes, names: str) -> None:
@@ -306,7 +314,7 @@ def active() -> KernelCache | None:
                 raise RuntimeError(f"NVRTC {nvrtc.version()} makes PTX, not machine code")
             opts = options(*architecture(), include_paths())
             chosen, note = compiler(nvrtc, opts)
-            cache = KernelCache(cache_dir(), chosen, opts, note=note)
+            cache = KernelCache(cache_dir(), chosen, opts, note=note, pool=workers(apart=chosen is not nvrtc))
             prove(cache)
             _cache = cache
         except Exception as e:  # noqa: BLE001 (anything that stops the cache leaves compiling to MLX, as before it)
