@@ -26,7 +26,9 @@
 # PTX_OUT=/root/mlx-ptx.tgz packs MLX's compiled modules after every step (below); one call at the session's end,
 # `cp /root/mlx-ptx.tgz $OUT/`, brings them back, to be kept as .dev/mlx-ptx.tgz and carried to the next session's
 # machine in a call of its own (carry [".dev/mlx-ptx.tgz"], with no part: session 43's was 12.2 MB, 571 files, after
-# the 9B's and the default model's first starts), then PTX_IN=.dev/mlx-ptx.tgz.
+# the 9B's and the default model's first starts), then PTX_IN=.dev/mlx-ptx.tgz. An archive without our modules (the
+# files named custom_kernel_dflash_*: 93 of session 43's 571 files, 3.9 MB, are MLX's own) measures a first start's
+# compiles of ours while MLX's kernels are found.
 # (Already packed MLX alone? `split -b 21000000` of the GGUF carries it as raw parts instead, one call
 # each; `cat` them to /tmp/site/extra/SmolLM2-135M-Instruct.Q4_1.gguf before starting the job.)
 set -u
