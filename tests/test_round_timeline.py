@@ -13,8 +13,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from round_timeline import (  # noqa: E402  (tools/ is not a package)
-    OUTSIDE, PHASE_LABELS, ROUND, Interval, calls_by_name, describe, describe_calls, describe_idle, host_pieces,
-    idle_by_phase, read_trace, summarize)
+    OUTSIDE, PHASE_LABELS, ROUND, Interval, calls_by_name, describe, describe_calls, describe_idle,
+    describe_instantiations, host_pieces, idle_by_phase, instantiations, read_trace, summarize)
 
 
 def kernel(name: str, ts: float, dur: float) -> dict:
@@ -118,3 +118,24 @@ def test_the_hosts_cuda_calls_are_summed_by_name_inside_the_span(tmp_path) -> No
     assert calls == [("cudaGraphInstantiate", pytest.approx(0.15), 0.5), ("cudaGraphExecUpdate", pytest.approx(0.02), 0.5),
                      ("cudaGraphLaunch", pytest.approx(0.01), 1.0), ("cuLaunchKernel", pytest.approx(0.003), 0.5)]
     assert describe_calls(calls).splitlines()[1] == "     0.150 ms     0.5x cudaGraphInstantiate"
+
+
+def test_each_graph_instantiation_is_placed_in_its_round_and_host_phase(tmp_path) -> None:
+    call = lambda name, ts, dur: {"ph": "X", "cat": "cuda_runtime", "name": name, "ts": ts, "dur": dur}  # noqa: E731
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps({"traceEvents": [
+        mark(1000, 900), mark(2000, 900), mark(3000, 900), mark(4000, 900),
+        mark(1100, 400, name="async_eval"), mark(3050, 100, name="forward"),
+        call("cudaGraphInstantiate", 900, 50),  # before the span: left out
+        call("cudaGraphInstantiate", 1200, 300), call("cudaGraphExecUpdate", 1600, 40),
+        call("cudaGraphInstantiate", 3060, 20), call("cudaGraphInstantiate", 3500, 1000),
+        call("cudaGraphInstantiate", 4100, 10),  # in the last marked round, which ends the span: left out
+    ]}))
+    _, rounds, phases, made = read_trace(str(trace))
+    found = instantiations(made, rounds, phases)
+    assert found == [(0, "async_eval", 0.3), (2, "forward", 0.02), (2, "the round, in no phase", 1.0)]
+    assert describe_instantiations(found) == ("  graph instantiations (round, host phase, ms): 0 async_eval 0.30, "
+                                              "2 forward 0.02, 2 the round, in no phase 1.00")
+    assert describe_instantiations(instantiations(made, rounds, phases, 1)) == (
+        "  graph instantiations (round, host phase, ms): 0 async_eval 0.30")
+    assert describe_instantiations([]) == "  graph instantiations: none"

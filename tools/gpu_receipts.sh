@@ -126,7 +126,7 @@ wait
 # in job M the device was busy 11.25 ms of a 20.58 ms drafted round, waiting for the host the rest); the 9B's
 # self-check runs here first (up to 212 s on a fresh machine; ~330 s in session 40), then is cached for the steps
 # after; the engine serves 4 lanes as engine-speed's does, and warming their 33 shapes took 256 s in session 40
-step round-timeline-9b 720 python3 tools/round_timeline.py /root/f9/t --drafter /root/f9/d --out /root/f9/timeline
+step round-timeline-9b 720 python3 tools/round_timeline.py /root/f9/t --drafter /root/f9/d --out /root/f9/timeline ${TIMELINE_ARGS:-}
 # A host change against the engine before it, back to back on this machine (hosts differ between machines and move
 # within one: docs/profiles/round-split-h200.txt): with BASELINE, a directory holding an earlier revision's
 # dflash_bench package (`git archive REV dflash_bench | tar -x -C DIR`), the 9B's rounds split at 1 and 4 streams

@@ -110,6 +110,29 @@ def describe_calls(calls: list[tuple[str, float, float]], top: int = 12) -> str:
                      + [f"  {ms:8.3f} ms {n:7.1f}x {name}" for name, ms, n in calls[:top]])
 
 
+def instantiations(calls: list[Interval], rounds: list[Interval], marks: list[Interval],
+                   count: int | None = None) -> list[tuple[int, str, float]]:
+    """(round, innermost host mark, ms) of each `cudaGraphInstantiate` in `summarize`'s span, rounds counted from 0:
+    whether MLX meets graphs its cache has not seen at every round, at some, or only after a request starts
+    shows in which rounds they fall, and what the host was doing says which of the round's graphs it was."""
+    count, lo, hi = span(rounds, count)
+    pieces = host_pieces(marks + list(rounds))
+    found = []
+    for c in sorted(calls, key=lambda c: c.start):
+        if c.name != "cudaGraphInstantiate" or not lo <= c.start < hi:
+            continue
+        at = max(i for i, r in enumerate(rounds[: count + 1]) if r.start <= c.start)
+        phase = next((p.name for p in pieces if p.start <= c.start < p.end), OUTSIDE)
+        found.append((at, {ROUND: "the round, in no phase"}.get(phase, phase), (c.end - c.start) / 1e3))
+    return found
+
+
+def describe_instantiations(found: list[tuple[int, str, float]]) -> str:
+    if not found:
+        return "  graph instantiations: none"
+    return "  graph instantiations (round, host phase, ms): " + ", ".join(f"{r} {p} {ms:.2f}" for r, p, ms in found)
+
+
 def span(rounds: list[Interval], count: int | None) -> tuple[int, float, float]:
     """The first `count` marked rounds (all but the last where None: its start ends the span): their count and
     the span from the first one's start to the start of the one after them."""
@@ -214,8 +237,9 @@ def describe(mode: str, t: Timeline, top: int = 15) -> str:
     return "\n".join(lines)
 
 
-def record(engine, prompt: list[int], draft: bool, rounds: int, trace: Path, streams: int = 1) -> None:
-    """Warm rounds of `streams` requests, then `rounds` + 1 marked rounds under the profiler, the trace to `trace`."""
+def record(engine, prompt: list[int], draft: bool, rounds: int, trace: Path, streams: int = 1,
+           warm: int = WARM_ROUNDS) -> None:
+    """`warm` rounds of `streams` requests, then `rounds` + 1 marked rounds under the profiler, the trace to `trace`."""
     import mlx.core as mx
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -231,9 +255,9 @@ def record(engine, prompt: list[int], draft: bool, rounds: int, trace: Path, str
         return call
 
     for seed in range(streams):
-        engine.submit(Request(prompt, max_tokens=(WARM_ROUNDS + rounds + 4) * 17, ignore_eos=True, seed=seed,
+        engine.submit(Request(prompt, max_tokens=(warm + rounds + 4) * 17, ignore_eos=True, seed=seed,
                               draft=draft))
-    for _ in range(WARM_ROUNDS):
+    for _ in range(warm):
         engine.step()
     mx.synchronize()
     with around_phases(engine, marked), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -247,7 +271,7 @@ def record(engine, prompt: list[int], draft: bool, rounds: int, trace: Path, str
         engine.step()
 
 
-def run(target: str, drafter: str, rounds: int, out: Path, streams: int = 1) -> None:
+def run(target: str, drafter: str, rounds: int, out: Path, streams: int = 1, warm: int = WARM_ROUNDS) -> None:
     import dflash_bench  # noqa: F401  (loads the BLAS before mlx.core)
 
     from dflash_bench.engine.engine import Engine, Settings
@@ -261,13 +285,14 @@ def run(target: str, drafter: str, rounds: int, out: Path, streams: int = 1) -> 
     got = {}
     for mode in ("plain", "drafted"):
         trace = out / f"round-timeline-{mode}.json"
-        record(engine, prompt, mode == "drafted", rounds, trace, streams)
+        record(engine, prompt, mode == "drafted", rounds, trace, streams, warm)
         kernels, marks, phases, calls = read_trace(str(trace))
         if not kernels:
             raise SystemExit(f"{trace} holds no kernel records: CUPTI did not see the engine's launches")
         got[mode] = summarize(kernels, marks, rounds)
         print(describe(mode, got[mode]) + "\n" + describe_idle(idle_by_phase(kernels, marks, phases, rounds)) + "\n"
-              + describe_calls(calls_by_name(calls, marks, rounds)), flush=True)
+              + describe_calls(calls_by_name(calls, marks, rounds)) + "\n"
+              + describe_instantiations(instantiations(calls, marks, phases, rounds)), flush=True)
     print(f"drafted / plain: a round {got['drafted'].wall_ms / got['plain'].wall_ms:.2f}x, "
           f"the device's busy time {got['drafted'].busy_ms / got['plain'].busy_ms:.2f}x")
 
@@ -278,6 +303,7 @@ def main() -> None:
     parser.add_argument("--drafter")
     parser.add_argument("--streams", type=int, default=1, help="requests decoding together in each mode (1)")
     parser.add_argument("--rounds", type=int, help="marked rounds to profile (16), or to report (all but the last)")
+    parser.add_argument("--warm", type=int, default=WARM_ROUNDS, help=f"rounds before the profile ({WARM_ROUNDS})")
     parser.add_argument("--out", default="round-timeline", help="where the traces go")
     parser.add_argument("--report", metavar="TRACE", help="summarize a trace this tool wrote")
     parser.add_argument("--ops-per-graph", type=int, help="MLX_MAX_OPS_PER_BUFFER for this run (read when MLX starts)")
@@ -289,8 +315,9 @@ def main() -> None:
         print(describe(Path(args.report).stem, summarize(kernels, rounds, args.rounds)))
         print(describe_idle(idle_by_phase(kernels, rounds, phases, args.rounds)))
         print(describe_calls(calls_by_name(calls, rounds, args.rounds)))
+        print(describe_instantiations(instantiations(calls, rounds, phases, args.rounds)))
     elif args.target and args.drafter:
-        run(args.target, args.drafter, args.rounds or 16, Path(args.out), args.streams)
+        run(args.target, args.drafter, args.rounds or 16, Path(args.out), args.streams, args.warm)
     else:
         parser.error("give TARGET and --drafter, or --report TRACE")
 
