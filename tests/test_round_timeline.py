@@ -5,6 +5,7 @@ echoes of the host's marks are left out."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -139,3 +140,37 @@ def test_each_graph_instantiation_is_placed_in_its_round_and_host_phase(tmp_path
     assert describe_instantiations(instantiations(made, rounds, phases, 1)) == (
         "  graph instantiations (round, host phase, ms): 0 async_eval 0.30")
     assert describe_instantiations([]) == "  graph instantiations: none"
+
+
+def test_held_writes_keep_mlx_from_donating_a_caches_buffer_and_change_no_value() -> None:
+    """`--writes held`: a cache write whose input nothing else holds updates the buffer in place (MLX donates it);
+    under held_writes the same write copies into a new buffer, and the cache holds the same values."""
+    import mlx.core as mx
+    import numpy as np
+
+    from dflash_bench.engine.cache import JointCache
+    from round_timeline import held_writes
+
+    def address(a: mx.array) -> int:
+        view = memoryview(a)
+        try:
+            return np.frombuffer(view, dtype=np.uint8).ctypes.data
+        finally:
+            view.release()
+
+    def written(hold: bool) -> tuple[bool, mx.array]:
+        cache = JointCache(2, 8)
+        rows = mx.arange(2 * 2 * 3 * 8, dtype=mx.float32).reshape(2, 2, 3, 8)
+        cache.write_joint(0, rows)  # grows the cache: a new buffer either way
+        mx.eval(cache.kv)
+        mx.synchronize()
+        before = address(cache.kv)
+        with held_writes() if hold else contextlib.nullcontext():
+            cache.write_joint(3, rows[:, :, :1] + 100)
+        mx.eval(cache.kv)
+        return address(cache.kv) == before, cache.kv
+
+    in_place, kv = written(hold=False)
+    copied_in_place, held_kv = written(hold=True)
+    assert in_place and not copied_in_place
+    assert mx.array_equal(kv, held_kv).item() and kv[0, 0, 3, 0].item() == 100.0

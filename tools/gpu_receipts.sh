@@ -127,6 +127,14 @@ wait
 # self-check runs here first (up to 212 s on a fresh machine; ~330 s in session 40), then is cached for the steps
 # after; the engine serves 4 lanes as engine-speed's does, and warming their 33 shapes took 256 s in session 40
 step round-timeline-9b 720 python3 tools/round_timeline.py /root/f9/t --drafter /root/f9/d --out /root/f9/timeline ${TIMELINE_ARGS:-}
+# Why rounds long after the warm-up still meet CUDA graphs MLX's cache has not seen (session 45's H100: 6 graph
+# instantiations in 40 rounds, plain and drafted, 6-21 ms each; docs/gpu-round-profile.md): the cache writes,
+# copied first or donated as the device's timing allows, held (never donated) and synced (always donated), each
+# against the as-is run above with the same TIMELINE_ARGS (e.g. "--rounds 40 --warm 30")
+for w in held synced; do
+  step "round-timeline-9b-writes-$w" 300 python3 tools/round_timeline.py /root/f9/t --drafter /root/f9/d \
+    --out "/root/f9/timeline-$w" --writes "$w" ${TIMELINE_ARGS:-}
+done
 # A host change against the engine before it, back to back on this machine (hosts differ between machines and move
 # within one: docs/profiles/round-split-h200.txt): with BASELINE, a directory holding an earlier revision's
 # dflash_bench package (`git archive REV dflash_bench | tar -x -C DIR`), the 9B's rounds split at 1 and 4 streams

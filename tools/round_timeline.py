@@ -1,7 +1,7 @@
 """The device's timeline over decode rounds: how long it is busy a round, and how long it waits between kernels.
 
 usage (on the GPU machine): python3 tools/round_timeline.py TARGET --drafter DRAFTER [--streams S] [--rounds R]
-                                [--out TRACE_DIR] [--ops-per-graph N]
+                                [--warm W] [--writes as-is|held|synced] [--out TRACE_DIR] [--ops-per-graph N]
        python3 tools/round_timeline.py --report TRACE.json [--rounds R]
 
 round_split.py times a round from the host: where a drafted round's `read` waits, the device is behind, but
@@ -24,13 +24,22 @@ yet (its CUDA backend hands the device graphs of up to MLX_MAX_OPS_PER_BUFFER op
 backend.CUDA_GRAPH_LIMITS unless the environment or `--ops-per-graph` names another), idle
 in a forward or a drafter pass is Python building a graph with nothing queued before it. The host's CUDA API calls
 a round are summed by name (CUPTI's runtime and driver records): MLX instantiates a CUDA graph whose shape its cache
-has not seen and only updates one it has (mlx/backend/cuda/device.cpp's `commit`), and the two differ in cost.
+has not seen and only updates one it has (mlx/backend/cuda/device.cpp's `commit`), and the two differ in cost; each
+instantiation is listed with its round and host phase.
+
+`--writes` tests why a round meets new graphs (docs/gpu-round-profile.md, session 45): MLX's slice update and
+scatter, the attention caches' writes (engine/cache.py), copy the whole cache first unless MLX may donate its
+buffer, which it may only where nothing else holds the cache, and the round before, still running on the device,
+holds it until it ends: so whether a write is one node or two turns on timing. `held` keeps each write's input
+referenced until the cache's next write (never donated: a copy every write, every round alike); `synced` waits for
+the device before each round (every write donated, the rounds no longer overlapping the host's build).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import functools
 import json
 import os
@@ -237,9 +246,34 @@ def describe(mode: str, t: Timeline, top: int = 15) -> str:
     return "\n".join(lines)
 
 
+WRITES = ("as-is", "held", "synced")
+
+
+@contextlib.contextmanager
+def held_writes():
+    """Each attention cache write's input (engine/cache.py's `placed`) kept referenced by the cache until its next
+    write, so MLX copies it into a new buffer at every write, never donating it (module docstring)."""
+    import mlx.core as mx
+
+    from dflash_bench.engine.cache import AttentionCache
+
+    placed = AttentionCache.placed
+
+    def holding(self, caches, start, xs, rows):
+        self.held_input = tuple(mx.array(c) for c in caches)  # the same array, a second reference
+        return placed(self, caches, start, xs, rows)
+
+    AttentionCache.placed = holding
+    try:
+        yield
+    finally:
+        AttentionCache.placed = placed
+
+
 def record(engine, prompt: list[int], draft: bool, rounds: int, trace: Path, streams: int = 1,
-           warm: int = WARM_ROUNDS) -> None:
-    """`warm` rounds of `streams` requests, then `rounds` + 1 marked rounds under the profiler, the trace to `trace`."""
+           warm: int = WARM_ROUNDS, synced: bool = False) -> None:
+    """`warm` rounds of `streams` requests, then `rounds` + 1 marked rounds under the profiler, the trace to `trace`;
+    `synced`: each round starts once the device has finished the one before."""
     import mlx.core as mx
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -258,10 +292,14 @@ def record(engine, prompt: list[int], draft: bool, rounds: int, trace: Path, str
         engine.submit(Request(prompt, max_tokens=(warm + rounds + 4) * 17, ignore_eos=True, seed=seed,
                               draft=draft))
     for _ in range(warm):
+        if synced:
+            mx.synchronize()
         engine.step()
     mx.synchronize()
     with around_phases(engine, marked), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(rounds + 1):
+            if synced:
+                mx.synchronize()
             with record_function(ROUND):
                 engine.step()
         mx.synchronize()
@@ -271,7 +309,8 @@ def record(engine, prompt: list[int], draft: bool, rounds: int, trace: Path, str
         engine.step()
 
 
-def run(target: str, drafter: str, rounds: int, out: Path, streams: int = 1, warm: int = WARM_ROUNDS) -> None:
+def run(target: str, drafter: str, rounds: int, out: Path, streams: int = 1, warm: int = WARM_ROUNDS,
+        writes: str = "as-is") -> None:
     import dflash_bench  # noqa: F401  (loads the BLAS before mlx.core)
 
     from dflash_bench.engine.engine import Engine, Settings
@@ -279,13 +318,15 @@ def run(target: str, drafter: str, rounds: int, out: Path, streams: int = 1, war
 
     engine = Engine(target, drafter, Settings(parallel=max(4, streams), context=4096, backend="gpu"))
     print(engine.startup_line(), flush=True)
-    print(f"{streams} stream(s); MLX's CUDA graphs: {engine.graph_limits or 'not CUDA'}", flush=True)
+    print(f"{streams} stream(s); MLX's CUDA graphs: {engine.graph_limits or 'not CUDA'}; cache writes {writes}",
+          flush=True)
     prompt = probe_ids(engine).get("code", list(range(100, 356)))
     out.mkdir(parents=True, exist_ok=True)
     got = {}
     for mode in ("plain", "drafted"):
         trace = out / f"round-timeline-{mode}.json"
-        record(engine, prompt, mode == "drafted", rounds, trace, streams, warm)
+        with held_writes() if writes == "held" else contextlib.nullcontext():
+            record(engine, prompt, mode == "drafted", rounds, trace, streams, warm, writes == "synced")
         kernels, marks, phases, calls = read_trace(str(trace))
         if not kernels:
             raise SystemExit(f"{trace} holds no kernel records: CUPTI did not see the engine's launches")
@@ -304,6 +345,8 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=1, help="requests decoding together in each mode (1)")
     parser.add_argument("--rounds", type=int, help="marked rounds to profile (16), or to report (all but the last)")
     parser.add_argument("--warm", type=int, default=WARM_ROUNDS, help=f"rounds before the profile ({WARM_ROUNDS})")
+    parser.add_argument("--writes", choices=WRITES, default="as-is", help="the cache writes as they are, held, "
+                        "or every round after the device's last (module docstring)")
     parser.add_argument("--out", default="round-timeline", help="where the traces go")
     parser.add_argument("--report", metavar="TRACE", help="summarize a trace this tool wrote")
     parser.add_argument("--ops-per-graph", type=int, help="MLX_MAX_OPS_PER_BUFFER for this run (read when MLX starts)")
@@ -317,7 +360,7 @@ def main() -> None:
         print(describe_calls(calls_by_name(calls, rounds, args.rounds)))
         print(describe_instantiations(instantiations(calls, rounds, phases, args.rounds)))
     elif args.target and args.drafter:
-        run(args.target, args.drafter, args.rounds or 16, Path(args.out), args.streams, args.warm)
+        run(args.target, args.drafter, args.rounds or 16, Path(args.out), args.streams, args.warm, args.writes)
     else:
         parser.error("give TARGET and --drafter, or --report TRACE")
 
