@@ -15,7 +15,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from round_timeline import (  # noqa: E402  (tools/ is not a package)
     OUTSIDE, PHASE_LABELS, ROUND, Interval, calls_by_name, describe, describe_calls, describe_idle,
-    describe_instantiations, host_pieces, idle_by_phase, instantiations, read_trace, summarize)
+    describe_instantiations, describe_longest, host_pieces, idle_by_phase, instantiations, longest, read_trace,
+    summarize)
 
 
 def kernel(name: str, ts: float, dur: float) -> dict:
@@ -174,3 +175,21 @@ def test_held_writes_keep_mlx_from_donating_a_caches_buffer_and_change_no_value(
     copied_in_place, held_kv = written(hold=True)
     assert in_place and not copied_in_place
     assert mx.array_equal(kv, held_kv).item() and kv[0, 0, 3, 0].item() == 100.0
+
+
+def test_the_longest_launches_in_the_span_are_listed_with_their_grids(tmp_path) -> None:
+    trace = tmp_path / "t.json"
+    big = dict(kernel("void mlx::core::cu::copy_v<bf16>(const bf16 *)", 1500, 400), args={"grid": [4096, 1, 1]})
+    trace.write_text(json.dumps({"traceEvents": [
+        mark(1000, 900), mark(2000, 900), mark(3000, 900),
+        kernel("void mlx::core::cu::copy_v<bf16>(const bf16 *)", 500, 900),  # before the span: left out
+        big, kernel("mlx::core::cu::custom_kernel_dflash_rows_matmul_1_2_3", 2100, 50),
+        kernel("void mlx::core::cu::rms_norm_small", 2200, 5),
+    ]}))
+    kernels, rounds, _, _ = read_trace(str(trace))
+    found = longest(kernels, rounds, top=2)
+    assert [(k.start, k.grid) for k in found] == [(1500, (4096, 1, 1)), (2100, ())]
+    assert describe_longest(found).splitlines() == [
+        "  the longest launches:",
+        "     0.400 ms grid     4096x1x1 void mlx::core::cu::copy_v",
+        "     0.050 ms grid            ? mlx::core::cu::custom_kernel_dflash_rows_matmul_1_2_3"]

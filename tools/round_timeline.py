@@ -25,7 +25,7 @@ backend.CUDA_GRAPH_LIMITS unless the environment or `--ops-per-graph` names anot
 in a forward or a drafter pass is Python building a graph with nothing queued before it. The host's CUDA API calls
 a round are summed by name (CUPTI's runtime and driver records): MLX instantiates a CUDA graph whose shape its cache
 has not seen and only updates one it has (mlx/backend/cuda/device.cpp's `commit`), and the two differ in cost; each
-instantiation is listed with its round and host phase.
+instantiation is listed with its round and host phase. The longest launches are listed with their grids.
 
 `--writes` tests why a round meets new graphs (docs/gpu-round-profile.md, session 45): MLX's slice update and
 scatter, the attention caches' writes (engine/cache.py), copy the whole cache first unless MLX may donate its
@@ -44,7 +44,7 @@ import functools
 import json
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from round_kernels import kernel_kind
@@ -62,6 +62,7 @@ class Interval:
     name: str
     start: float  # us
     end: float  # us
+    grid: tuple[int, ...] = ()  # a kernel's grid, where the trace gives it
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ def read_trace(path: str) -> tuple[list[Interval], list[Interval], list[Interval
             continue
         span = Interval(e.get("name", ""), float(e["ts"]), float(e["ts"]) + float(e["dur"]))
         if e.get("cat") == "kernel":
-            kernels.append(span)
+            kernels.append(replace(span, grid=tuple(e.get("args", {}).get("grid", ()))))
         elif e.get("cat") in CALL_CATEGORIES:
             calls.append(span)
         elif str(e.get("cat", "")).startswith("gpu_"):  # the GPU track's echo of a host mark
@@ -134,6 +135,19 @@ def instantiations(calls: list[Interval], rounds: list[Interval], marks: list[In
         phase = next((p.name for p in pieces if p.start <= c.start < p.end), OUTSIDE)
         found.append((at, {ROUND: "the round, in no phase"}.get(phase, phase), (c.end - c.start) / 1e3))
     return found
+
+
+def longest(kernels: list[Interval], rounds: list[Interval], top: int = 8, count: int | None = None) -> list[Interval]:
+    """The `top` longest kernel launches that start in `summarize`'s span, longest first: a kind's busy time a round
+    says how much, not whether it is many short launches or a few long ones (a copy of a whole cache, say)."""
+    _, lo, hi = span(rounds, count)
+    return sorted((k for k in kernels if lo <= k.start < hi), key=lambda k: k.start - k.end)[:top]
+
+
+def describe_longest(found: list[Interval]) -> str:
+    return "\n".join(["  the longest launches:"] + [
+        f"  {(k.end - k.start) / 1e3:8.3f} ms grid {'x'.join(map(str, k.grid)) or '?':>12} {kernel_kind(k.name)}"
+        for k in found])
 
 
 def describe_instantiations(found: list[tuple[int, str, float]]) -> str:
@@ -333,7 +347,8 @@ def run(target: str, drafter: str, rounds: int, out: Path, streams: int = 1, war
         got[mode] = summarize(kernels, marks, rounds)
         print(describe(mode, got[mode]) + "\n" + describe_idle(idle_by_phase(kernels, marks, phases, rounds)) + "\n"
               + describe_calls(calls_by_name(calls, marks, rounds)) + "\n"
-              + describe_instantiations(instantiations(calls, marks, phases, rounds)), flush=True)
+              + describe_instantiations(instantiations(calls, marks, phases, rounds)) + "\n"
+              + describe_longest(longest(kernels, marks, count=rounds)), flush=True)
     print(f"drafted / plain: a round {got['drafted'].wall_ms / got['plain'].wall_ms:.2f}x, "
           f"the device's busy time {got['drafted'].busy_ms / got['plain'].busy_ms:.2f}x")
 
@@ -359,6 +374,7 @@ def main() -> None:
         print(describe_idle(idle_by_phase(kernels, rounds, phases, args.rounds)))
         print(describe_calls(calls_by_name(calls, rounds, args.rounds)))
         print(describe_instantiations(instantiations(calls, rounds, phases, args.rounds)))
+        print(describe_longest(longest(kernels, rounds, count=args.rounds)))
     elif args.target and args.drafter:
         run(args.target, args.drafter, args.rounds or 16, Path(args.out), args.streams, args.warm, args.writes)
     else:
