@@ -220,9 +220,10 @@ def test_the_cache_is_on_only_where_mlx_launches_what_it_keeps(monkeypatch, tmp_
     # compiles in processes of their own run a core each (the warm-up waits for them); in this process NVRTC
     # compiles one at a time, and half the cores' threads only queue there
     monkeypatch.setattr(kernel_cache.os, "sched_getaffinity", lambda pid: set(range(12)), raising=False)
-    assert kernel_cache.workers(apart=True)._max_workers == 12 and kernel_cache.workers(apart=False)._max_workers == 6
+    monkeypatch.setattr(kernel_cache, "ThreadPoolExecutor", lambda threads, **_: ("threads", threads))
+    assert kernel_cache.workers(apart=True) == ("threads", 12) and kernel_cache.workers(apart=False) == ("threads", 6)
     monkeypatch.setattr(kernel_cache, "_cache", None)
-    assert kernel_cache.active().pool._max_workers == 12
+    assert kernel_cache.active().pool == ("threads", 12)
 
 
 # -- on a CUDA GPU ----------------------------------------------------------------------------------------------
