@@ -84,9 +84,14 @@ def test_gpu_mode_on_this_cpu_recorded_beside_mlx_lm_at_every_level(files, one_p
         assert cells["drafted"][streams]["round_over_plain"] > 0 and cells["plain"][streams]["over_mlx_lm"] > 0
         assert cells[engine_speed.MLX_LM][streams]["aggregate_tok_s"]["median"] > 0
     assert receipt.aggregates["load_seconds"] > 0 and receipt.aggregates["first_request_seconds"] > 0
+    # each mode's time to ready served alone: the plain engine's load; the drafting one's load, check and warm-up
+    ready = receipt.aggregates["ready_seconds"]
+    assert set(ready) == {"plain", "drafted"} and ready["plain"] == receipt.aggregates["load_seconds"]
+    assert ready["drafted"] > 0
     shown = text(Receipt.from_dict(receipt.to_dict()))
     assert "gpu mode" in shown and "round/plain round" in shown and "equal" in shown
-    assert "first request" in shown and "ready after" in shown
+    assert "first request" in shown
+    assert [line.split("│")[2].strip() for line in shown.splitlines() if "ready after" in line] == ["plain", "drafted"]
 
 
 def test_reps_are_taken_in_turns_so_a_drift_in_host_speed_reaches_both_sides(files, one_probe):

@@ -278,6 +278,8 @@ class EngineSpeedAggregates(Loose):
     peak_bytes: Optional[int] = None
     mlx_lm_note: Optional[str] = None
     load_seconds: Optional[float] = None  # loading the target, the self-check and the warm-up: until ready
+    # mode -> until that mode's engine is ready served alone (engine_speed.engines); older receipts: load_seconds
+    ready_seconds: dict[str, float] = Field(default_factory=dict)
     first_request_seconds: Optional[float] = None  # the first request after ready, start to last token
 
     def probes(self) -> dict[str, dict[str, Union[MlxLmCell, dict[str, SpeedCell]]]]:

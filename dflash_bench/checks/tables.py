@@ -274,7 +274,8 @@ def engine_speed(a: agg.EngineSpeedAggregates, r: Receipt) -> Table:
     if a.peak_bytes is not None:
         t.add_row("peak footprint", "", "", gb(a.peak_bytes), *[""] * 9)
     if a.first_request_seconds is not None:
-        t.add_row("ready after", "", "", f"{a.load_seconds:.1f} s", *[""] * 9)
+        for mode, seconds in (a.ready_seconds or {"": a.load_seconds}).items():
+            t.add_row("ready after", mode, "", f"{seconds:.1f} s", *[""] * 9)
         t.add_row("first request", "", "", f"{a.first_request_seconds:.2f} s", *[""] * 9)
     return t
 
