@@ -246,3 +246,19 @@ def test_a_passing_engine_states_its_verdict(tmp_path) -> None:
     engine = Engine(checkpoints[0], checkpoints[1], Settings(parallel=2, context=512))
     assert engine.selfcheck.passed and engine.drafter is not None and engine.drafting_refused is None
     assert "DFlash drafts" in engine.startup_line() and "self-check passed" in engine.startup_line()
+
+
+def test_a_check_that_runs_runs_what_it_is_handed_first_and_a_cached_one_does_not(monkeypatch) -> None:
+    """engine.py hands `check` the build of its launches (warmup.ahead_of_check) where kernels compile at first use:
+    run once, before the check, when the check runs; its seconds are part of the check's and named on its line."""
+    target, _ = tiny_target("qwen3", "small", layers=2, seed=13)
+    calls = []
+    real_run = selfcheck._run
+    monkeypatch.setattr(selfcheck, "_run", lambda *a: calls.append("check") or real_run(*a))
+    first = selfcheck.check(target, fresh=True, ahead=lambda: calls.append("ahead"))
+    assert calls == ["ahead", "check"] and first.passed
+    assert first.ahead is not None and first.seconds >= first.ahead
+    assert first.line().endswith(f"({first.seconds:.1f} s, {first.ahead:.1f} s of it compiling its kernels ahead)")
+    again = selfcheck.check(target, ahead=lambda: calls.append("ahead again"))
+    assert again.cached and calls == ["ahead", "check"] and again.line().endswith("(cached)")
+    assert selfcheck.Verdict.from_dict(first.as_dict()).ahead == first.ahead

@@ -106,3 +106,63 @@ def test_where_mlx_launches_kept_kernels_every_forward_is_built_first_and_compil
     calls.clear()
     assert warmup.warm(engine.target, engine.drafter, 2, engine.settings.chunk, every=True).ahead is None
     assert calls == [("run", True)]
+
+
+def test_where_mlx_launches_kept_kernels_the_self_checks_launches_are_built_first_on_its_first_choices(pair, monkeypatch):
+    """warmup.ahead_of_check, which a check that runs runs first (selfcheck.check): with the process's kernel cache
+    on, every projection's row-kernel calls of the check (KERNEL_ROWS rows, one row, a 16-row slice) and the
+    serving forwards are built on the check's first choices, nothing evaluated, then the cache waited for; each
+    weight's and layer's choice is put back after. Off CUDA, or with no proven cache, there is nothing to run."""
+    from dflash_bench.engine import selfcheck, tiles
+
+    engine = Engine(*pair, Settings(parallel=2, context=256, backend="gpu", warm=False))
+    target = engine.target
+    before = [(w.kernel, w.tile_rows) for w in target.projections()]
+    paths = [m.path for m in target.mixer_layers() if hasattr(m, "path")]
+    assert warmup.ahead_of_check(target, 2, engine.settings.chunk) is None  # this CPU: no CUDA
+    monkeypatch.setattr(warmup, "on_cuda", lambda: True)
+    monkeypatch.setattr(warmup.kernel_cache, "active", lambda: None)
+    assert warmup.ahead_of_check(target, 2, engine.settings.chunk) is None  # no proven cache
+    calls = []
+
+    class Kept:  # the process's kernel cache, proven
+        def wait(self):
+            calls.append("wait")
+
+    def product(self, x, parts=(), residual=None, norm=None):  # the row kernel's launch, as a CUDA GPU builds it
+        assert self.kernel, "a launch built ahead of the check is not on the check's first choice"
+        calls.append((self.out_features, x.shape[0]))
+        if parts:
+            return [mx.zeros((x.shape[0], p), dtype=x.dtype) for p in parts]
+        out = mx.zeros((x.shape[0], self.out_features), dtype=x.dtype)
+        return out if residual is None else residual + out
+
+    def refuse(*_):
+        raise AssertionError("a launch built ahead of the check was evaluated or read")
+
+    monkeypatch.setattr(warmup.kernel_cache, "active", lambda: Kept())
+    monkeypatch.setattr(tiles.Weight, "fits_kernel", lambda self, dtype: True)
+    monkeypatch.setattr(tiles.Weight, "kernel_product", product)
+    monkeypatch.setattr(mx, "eval", refuse)
+    monkeypatch.setattr(mx.array, "item", refuse)
+    monkeypatch.setattr(mx.array, "tolist", refuse)
+    warmup.ahead_of_check(target, 2, engine.settings.chunk)()
+    monkeypatch.undo()
+    assert calls[-1] == "wait" and "wait" not in calls[:-1]
+    rows = {(out, n) for out, n in calls[:-1]}
+    for w in {selfcheck.weight_key(w): w for w in target.projections()}.values():
+        assert {(w.out_features, n) for n in (selfcheck.KERNEL_ROWS, 1, tiles.ROW_TILE)} <= rows
+    assert len(calls) - 1 > sum(3 for _ in {selfcheck.weight_key(w) for w in target.projections()})  # and forwards
+    assert [(w.kernel, w.tile_rows) for w in target.projections()] == before
+    assert [m.path for m in target.mixer_layers() if hasattr(m, "path")] == paths
+
+
+def test_the_engine_hands_a_check_that_runs_the_build_ahead_and_names_its_seconds(pair, monkeypatch, tmp_path):
+    monkeypatch.setenv("DFLASH_BENCH_CACHE", str(tmp_path))  # no cached verdict: the check runs
+    handed = []
+    monkeypatch.setattr(warmup, "ahead_of_check", lambda target, parallel, chunk: lambda: handed.append(parallel))
+    engine = Engine(*pair, Settings(parallel=2, context=256, backend="gpu"))
+    assert handed == [2] and engine.selfcheck.ahead is not None
+    assert "s of it compiling its kernels ahead)" in engine.startup_line()
+    Engine(*pair, Settings(parallel=3, context=256, backend="gpu", warm=False, fresh_selfcheck=True))
+    assert handed == [2], "an engine that does not warm up built ahead of its check"

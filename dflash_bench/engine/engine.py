@@ -109,7 +109,10 @@ class Engine:
             model = build_target(self.loaded.config, self.loaded.weights, dtype)
         if self.loaded is not None and eos_ids is None:
             eos_ids = self.loaded.config.eos_token_ids or self.loaded.tokenizer.eos_ids
-        self.selfcheck = selfcheck.check(model, fresh=settings.fresh_selfcheck) if isinstance(model, Target) else None
+        self.selfcheck = None
+        if isinstance(model, Target):  # its kernels compiled side by side first where they compile at first use
+            ahead = warmup.ahead_of_check(model, settings.parallel, settings.chunk) if settings.warm else None
+            self.selfcheck = selfcheck.check(model, fresh=settings.fresh_selfcheck, ahead=ahead)
         self.drafting_refused: str | None = None
         if self.selfcheck is not None and not self.selfcheck.passed and (drafter is not None or draft_model is not None):
             self.drafting_refused = f"drafting is off: {self.selfcheck.line()}"

@@ -89,6 +89,7 @@ class Verdict:
     key: str
     cached: bool = False
     notes: list[str] = field(default_factory=list)
+    ahead: float | None = None  # seconds of `seconds` building the check's launches first to compile them (`check`)
 
     @property
     def failures(self) -> list[PathResult]:
@@ -97,6 +98,8 @@ class Verdict:
     def line(self) -> str:
         """The startup line's clause: what passed with which tiles, or what failed."""
         when = "cached" if self.cached else f"{self.seconds:.1f} s"
+        if self.ahead is not None and not self.cached:
+            when += f", {self.ahead:.1f} s of it compiling its kernels ahead"
         if not self.passed:
             first = self.failures[0]
             more = f" (+{len(self.failures) - 1} more)" if len(self.failures) > 1 else ""
@@ -112,13 +115,14 @@ class Verdict:
     def as_dict(self) -> dict:
         return {"version": VERSION, "passed": self.passed, "line": self.line(), "seconds": self.seconds,
                 "cached": self.cached, "key": self.key, "machine": self.machine, "tiles": self.tiles,
-                "attention": self.attention, "paths": [asdict(p) for p in self.paths], "notes": self.notes}
+                "attention": self.attention, "paths": [asdict(p) for p in self.paths], "notes": self.notes,
+                "ahead": self.ahead}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Verdict":
         return cls(passed=data["passed"], paths=[PathResult(**p) for p in data["paths"]], tiles=data["tiles"],
                    attention=data["attention"], seconds=data["seconds"], machine=data["machine"], key=data["key"],
-                   notes=data.get("notes", []))
+                   notes=data.get("notes", []), ahead=data.get("ahead"))
 
 
 # -- what the verdict depends on ---------------------------------------------------------------------
@@ -209,14 +213,14 @@ def _differing(got: mx.array, want: mx.array) -> list[int]:
     return [i for i, ok in enumerate(same.tolist()) if not ok]
 
 
-def projection_fault(w: Weight, tile: int, dtype: mx.Dtype, seed: int = 0) -> str | None:
+def projection_fault(w: Weight, tile: int, dtype: mx.Dtype, seed: int = 0, build_only: bool = False) -> str | None:
     """What moves a row's bits in `tile`-row calls against `w` (KERNEL: the row kernel's calls of any
     row count), or None: each row at other positions (rolled), row 0 beside other rows and alone
-    (among zero rows in a tile; in a one-row call of the kernel), the call repeated."""
+    (among zero rows in a tile; in a one-row call of the kernel), the call repeated. `build_only`:
+    every call built, none evaluated (warmup.ahead_of_check), and None."""
     call, n = (w.kernel_product, KERNEL_ROWS) if tile == KERNEL else (w.tile, tile)
     x = _rand((n, w.in_features), seed, dtype)
     ref = call(x)
-    mx.eval(ref)
 
     def cases() -> Iterator[tuple[str, mx.array, mx.array]]:
         """Built and compared one at a time: together, the lm_head's (16 x vocab rows each) held
@@ -232,6 +236,11 @@ def projection_fault(w: Weight, tile: int, dtype: mx.Dtype, seed: int = 0) -> st
         if tile == KERNEL:
             yield "a 16-row call", call(x[ROW_TILE : 2 * ROW_TILE]), ref[ROW_TILE : 2 * ROW_TILE]
 
+    if build_only:
+        for _ in cases():
+            pass
+        return None
+    mx.eval(ref)
     for what, got, want in cases():
         if bad := _differing(got, want):
             return f"{what}: rows {bad[:4]}{'...' if len(bad) > 4 else ''} differ"
@@ -262,11 +271,12 @@ def attention_fault(a: SelfAttention, dtype: mx.Dtype, path: DecodePath, seed: i
     return None
 
 
-def kernel_fault(a: SelfAttention, dtype: mx.Dtype, seed: int = 0) -> str | None:
+def kernel_fault(a: SelfAttention, dtype: mx.Dtype, seed: int = 0, build_only: bool = False) -> str | None:
     """attention_kernel.py on this device: a WINDOW-row window whose positions cross a partition (and so
     a chunk and a key tile) beside the same queries one at a time, each step seeing junk in the cache
     rows after its position; and the window launched between two other streams' segments (a step, and
-    a 3-row window) beside each alone. A kernel that fails to build or run is a fault, not a crash."""
+    a 3-row window) beside each alone. A kernel that fails to build or run is a fault, not a crash.
+    `build_only`: the launches built, none evaluated, and None (what failed is the check's to say)."""
     d, hkv, hq = a.head_dim, a.kv_heads, a.heads
     run = attention_kernel.decode_attention
     start = attention_kernel.PARTITION - WINDOW // 2
@@ -285,9 +295,11 @@ def kernel_fault(a: SelfAttention, dtype: mx.Dtype, seed: int = 0) -> str | None
         steps = mx.concatenate(steps)
         together = run([other_step, (q, k, v, start), other_window], a.scale)
         alone = mx.concatenate([run([other_step], a.scale), window, run([other_window], a.scale)])
+        if build_only:
+            return None
         mx.eval(window, steps, together, alone)
     except (RuntimeError, ValueError) as err:
-        return f"the kernel failed: {err}"
+        return None if build_only else f"the kernel failed: {err}"
     if bad := _differing(window, steps):
         return f"kernel window rows {bad[:4]}{'...' if len(bad) > 4 else ''} differ from single queries"
     if bad := _differing(together, alone):
@@ -295,13 +307,14 @@ def kernel_fault(a: SelfAttention, dtype: mx.Dtype, seed: int = 0) -> str | None
     return None
 
 
-def recurrence_fault(m: GatedDeltaNet, seed: int = 0) -> str | None:
+def recurrence_fault(m: GatedDeltaNet, seed: int = 0, build_only: bool = False) -> str | None:
     """qwen3_5's conv and the layer's own decode recurrence (`m.recurrence`) over a WINDOW-row window
-    beside the same rows one at a time."""
+    beside the same rows one at a time. `build_only`: the recurrence's launches built, none evaluated
+    (the conv's comparison reads values, so it is left out), and None."""
     span = m.kernel - 1
     inputs = _rand((span + WINDOW, m.conv_dim), seed, mx.float32)
     q, k, v = m.mix(inputs, WINDOW)
-    stepped = [m.mix(inputs[t : t + span + 1], 1) for t in range(WINDOW)]
+    stepped = [] if build_only else [m.mix(inputs[t : t + span + 1], 1) for t in range(WINDOW)]
     conv_bad = [t for t, (qs, ks, vs) in enumerate(stepped)
                 if not all(mx.array_equal(a[t : t + 1], b).item() for a, b in ((q, qs), (k, ks), (v, vs)))]
     if conv_bad:
@@ -316,6 +329,8 @@ def recurrence_fault(m: GatedDeltaNet, seed: int = 0) -> str | None:
         [(yt, s)] = recurrence([(q[t : t + 1], k[t : t + 1], v[t : t + 1], g[t : t + 1], beta[t : t + 1], s)])
         ys.append(yt)
     steps = mx.concatenate(ys)
+    if build_only:
+        return None
     mx.eval(y, steps, state, s)
     if bad := _differing(y, steps):
         return f"recurrence rows {bad[:4]} differ from single rows"
@@ -514,8 +529,12 @@ def apply(target: Target, verdict: Verdict) -> None:
             m.path = path
 
 
-def check(target: Target, *, fresh: bool = False) -> Verdict:
+def check(target: Target, *, fresh: bool = False, ahead: Callable[[], None] | None = None) -> Verdict:
     """The verdict for `target` on this machine: from the cache unless `fresh`, else run (and cached).
+    `ahead`, where given, runs first when the check runs: on a CUDA GPU it builds the check's launches
+    unevaluated so their kernels compile side by side (warmup.ahead_of_check), where each would
+    otherwise compile at its first evaluation, one after another (47.3 s of the 9B's first start on an
+    H100 in session 45: docs/gpu-round-profile.md).
 
     The choices are applied to `target` either way."""
     mach = machine(target.dtype)
@@ -529,7 +548,13 @@ def check(target: Target, *, fresh: bool = False) -> Verdict:
             return verdict
         except (OSError, ValueError, KeyError, TypeError):
             pass  # an unreadable cache entry is run again
+    started = time.perf_counter()
+    if ahead is not None:
+        ahead()
+    built = time.perf_counter() - started
     verdict = _run(target, key, mach)
+    if ahead is not None:
+        verdict.ahead, verdict.seconds = built, built + verdict.seconds
     if not verdict.passed:
         return verdict  # a failure is proven again at the next load, never taken from the cache
     try:

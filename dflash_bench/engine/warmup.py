@@ -31,16 +31,20 @@ prompt chunk), which CI runs with every engine it builds.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import mlx.core as mx
 
-from dflash_bench.engine import kernel_cache
+from dflash_bench.engine import kernel_cache, selfcheck
 from dflash_bench.engine.backend import on_cuda
 from dflash_bench.engine.cache import TargetState, keep_windows
 from dflash_bench.engine.drafters.dflash import DFlashDrafter, Proposal
 from dflash_bench.engine.sampling import SamplingParams, accepted, choose
 from dflash_bench.engine.targets.base import Segment, SegmentOut, Target
+from dflash_bench.engine.targets.dense import SelfAttention
+from dflash_bench.engine.targets.qwen3_5 import GatedDeltaNet
 from dflash_bench.engine.verify import Window, verify
 
 PROMPT_ROWS = (1, 16)  # short prompt chunks beside the full one
@@ -116,6 +120,56 @@ def warm(target: Target, drafter: DFlashDrafter | None, parallel: int, chunk: in
     passes = run(target, drafter, parallel, plan)
     mx.clear_cache()
     return Warmup(len(plan), passes, time.perf_counter() - start, ahead)
+
+
+def ahead_of_check(target: Target, parallel: int, chunk: int) -> Callable[[], None] | None:
+    """What the engine hands `selfcheck.check` to run first where the process's kernel cache is on (a CUDA
+    GPU whose MLX launches our kept code: kernel_cache.py), else None. It builds, never evaluating, every
+    launch of the check's first choices (selfcheck's `build_only`: the row kernel's calls, the attention
+    kernel's, the recurrence's) and then the serving forwards with each weight and attention layer on those
+    choices (`first_choices`; windows up to a drafter's block), and waits for the cache's workers: the check
+    then finds its kernel variants compiled, where MLX would compile each at its first evaluation, one after
+    another (tests/test_warmup.py)."""
+    cache = kernel_cache.active() if on_cuda() else None
+    if cache is None:
+        return None
+
+    def build() -> None:
+        dtype = target.dtype
+        with first_choices(target):
+            for w in {selfcheck.weight_key(w): w for w in target.projections()}.values():
+                if w.fits_kernel(dtype):
+                    selfcheck.projection_fault(w, selfcheck.KERNEL, dtype, build_only=True)
+            mixers = target.mixer_layers()
+            for a in {selfcheck.attention_key(m): m for m in mixers if isinstance(m, SelfAttention)}.values():
+                if a.path == "kernel":
+                    selfcheck.kernel_fault(a, dtype, build_only=True)
+            for m in {selfcheck.recurrence_key(m): m for m in mixers if isinstance(m, GatedDeltaNet)}.values():
+                selfcheck.recurrence_fault(m, build_only=True)
+            run(target, None, parallel, shapes(parallel, selfcheck.WINDOW, chunk, every=True), evaluate=False)
+        cache.wait()
+
+    return build
+
+
+@contextmanager
+def first_choices(target: Target) -> Iterator[None]:
+    """Each weight on the first tile the self-check tries and each attention layer on its first path (on a
+    CUDA GPU: the row kernel where a weight fits it, the attention kernel), each put back as it was after."""
+    weights = [(w, w.kernel, w.tile_rows) for w in target.projections()]
+    layers = [(m, m.path) for m in target.mixer_layers() if isinstance(m, SelfAttention)]
+    try:
+        for w, _, _ in weights:
+            first = selfcheck.tile_candidates(w, target.dtype)[0]
+            w.kernel, w.tile_rows = first == selfcheck.KERNEL, first or None
+        for m, _ in layers:
+            m.path = selfcheck.attention_paths(m)[0]
+        yield
+    finally:
+        for w, kernel, rows in weights:
+            w.kernel, w.tile_rows = kernel, rows
+        for m, path in layers:
+            m.path = path
 
 
 def run(target: Target, drafter: DFlashDrafter | None, parallel: int, plan: list[Shape], evaluate: bool = True) -> int:
