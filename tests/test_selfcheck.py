@@ -262,3 +262,9 @@ def test_a_check_that_runs_runs_what_it_is_handed_first_and_a_cached_one_does_no
     again = selfcheck.check(target, ahead=lambda: calls.append("ahead again"))
     assert again.cached and calls == ["ahead", "check"] and again.line().endswith("(cached)")
     assert selfcheck.Verdict.from_dict(first.as_dict()).ahead == first.ahead
+
+    def broken() -> None:
+        raise RuntimeError("no kernel here")
+
+    noted = selfcheck.check(target, fresh=True, ahead=broken)  # a build that fails costs the head start, no more
+    assert noted.passed and noted.notes == ["building its launches ahead failed: RuntimeError: no kernel here"]

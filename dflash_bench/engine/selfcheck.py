@@ -548,13 +548,17 @@ def check(target: Target, *, fresh: bool = False, ahead: Callable[[], None] | No
             return verdict
         except (OSError, ValueError, KeyError, TypeError):
             pass  # an unreadable cache entry is run again
-    started = time.perf_counter()
+    started, failed = time.perf_counter(), None
     if ahead is not None:
-        ahead()
+        try:
+            ahead()
+        except (RuntimeError, ValueError) as err:  # the check itself says what fails; this only cost the head start
+            failed = f"building its launches ahead failed: {type(err).__name__}: {err}"
     built = time.perf_counter() - started
     verdict = _run(target, key, mach)
     if ahead is not None:
         verdict.ahead, verdict.seconds = built, built + verdict.seconds
+        verdict.notes += [failed] if failed else []
     if not verdict.passed:
         return verdict  # a failure is proven again at the next load, never taken from the cache
     try:
