@@ -195,15 +195,17 @@ def test_the_verdict_is_cached_per_machine_and_shapes(monkeypatch) -> None:
     assert not deeper.cached, "a model of other shapes reused another's verdict"
 
 
-def test_the_code_key_covers_the_fused_chains(monkeypatch, tmp_path) -> None:
-    """engine/fused.py's chains are part of every GPU row's arithmetic: a change to them re-runs the check."""
-    from dflash_bench.engine import fused
+def test_the_code_key_covers_the_fused_chains_and_the_checks_themselves(monkeypatch, tmp_path) -> None:
+    """engine/fused.py's chains are part of every GPU row's arithmetic, and selfcheck.py says what is proven:
+    a change to either re-runs the check."""
+    from dflash_bench.engine import fused, verdict
 
-    before = selfcheck._code_hash()
-    edited = tmp_path / "fused.py"
-    edited.write_bytes(Path(fused.__file__).read_bytes() + b"\n# edited\n")
-    monkeypatch.setattr(fused, "__file__", str(edited))
-    assert selfcheck._code_hash() != before
+    for module in (fused, selfcheck):
+        before = verdict._code_hash()
+        edited = tmp_path / f"{module.__name__}.py"
+        edited.write_bytes(Path(module.__file__).read_bytes() + b"\n# edited\n")
+        monkeypatch.setattr(module, "__file__", str(edited))
+        assert verdict._code_hash() != before, module.__name__
 
 
 def test_selfcheck_command_prints_each_path_and_writes_a_receipt(tmp_path) -> None:
