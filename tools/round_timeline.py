@@ -55,6 +55,7 @@ OUTSIDE = "outside any mark"
 # the host phases' marks: round_split.PHASES' labels (not imported here: round_split imports MLX, which reads
 # MLX_MAX_OPS_PER_BUFFER when it starts, and `main` sets that first)
 PHASE_LABELS = ("forward", "drafter", "keep", "async_eval", "eval", "read")
+NAMES = {ROUND: "the round, in no phase"}  # what a report calls a mark
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,7 @@ def instantiations(calls: list[Interval], rounds: list[Interval], marks: list[In
             continue
         at = max(i for i, r in enumerate(rounds[: count + 1]) if r.start <= c.start)
         phase = next((p.name for p in pieces if p.start <= c.start < p.end), OUTSIDE)
-        found.append((at, {ROUND: "the round, in no phase"}.get(phase, phase), (c.end - c.start) / 1e3))
+        found.append((at, NAMES.get(phase, phase), (c.end - c.start) / 1e3))
     return found
 
 
@@ -247,8 +248,7 @@ def idle_by_phase(kernels: list[Interval], rounds: list[Interval], marks: list[I
 
 
 def describe_idle(spent: dict[str, float]) -> str:
-    names = {ROUND: "the round, in no phase"}
-    return "  idle while the host was in: " + ", ".join(f"{names.get(n, n)} {ms:.2f} ms" for n, ms in spent.items())
+    return "  idle while the host was in: " + ", ".join(f"{NAMES.get(n, n)} {ms:.2f} ms" for n, ms in spent.items())
 
 
 def describe(mode: str, t: Timeline, top: int = 15) -> str:

@@ -388,12 +388,18 @@ def _first_exact(path: str, options: list[T], fault: Callable[[T], str | None],
 
 def apply(target: Target, verdict: Verdict) -> None:
     """Set each weight's tile (or the row kernel) and each attention layer's path to the verdict's choices."""
+    choose(target, verdict.tiles, verdict.attention)
+
+
+def choose(target: Target, tiles: dict[str, int], attention: dict[str, str]) -> None:
+    """Set each weight's tile (KERNEL: the row kernel) and each attention layer's path where `tiles` and
+    `attention` name one for its key (a verdict's choices, or the first tried: warmup.first_choices)."""
     for w in target.projections():
-        if (tile := verdict.tiles.get(weight_key(w))) is not None:
+        if (tile := tiles.get(weight_key(w))) is not None:
             w.kernel = tile == KERNEL
             w.tile_rows = tile or None
     for m in target.mixer_layers():
-        if isinstance(m, SelfAttention) and (path := verdict.attention.get(attention_key(m))) is not None:
+        if isinstance(m, SelfAttention) and (path := attention.get(attention_key(m))) is not None:
             m.path = path
 
 

@@ -159,11 +159,8 @@ def first_choices(target: Target) -> Iterator[None]:
     weights = [(w, w.kernel, w.tile_rows) for w in target.projections()]
     layers = [(m, m.path) for m in target.mixer_layers() if isinstance(m, SelfAttention)]
     try:
-        for w, _, _ in weights:
-            first = selfcheck.tile_candidates(w, target.dtype)[0]
-            w.kernel, w.tile_rows = first == selfcheck.KERNEL, first or None
-        for m, _ in layers:
-            m.path = selfcheck.attention_paths(m)[0]
+        tiles = {selfcheck.weight_key(w): selfcheck.tile_candidates(w, target.dtype)[0] for w, _, _ in weights}
+        selfcheck.choose(target, tiles, {selfcheck.attention_key(m): selfcheck.attention_paths(m)[0] for m, _ in layers})
         yield
     finally:
         for w, kernel, rows in weights:
