@@ -119,7 +119,8 @@ def test_where_mlx_launches_kept_kernels_the_self_checks_launches_are_built_firs
     target = engine.target
     before = [(w.kernel, w.tile_rows) for w in target.projections()]
     paths = [m.path for m in target.mixer_layers() if hasattr(m, "path")]
-    assert warmup.ahead_of_check(target, 2, engine.settings.chunk) is None  # this CPU: no CUDA
+    monkeypatch.setattr(warmup, "on_cuda", lambda: False)
+    assert warmup.ahead_of_check(target, 2, engine.settings.chunk) is None  # no CUDA
     monkeypatch.setattr(warmup, "on_cuda", lambda: True)
     monkeypatch.setattr(warmup.kernel_cache, "active", lambda: None)
     assert warmup.ahead_of_check(target, 2, engine.settings.chunk) is None  # no proven cache
