@@ -212,5 +212,8 @@ fi
 # checked for the engine's bits and timed from CUDA graphs (CuPy and nvcc, in the machine's image; needs no MLX);
 # job M's run is docs/profiles/row-kernel-variants-h200.txt's last section, so it comes late
 step row-kernel-variants 300 python3 tools/row_kernel_variants.py
+# the 9B drafter's bf16 products with look-aheads of 2 and 4 and one column tile a warp (twice the warps): at
+# the geometry's they moved 0.27-2.2 TB/s of an H100's ~3.0 in session 46 (docs/gpu-round-profile.md)
+step row-kernel-variants-drafter 300 python3 tools/row_kernel_variants.py --drafter
 step pytest-gpu-attention 600 python3 -m pytest -p no:cacheprovider -m gpu tests/test_attention_kernel.py
 log done

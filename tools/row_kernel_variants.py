@@ -1,6 +1,6 @@
 """Variants of the decode-row matmul kernel, checked and timed alone on a CUDA GPU (CuPy, no MLX).
 
-usage (GPU machine, repo root): python3 tools/row_kernel_variants.py [--ncu]
+usage (GPU machine, repo root): python3 tools/row_kernel_variants.py [--ncu | --drafter]
 
 The engine's kernel (dflash_bench/engine/matmul_kernel.py, read as text, so MLX is not needed) is
 compiled beside variants of it with nvcc through CuPy, launched on the same weights, and timed from
@@ -115,6 +115,11 @@ SHAPES = [  # name, in, out, bits, group
     ("9b o", 4096, 4096, 4, 64), ("9b lm_head", 4096, 248320, 4, 64), ("9b o 8-bit", 4096, 4096, 8, 64),
     ("135m gate_up bf16", 576, 3072, 16, 64), ("135m down bf16", 1536, 576, 16, 64),
 ]
+DRAFTER_SHAPES = [  # the 9B drafter's bf16 products (`--drafter`): each a verify window's 16 rows a round
+    ("9b-d fc bf16", 32768, 4096, 16, 64), ("9b-d k/v bf16", 4096, 2048, 16, 64), ("9b-d q/k/v bf16", 4096, 6144, 16, 64),
+    ("9b-d gate_up bf16", 4096, 24576, 16, 64), ("9b-d down bf16", 12288, 4096, 16, 64),
+    ("9b lm_head", 4096, 248320, 4, 64),
+]
 
 
 def weights(k: int, n: int, bits: int, group: int, rng) -> tuple:
@@ -195,33 +200,46 @@ def run(kernel: Kernel, w: tuple, x: np.ndarray) -> np.ndarray:
     return cp.asnumpy(y)
 
 
-def plans() -> list[tuple[str, str, str, int]]:
-    """(label, body, claim, column tiles a warp or 0 for the geometry's) for one shape, each launched without
-    look-ahead: the engine kernel at the weight's geometry (2 tiles a warp), then at 4 tiles a warp
-    (matmul_kernel.tiles_a_warp's rule for several rows of wide weights), and both with weight loads past L1; all
-    must give the geometry's bits. Session 33's look-aheads, 8 tiles a warp, more warps along the input width and
-    float dequantizing, and job M's column groups, were measured then (docs/profiles/row-kernel-variants-h200.txt)."""
-    out = [("geometry", "engine", "reference", 0), ("t4", "engine", "same bits", 4)]
-    out += [("stream", "stream", "same bits", 0), ("stream t4", "stream", "same bits", 4)]
-    return out
+def plans(drafter: bool) -> list[tuple[str, str, str, int, int]]:
+    """(label, body, claim, column tiles a warp or 0 for the geometry's, look-ahead) for one shape: the engine
+    kernel at the weight's geometry (2 tiles a warp), then at 4 tiles a warp (matmul_kernel.tiles_a_warp's rule
+    for several rows of wide weights), and both with weight loads past L1; all must give the geometry's bits.
+    With `drafter`, look-aheads of 2 and 4 and one tile a warp (twice the warps) instead of the loads past L1:
+    the 9B drafter's narrow bf16 products keep about a tenth of what an H100 needs in flight at the geometry's
+    (docs/gpu-round-profile.md, session 46). Session 33's look-aheads, 8 tiles a warp, more warps along the input
+    width and float dequantizing, and job M's column groups, were measured then
+    (docs/profiles/row-kernel-variants-h200.txt)."""
+    out = [("geometry", "engine", "reference", 0, 1), ("t4", "engine", "same bits", 4, 1)]
+    if drafter:
+        return out + [("pipe2", "engine", "same bits", 0, 2), ("pipe4", "engine", "same bits", 0, 4),
+                      ("t1", "engine", "same bits", 1, 1), ("t1 pipe2", "engine", "same bits", 1, 2),
+                      ("t1 pipe4", "engine", "same bits", 1, 4), ("t4 pipe2", "engine", "same bits", 4, 2)]
+    return out + [("stream", "stream", "same bits", 0, 1), ("stream t4", "stream", "same bits", 4, 1)]
+
+
+def iterations(k: int, bits: int, split: int) -> int:
+    """The kernel's ITERS: a look-ahead must divide it."""
+    return -(-(k // (128 // bits)) // (4 * split))
 
 
 def main() -> int:
     header, engine = engine_source()
     header += STREAM_LOAD
     bodies = {"engine": engine, "stream": streamed(engine)}
-    ncu = "--ncu" in sys.argv
-    shapes = SHAPES[:1] if ncu else SHAPES
+    ncu, drafter = "--ncu" in sys.argv, "--drafter" in sys.argv
+    shapes = SHAPES[:1] if ncu else DRAFTER_SHAPES if drafter else SHAPES
     kernels = {}
     for name, k, n, bits, group in shapes:
         names, found = [], []
-        for label, body, claim, tiles in plans():
+        for label, body, claim, tiles, pipe in plans(drafter):
             shape = geometry(k, n, bits, tiles)
             if shape is None or (ncu and label not in ("geometry", "stream t4")):
                 continue
             nt, split = shape
-            found.append((label, body, nt, split, claim))
-            names += [(body, (k, n, bits, group if bits != 16 else 1, nt, split, mt, 1)) for mt in (1, 4)]
+            if iterations(k, bits, split) % pipe:
+                continue
+            found.append((label, body, nt, split, claim, pipe))
+            names += [(body, (k, n, bits, group if bits != 16 else 1, nt, split, mt, pipe)) for mt in (1, 4)]
         kernels[name] = (module(bodies, header, names), found)
     with ThreadPoolExecutor(8) as pool:  # nvcc runs per module: compile them side by side
         list(pool.map(lambda mod: mod.compile(), [m for m, _ in kernels.values()]))
@@ -237,8 +255,8 @@ def main() -> int:
         copies = [w] + [weights(k, n, bits, group, np.random.default_rng(9 + c))
                         for c in range(0 if ncu else max(0, min(12, -(-2 * L2_BYTES // wbytes)) - 1))]
         base = {}
-        for label, body, nt, split, claim in found:
-            kern = Kernel(mod, body, k, n, bits, group, nt, split, 1)
+        for label, body, nt, split, claim, pipe in found:
+            kern = Kernel(mod, body, k, n, bits, group, nt, split, pipe)
             if ncu:
                 run(kern, w, x[:1])
                 continue
@@ -253,7 +271,7 @@ def main() -> int:
             ok &= err < 1e-2
             fails += not ok
             us = {m: timed(kern, copies, m, k) for m in (1, 16, 64)}
-            line = (f"{name:18s} {label:15s} nt{nt} sk{split} {claim:10s} {'PASS' if ok else 'FAIL'} err {err:.1e}  "
+            line = (f"{name:18s} {label:15s} nt{nt} sk{split} p{pipe} {claim:10s} {'PASS' if ok else 'FAIL'} err {err:.1e}  "
                     + "  ".join(f"M{m} {v:7.1f}us" for m, v in us.items()) + f"  @1 {wbytes / us[1] / 1e3:5.0f} GB/s")
             table.append(line)
             print(line, flush=True)
