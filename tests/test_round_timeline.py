@@ -193,3 +193,12 @@ def test_the_longest_launches_in_the_span_are_listed_with_their_grids(tmp_path) 
         "  the longest launches:",
         "     0.400 ms grid     4096x1x1 void mlx::core::cu::copy_v",
         "     0.050 ms grid            ? mlx::core::cu::custom_kernel_dflash_rows_matmul_1_2_3"]
+    ours = kernel("mlx::core::cu::custom_kernel_dflash_rows_matmul_1_2_3", 2300, 600)  # longer than the copy
+    trace.write_text(json.dumps({"traceEvents": [mark(1000, 900), mark(2000, 900), mark(3000, 900), big, ours,
+                                                 kernel("void mlx::core::cu::rms_norm_small", 2200, 5)]}))
+    kernels, rounds, _, _ = read_trace(str(trace))
+    assert [k.start for k in longest(kernels, rounds, top=2)] == [2300, 1500]
+    mlx = longest(kernels, rounds, top=2, mlx_only=True)
+    assert [k.start for k in mlx] == [1500, 2200]
+    assert describe_longest(mlx, "launches of MLX's own kernels").splitlines()[0] == \
+        "  the longest launches of MLX's own kernels:"

@@ -25,7 +25,8 @@ backend.CUDA_GRAPH_LIMITS unless the environment or `--ops-per-graph` names anot
 in a forward or a drafter pass is Python building a graph with nothing queued before it. The host's CUDA API calls
 a round are summed by name (CUPTI's runtime and driver records): MLX instantiates a CUDA graph whose shape its cache
 has not seen and only updates one it has (mlx/backend/cuda/device.cpp's `commit`), and the two differ in cost; each
-instantiation is listed with its round and host phase. The longest launches are listed with their grids.
+instantiation is listed with its round and host phase. The longest launches are listed with their grids, and
+the longest of MLX's own kernels (copies, gathers) apart.
 
 `--writes` tests why a round meets new graphs (docs/gpu-round-profile.md, session 45): MLX's slice update and
 scatter, the attention caches' writes (engine/cache.py), copy the whole cache first unless MLX may donate its
@@ -138,15 +139,20 @@ def instantiations(calls: list[Interval], rounds: list[Interval], marks: list[In
     return found
 
 
-def longest(kernels: list[Interval], rounds: list[Interval], top: int = 8, count: int | None = None) -> list[Interval]:
+def longest(kernels: list[Interval], rounds: list[Interval], top: int = 8, count: int | None = None,
+            mlx_only: bool = False) -> list[Interval]:
     """The `top` longest kernel launches that start in `summarize`'s span, longest first: a kind's busy time a round
-    says how much, not whether it is many short launches or a few long ones (a copy of a whole cache, say)."""
+    says how much, not whether it is many short launches or a few long ones (a copy of a whole cache, say).
+    `mlx_only`: MLX's own kernels alone, not this engine's (`custom_kernel`s), whose longest are the wide products
+    every round runs; a drafted 9B round's copies took 0.76 ms against a plain one's 0.19 at the same launch count
+    (docs/gpu-round-profile.md, session 46), and which copies those are shows only here."""
     _, lo, hi = span(rounds, count)
-    return sorted((k for k in kernels if lo <= k.start < hi), key=lambda k: k.start - k.end)[:top]
+    return sorted((k for k in kernels if lo <= k.start < hi and not (mlx_only and "custom_kernel" in k.name)),
+                  key=lambda k: k.start - k.end)[:top]
 
 
-def describe_longest(found: list[Interval]) -> str:
-    return "\n".join(["  the longest launches:"] + [
+def describe_longest(found: list[Interval], what: str = "launches") -> str:
+    return "\n".join([f"  the longest {what}:"] + [
         f"  {(k.end - k.start) / 1e3:8.3f} ms grid {'x'.join(map(str, k.grid)) or '?':>12} {kernel_kind(k.name)}"
         for k in found])
 
@@ -348,7 +354,9 @@ def run(target: str, drafter: str, rounds: int, out: Path, streams: int = 1, war
         print(describe(mode, got[mode]) + "\n" + describe_idle(idle_by_phase(kernels, marks, phases, rounds)) + "\n"
               + describe_calls(calls_by_name(calls, marks, rounds)) + "\n"
               + describe_instantiations(instantiations(calls, marks, phases, rounds)) + "\n"
-              + describe_longest(longest(kernels, marks, count=rounds)), flush=True)
+              + describe_longest(longest(kernels, marks, count=rounds)) + "\n"
+              + describe_longest(longest(kernels, marks, count=rounds, mlx_only=True), "launches of MLX's own kernels"),
+              flush=True)
     print(f"drafted / plain: a round {got['drafted'].wall_ms / got['plain'].wall_ms:.2f}x, "
           f"the device's busy time {got['drafted'].busy_ms / got['plain'].busy_ms:.2f}x")
 
@@ -375,6 +383,8 @@ def main() -> None:
         print(describe_calls(calls_by_name(calls, rounds, args.rounds)))
         print(describe_instantiations(instantiations(calls, rounds, phases, args.rounds)))
         print(describe_longest(longest(kernels, rounds, count=args.rounds)))
+        print(describe_longest(longest(kernels, rounds, count=args.rounds, mlx_only=True),
+                               "launches of MLX's own kernels"))
     elif args.target and args.drafter:
         run(args.target, args.drafter, args.rounds or 16, Path(args.out), args.streams, args.warm, args.writes)
     else:
