@@ -17,6 +17,7 @@ import pytest
 
 from dflash_bench.engine.engine import Engine, Settings
 from dflash_bench.engine.request import Request
+from dflash_bench.engine.tiles import Weight
 from dflash_bench.fixtures.small import write_fixture
 
 FAMILIES = ["llama", "qwen3", "qwen3_5"]
@@ -98,3 +99,20 @@ def test_cancel_mid_draft_and_mid_prefill_leaves_others_and_memory_unchanged(pai
     assert drafting.result().finish == prefilling.result().finish == "cancelled"
     mx.clear_cache()
     assert mx.get_active_memory() <= baseline
+
+
+def test_a_rounds_weights_are_each_product_once_and_the_drafters_with_the_lm_head(pair):
+    """Engine.weight_bytes, engine-speed's "weights a round reads": a plain round reads every projection of the
+    checkpoint once (a stacked weight's parts are its projections' bytes), the embedding only where it is the lm_head
+    too; a drafting round adds every array of the drafter and the lm_head again, which the drafts go through."""
+    engine = make(pair)
+
+    def size(w) -> int:
+        return sum(a.nbytes for a in (w.arrays() if isinstance(w, Weight) else [w]))
+
+    weights = engine.loaded.weights
+    products = sum(size(w) for name, w in weights.items() if "proj" in name.split(".")[-2])
+    head = size(weights.get("lm_head.weight", weights["embed_tokens.weight"]))
+    assert engine.target.weight_bytes() == products + head
+    assert engine.weight_bytes() == products + 2 * head + engine.drafter.nbytes
+    assert engine.drafter.nbytes == sum(a.nbytes for a in engine.drafter.parameters()) > 0

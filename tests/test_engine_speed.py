@@ -92,6 +92,12 @@ def test_gpu_mode_on_this_cpu_recorded_beside_mlx_lm_at_every_level(files, one_p
     assert "gpu mode" in shown and "round/plain round" in shown and "equal" in shown
     assert "first request" in shown
     assert [line.split("│")[2].strip() for line in shown.splitlines() if "ready after" in line] == ["plain", "drafted"]
+    # the weights each mode's round reads, and their ratio beside round/plain round
+    size = receipt.aggregates["weight_bytes"]
+    assert set(size) == {"plain", "drafted"} and size["drafted"] > size["plain"] > 0
+    rows = [line.split("│") for line in shown.splitlines() if "weights a round reads (at least)" in line]
+    assert [r[2].strip() for r in rows] == ["plain", "drafted"]
+    assert rows[1][9].strip() == f"{size['drafted'] / size['plain']:.2f}x" and rows[0][9].strip() == "1.00x"
 
 
 def test_reps_are_taken_in_turns_so_a_drift_in_host_speed_reaches_both_sides(files, one_probe):

@@ -271,8 +271,8 @@ class MlxLmCell(Loose):
 
 class EngineSpeedAggregates(Loose):
     """probe -> mode -> streams -> cell, with "mlx-lm" beside the modes (its cells by level, or an
-    MlxLmCell in older receipts); beside the probes: peak_bytes, why mlx-lm was not measured, and how
-    long the engine took to be ready and then to answer its first request."""
+    MlxLmCell in older receipts); beside the probes: peak_bytes, why mlx-lm was not measured, how
+    long the engine took to be ready and then to answer its first request, and the weights each mode's round reads."""
 
     __pydantic_extra__: dict[str, dict[str, Union[MlxLmCell, dict[str, SpeedCell]]]]
     peak_bytes: Optional[int] = None
@@ -281,6 +281,8 @@ class EngineSpeedAggregates(Loose):
     # mode -> until that mode's engine is ready served alone (engine_speed.engines); older receipts: load_seconds
     ready_seconds: dict[str, float] = Field(default_factory=dict)
     first_request_seconds: Optional[float] = None  # the first request after ready, start to last token
+    # mode -> bytes of weights its round reads at least (Engine.weight_bytes); older receipts: none
+    weight_bytes: dict[str, Optional[int]] = Field(default_factory=dict)
 
     def probes(self) -> dict[str, dict[str, Union[MlxLmCell, dict[str, SpeedCell]]]]:
         """The probes' cells (the keys beside peak_bytes)."""

@@ -6,7 +6,9 @@ plain (a drafter-less engine) and drafted (per drafter precision) on the same lo
 decodes the same prompt from the same files (mlx_lm_speed.py): `generate_step` for one stream, its
 batched loop for more. Every figure in the receipt is a ratio taken in one run on one machine:
 ours over mlx-lm, a drafted round's seconds over a plain round's (what verifying a window costs),
-and a level's aggregate over one stream's (how streams scale).
+and a level's aggregate over one stream's (how streams scale). Beside them, the weights each mode's round
+reads at least (Engine.weight_bytes): a drafted round that reads 1.71x a plain one's bytes cannot cost less than
+1.71x at one speed a byte (docs/gpu-round-profile.md, session 46).
 """
 
 from __future__ import annotations
@@ -137,6 +139,8 @@ def engines(s: SpeedSettings, receipt: Receipt) -> tuple[LoadedTarget, list[tupl
     else:
         receipt.skip("drafted", "no --drafter given: only plain decode was measured")
     receipt.server["startup_line"] = modes[-1][1].startup_line()
+    # the least each mode's round reads: at one speed a byte a drafted round's cost over a plain one's is their ratio
+    receipt.aggregates["weight_bytes"] = {name: engine.weight_bytes() for name, engine, _ in modes}
     return loaded, modes
 
 

@@ -245,7 +245,8 @@ def suite(a: agg.SuiteAggregates, r: Receipt) -> Table:
 def engine_speed(a: agg.EngineSpeedAggregates, r: Receipt) -> Table:
     """Each of our modes per probe and level: tok/s, beside mlx-lm at the level (its own row in receipts
     written before mlx-lm ran at every level), what a round costs against a plain one, the 1 -> N scaling
-    and drafted == plain. Old receipts leave the newer columns empty."""
+    and drafted == plain; below, each mode's weights a round reads at least, their ratio to a plain round's in the
+    round/plain round column (what that ratio would be at one speed a byte). Old receipts leave the newer parts empty."""
     mode = r.server.get("backend") if r.server else None
     title = "engine speed (tok/s; medians of reps" + (f"; {mode} mode)" if mode else ")")
     t = Table(title=title, caption=a.mlx_lm_note)
@@ -273,6 +274,11 @@ def engine_speed(a: agg.EngineSpeedAggregates, r: Receipt) -> Table:
                           f"{c.aggregate_tok_s.spread or 0:.1%}")
     if a.peak_bytes is not None:
         t.add_row("peak footprint", "", "", gb(a.peak_bytes), *[""] * 9)
+    plain_bytes = a.weight_bytes.get("plain")
+    for mode, size in a.weight_bytes.items():  # beside round/plain round: that ratio at one speed a byte
+        if size is not None:
+            t.add_row("weights a round reads (at least)", mode, "", gb(size), *[""] * 4,
+                      times(size / plain_bytes if plain_bytes else None), *[""] * 4)
     if a.first_request_seconds is not None:
         for mode, seconds in (a.ready_seconds or {"": a.load_seconds}).items():
             t.add_row("ready after", mode, "", f"{seconds:.1f} s", *[""] * 9)

@@ -166,6 +166,13 @@ class Engine:
             return "test-double"
         return self.loaded.config.name or self.loaded.path.name
 
+    def weight_bytes(self) -> int | None:
+        """Bytes of weights one round reads at least: the target's (Target.weight_bytes), and the drafter's where it
+        drafts (DFlashDrafter.weight_bytes); what engine-speed sets a round's cost against. None for a test double."""
+        if not isinstance(self.target, Target):
+            return None
+        return self.target.weight_bytes() + (self.drafter.weight_bytes() if self.drafter else 0)
+
     def startup_line(self, where: str = "") -> str:
         """Target, drafter kind, streams and context, mode, MLX's CUDA graph limits (on CUDA; receipts keep this
         line, and a graph's size moves timings), the warm-up's shapes and seconds, then `where`

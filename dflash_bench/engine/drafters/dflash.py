@@ -208,6 +208,11 @@ class DFlashDrafter:
                     out.append(value)
         return out
 
+    def weight_bytes(self) -> int:
+        """Bytes a drafted round's drafter work reads at least: every array it holds, once (its absorb's k/v products
+        read their part of kvq again), and the target's lm_head its drafts go through (`logits`)."""
+        return self.nbytes + sum(a.nbytes for a in self.target.lm_head.arrays())
+
     def new_state(self) -> DrafterState:
         return DrafterState([JointCache(self.kv_heads, self.head_dim, self.dtype) for _ in self.layers])
 

@@ -192,6 +192,13 @@ class Target:
         found.setdefault(id(self.lm_head), self.lm_head)
         return list(found.values())
 
+    def weight_bytes(self) -> int:
+        """Bytes of the weights a decode forward multiplies its rows by (`projections`), each once: the least a forward
+        reads from memory where one launch takes every row (the gpu mode's row kernel), and what a round's cost is
+        bounded by at 1 to 16 rows (docs/gpu-round-profile.md, session 46). The embedding is looked up by row, not
+        read whole, unless it is the lm_head too."""
+        return sum(a.nbytes for w in self.projections() for a in w.arrays())
+
     def embed_rows(self, tokens: list[int] | mx.array) -> mx.array:
         """The embedding rows of `tokens` (a list, or int32 ids still being computed), in the activation dtype."""
         ids = tokens if isinstance(tokens, mx.array) else mx.array(tokens, dtype=mx.int32)
