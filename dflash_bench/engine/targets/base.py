@@ -194,8 +194,8 @@ class Target:
 
     def weight_bytes(self) -> int:
         """Bytes of the weights a decode forward multiplies its rows by (`projections`), each once: the least a forward
-        reads from memory where one launch takes every row (the gpu mode's row kernel), and what a round's cost is
-        bounded by at 1 to 16 rows (docs/gpu-round-profile.md, session 46). The embedding is looked up by row, not
+        reads from memory where one launch takes every row (the gpu mode's row kernel), so what bounds a round's cost
+        from below at 1 to 16 rows (docs/gpu-round-profile.md, session 46). The embedding is looked up by row, not
         read whole, unless it is the lm_head too."""
         return sum(a.nbytes for w in self.projections() for a in w.arrays())
 
