@@ -17,6 +17,9 @@ once, at the geometry's tiles and at 4. Which warp computes a column and where a
 sum, so every variant must give the geometry's bits. (Column groups a block, 2 or 4 groups of a block's warps
 side by side, were measured in job M and left out of the engine: docs/gpu-round-profile.md.)
 `--ncu` launches the geometry's kernel and `stream t4` once each on the 9B's gate/up shape, for Nsight Compute.
+`--drafter` runs the 9B drafter's bf16 products and the 9B's 4-bit lm_head instead, with look-aheads of 2 and 4
+(`PIPE`: when loads are issued) and one column tile a warp (twice the warps) beside the geometry and `t4`
+(docs/profiles/row-kernel-variants-h100-46.txt).
 docs/gpu-round-profile.md records what the runs found.
 """
 
