@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from round_timeline import (  # noqa: E402  (tools/ is not a package)
     OUTSIDE, PHASE_LABELS, ROUND, Interval, calls_by_name, describe, describe_calls, describe_idle,
     describe_instantiations, describe_longest, host_pieces, idle_by_phase, instantiations, longest, read_trace,
-    summarize)
+    report, summarize)
 
 
 def kernel(name: str, ts: float, dur: float) -> dict:
@@ -202,3 +202,21 @@ def test_the_longest_launches_in_the_span_are_listed_with_their_grids(tmp_path) 
     assert [k.start for k in mlx] == [1500, 2200]
     assert describe_longest(mlx, "launches of MLX's own kernels").splitlines()[0] == \
         "  the longest launches of MLX's own kernels:"
+
+
+def test_a_report_gives_every_section_once_in_order(tmp_path) -> None:
+    """`report`, what `run` prints for each mode and `--report` for an earlier trace: the summary, then the idle time
+    by phase, the host's calls, the instantiations, the longest launches and the longest of MLX's own."""
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps({"traceEvents": [
+        mark(1000, 900), mark(2000, 900), mark(3000, 900),
+        kernel("void mlx::core::cu::copy_v<bf16>(const bf16 *)", 1500, 400),
+        kernel("mlx::core::cu::custom_kernel_dflash_rows_matmul_1_2_3", 2100, 50)]}))
+    kernels, rounds, phases, calls = read_trace(str(trace))
+    t, text = report("plain", kernels, rounds, phases, calls, None)
+    assert t == summarize(kernels, rounds, None)
+    heads = ["== plain:", "  idle while the host was in:", "  the host's CUDA API calls a round:", "  graph instantiations:",
+             "  the longest launches:", "  the longest launches of MLX's own kernels:"]
+    at = [next(i for i, line in enumerate(text.splitlines()) if line.startswith(h)) for h in heads]
+    assert at == sorted(at)
+    assert text.splitlines()[-1].endswith("void mlx::core::cu::copy_v")  # ours is not among MLX's own

@@ -266,6 +266,20 @@ def describe(mode: str, t: Timeline, top: int = 15) -> str:
     return "\n".join(lines)
 
 
+def report(mode: str, kernels: list[Interval], rounds: list[Interval], phases: list[Interval], calls: list[Interval],
+           count: int | None) -> tuple[Timeline, str]:
+    """One trace's summary and its report: the device's time by kind, its idle time by host phase, the host's CUDA
+    calls, the graph instantiations, the longest launches and the longest of MLX's own (what `run` prints for each
+    mode and `--report` for a trace written before)."""
+    t = summarize(kernels, rounds, count)
+    return t, "\n".join([describe(mode, t), describe_idle(idle_by_phase(kernels, rounds, phases, count)),
+                          describe_calls(calls_by_name(calls, rounds, count)),
+                          describe_instantiations(instantiations(calls, rounds, phases, count)),
+                          describe_longest(longest(kernels, rounds, count=count)),
+                          describe_longest(longest(kernels, rounds, count=count, mlx_only=True),
+                                           "launches of MLX's own kernels")])
+
+
 WRITES = ("as-is", "held", "synced")
 
 
@@ -350,13 +364,8 @@ def run(target: str, drafter: str, rounds: int, out: Path, streams: int = 1, war
         kernels, marks, phases, calls = read_trace(str(trace))
         if not kernels:
             raise SystemExit(f"{trace} holds no kernel records: CUPTI did not see the engine's launches")
-        got[mode] = summarize(kernels, marks, rounds)
-        print(describe(mode, got[mode]) + "\n" + describe_idle(idle_by_phase(kernels, marks, phases, rounds)) + "\n"
-              + describe_calls(calls_by_name(calls, marks, rounds)) + "\n"
-              + describe_instantiations(instantiations(calls, marks, phases, rounds)) + "\n"
-              + describe_longest(longest(kernels, marks, count=rounds)) + "\n"
-              + describe_longest(longest(kernels, marks, count=rounds, mlx_only=True), "launches of MLX's own kernels"),
-              flush=True)
+        got[mode], text = report(mode, kernels, marks, phases, calls, rounds)
+        print(text, flush=True)
     print(f"drafted / plain: a round {got['drafted'].wall_ms / got['plain'].wall_ms:.2f}x, "
           f"the device's busy time {got['drafted'].busy_ms / got['plain'].busy_ms:.2f}x")
 
@@ -377,14 +386,7 @@ def main() -> None:
     if args.ops_per_graph:
         os.environ["MLX_MAX_OPS_PER_BUFFER"] = str(args.ops_per_graph)  # before run() imports MLX
     if args.report:
-        kernels, rounds, phases, calls = read_trace(args.report)
-        print(describe(Path(args.report).stem, summarize(kernels, rounds, args.rounds)))
-        print(describe_idle(idle_by_phase(kernels, rounds, phases, args.rounds)))
-        print(describe_calls(calls_by_name(calls, rounds, args.rounds)))
-        print(describe_instantiations(instantiations(calls, rounds, phases, args.rounds)))
-        print(describe_longest(longest(kernels, rounds, count=args.rounds)))
-        print(describe_longest(longest(kernels, rounds, count=args.rounds, mlx_only=True),
-                               "launches of MLX's own kernels"))
+        print(report(Path(args.report).stem, *read_trace(args.report), args.rounds)[1])
     elif args.target and args.drafter:
         run(args.target, args.drafter, args.rounds or 16, Path(args.out), args.streams, args.warm, args.writes)
     else:
