@@ -127,6 +127,13 @@ wait
 # self-check runs here first (up to 212 s on a fresh machine; ~330 s in session 40), then is cached for the steps
 # after; the engine serves 4 lanes as engine-speed's does, and warming their 33 shapes took 256 s in session 40
 step round-timeline-9b 720 python3 tools/round_timeline.py /root/f9/t --drafter /root/f9/d --out /root/f9/timeline ${TIMELINE_ARGS:-}
+# With BASELINE (below: an earlier revision's dflash_bench package), the same timeline with it first on PYTHONPATH,
+# back to back: a kernel rule's change to a round's busy time, which engine-speed's reps (spread up to 18%) cannot
+# resolve (session 47: 4-bit products at 4 column tiles a warp load two iterations ahead)
+if [ -n "${BASELINE:-}" ]; then
+  step round-timeline-9b-base 720 env PYTHONPATH="$BASELINE:$PYTHONPATH" python3 tools/round_timeline.py /root/f9/t \
+    --drafter /root/f9/d --out /root/f9/timeline-base ${TIMELINE_ARGS:-}
+fi
 # Why rounds long after the warm-up still meet CUDA graphs MLX's cache has not seen (session 45's H100: 6 graph
 # instantiations in 40 rounds, plain and drafted, 6-21 ms each; docs/gpu-round-profile.md): the cache writes,
 # copied first or donated as the device's timing allows, held (never donated) and synced (always donated), each
@@ -182,6 +189,13 @@ fi
 # 252 s, on an H100, and exactness-default took 405 s there)
 run engine-speed-9b 1500 engine-speed /root/f9/t --drafter /root/f9/d --levels 1,4 --tokens 128 --reps 3 \
   --drafter-bits 0,4 --backend gpu --out "$out/engine-speed-qwen3.5-9b-4bit-gpu-$dev.json" ${SPEED_9B_ARGS:-}
+# and with BASELINE's package, its receipt naming BASELINE_COMMIT (run from BASELINE: `python3 -m` puts the working
+# directory first on sys.path, so from here it would import this revision's package whatever PYTHONPATH says)
+if [ -n "${BASELINE:-}" ]; then
+  step engine-speed-9b-base 1500 env -C "$BASELINE" PYTHONPATH="$BASELINE:$PYTHONPATH" DFLASH_BENCH_COMMIT="${BASELINE_COMMIT:-baseline}" \
+    python3 -m dflash_bench engine-speed /root/f9/t --drafter /root/f9/d --levels 1,4 --tokens 128 --reps 3 \
+    --drafter-bits 0,4 --backend gpu --out "$out/engine-speed-qwen3.5-9b-4bit-gpu-$dev-base.json" ${SPEED_9B_ARGS:-}
+fi
 if [ -f "$gguf" ]; then
   run engine-speed-default 540 engine-speed default --levels 1,4 --tokens 256 --reps 3 --drafter-bits 0 \
     --backend gpu --out "$out/engine-speed-default-gpu-$dev.json"

@@ -2,6 +2,7 @@
 
 usage (on the GPU machine): python3 tools/round_timeline.py TARGET --drafter DRAFTER [--streams S] [--rounds R]
                                 [--warm W] [--writes as-is|held|synced] [--out TRACE_DIR] [--ops-per-graph N]
+                                [--drafter-bits B]
        python3 tools/round_timeline.py --report TRACE.json [--rounds R]
 
 round_split.py times a round from the host: where a drafted round's `read` waits, the device is behind, but
@@ -9,7 +10,8 @@ not whether its kernels are long or it idles between them. round_kernels.py (Nsi
 alone, so it gives each kernel's time and no gaps. This records the kernels as they ran, in the engine's own
 order and overlap, with CUPTI through PyTorch's profiler in the same process as MLX (the GPU machine's python3
 holds PyTorch; CUPTI's kernel records cover every kernel of the process, MLX's too). The engine serves TARGET
-with DRAFTER as engine-speed does (gpu mode, warmed; TARGET `default` is the default model); on engine-speed's
+with DRAFTER as engine-speed does (gpu mode, warmed; TARGET `default` is the default model; `--drafter-bits 4`
+its drafter as 4-bit copies, engine-speed's `--drafter-bits`); on engine-speed's
 code probe S plain and then S drafted requests (one by default) decode a few warm rounds each, then R rounds under
 the profiler, each `Engine.step` marked. Per mode:
 the rounds' wall time from the host's marks, the device's busy time (the union of kernel intervals) and idle
@@ -344,16 +346,17 @@ def record(engine, prompt: list[int], draft: bool, rounds: int, trace: Path, str
 
 
 def run(target: str, drafter: str, rounds: int, out: Path, streams: int = 1, warm: int = WARM_ROUNDS,
-        writes: str = "as-is") -> None:
+        writes: str = "as-is", drafter_bits: int = 0) -> None:
     import dflash_bench  # noqa: F401  (loads the BLAS before mlx.core)
 
     from dflash_bench.engine.engine import Engine, Settings
     from round_split import probe_ids
 
-    engine = Engine(target, drafter, Settings(parallel=max(4, streams), context=4096, backend="gpu"))
+    engine = Engine(target, drafter, Settings(parallel=max(4, streams), context=4096, backend="gpu",
+                                              drafter_bits=drafter_bits))
     print(engine.startup_line(), flush=True)
-    print(f"{streams} stream(s); MLX's CUDA graphs: {engine.graph_limits or 'not CUDA'}; cache writes {writes}",
-          flush=True)
+    print(f"{streams} stream(s); MLX's CUDA graphs: {engine.graph_limits or 'not CUDA'}; cache writes {writes}; "
+          f"drafter {f'{drafter_bits}-bit copies' if drafter_bits else 'as loaded'}", flush=True)
     prompt = probe_ids(engine).get("code", list(range(100, 356)))
     out.mkdir(parents=True, exist_ok=True)
     got = {}
@@ -382,13 +385,16 @@ def main() -> None:
     parser.add_argument("--out", default="round-timeline", help="where the traces go")
     parser.add_argument("--report", metavar="TRACE", help="summarize a trace this tool wrote")
     parser.add_argument("--ops-per-graph", type=int, help="MLX_MAX_OPS_PER_BUFFER for this run (read when MLX starts)")
+    parser.add_argument("--drafter-bits", type=int, default=0, help="the drafter's matrices as copies of these bits "
+                        "(0 keeps them as loaded), as engine-speed's --drafter-bits")
     args = parser.parse_args()
     if args.ops_per_graph:
         os.environ["MLX_MAX_OPS_PER_BUFFER"] = str(args.ops_per_graph)  # before run() imports MLX
     if args.report:
         print(report(Path(args.report).stem, *read_trace(args.report), args.rounds)[1])
     elif args.target and args.drafter:
-        run(args.target, args.drafter, args.rounds or 16, Path(args.out), args.streams, args.warm, args.writes)
+        run(args.target, args.drafter, args.rounds or 16, Path(args.out), args.streams, args.warm, args.writes,
+            args.drafter_bits)
     else:
         parser.error("give TARGET and --drafter, or --report TRACE")
 

@@ -1,6 +1,6 @@
 """Variants of the decode-row matmul kernel, checked and timed alone on a CUDA GPU (CuPy, no MLX).
 
-usage (GPU machine, repo root): python3 tools/row_kernel_variants.py [--ncu | --drafter]
+usage (GPU machine, repo root): python3 tools/row_kernel_variants.py [--ncu | --drafter | --wide [BEFORE.py]]
 
 The engine's kernel (dflash_bench/engine/matmul_kernel.py, read as text, so MLX is not needed) is
 compiled beside variants of it with nvcc through CuPy, launched on the same weights, and timed from
@@ -20,6 +20,11 @@ side by side, were measured in job M and left out of the engine: docs/gpu-round-
 `--drafter` runs the 9B drafter's bf16 products and the 9B's 4-bit lm_head instead, with look-aheads of 2 and 4
 (`PIPE`: when loads are issued) and one column tile a warp (twice the warps) beside the geometry and `t4`
 (docs/profiles/row-kernel-variants-h100-46.txt).
+`--wide` runs the 9B's 4-bit products and its drafter's as 4-bit copies (`--drafter-bits 4`) at 2, 4, 8 and 16
+column tiles a warp, each at look-aheads 1 and 2: more tiles a warp load each row of x once for more columns
+(16 rows of x are 2 bytes for every byte of 4-bit weight at 4 tiles, 0.5 at 16). With a BEFORE file (an earlier
+matmul_kernel.py), its kernel runs first as `before`, and the engine's at the geometry must give its bits too.
+Each line shows the registers a thread and the bytes spilled to local memory at one and at four row tiles.
 docs/gpu-round-profile.md records what the runs found.
 """
 
@@ -38,9 +43,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 L2_BYTES = 60 * 2**20
 
 
-def engine_constants() -> dict:
+def engine_constants(path: pathlib.Path = ROOT / "dflash_bench/engine/matmul_kernel.py") -> dict:
     """The engine kernel module's top-level constants (literals), read from its text, so MLX is not needed."""
-    tree = ast.parse((ROOT / "dflash_bench/engine/matmul_kernel.py").read_text())
+    tree = ast.parse(path.read_text())
     found = {}
     for t in tree.body:
         if isinstance(t, ast.Assign) and isinstance(t.targets[0], ast.Name):
@@ -51,9 +56,9 @@ def engine_constants() -> dict:
     return found
 
 
-def engine_source() -> tuple[str, str]:
-    """The engine kernel's `_HEADER` and `_SOURCE`."""
-    found = engine_constants()
+def engine_source(path: pathlib.Path = ROOT / "dflash_bench/engine/matmul_kernel.py") -> tuple[str, str]:
+    """The engine kernel's `_HEADER` and `_SOURCE` (or those of an earlier copy of its module at `path`)."""
+    found = engine_constants(path)
     return found["_HEADER"], found["_SOURCE"].replace("{part}", "y + (size_t)M * lo")  # one output (matmul_kernel.source)
 
 
@@ -123,6 +128,7 @@ DRAFTER_SHAPES = [  # the 9B drafter's bf16 products (`--drafter`): each a verif
     ("9b-d gate_up bf16", 4096, 24576, 16, 64), ("9b-d down bf16", 12288, 4096, 16, 64),
     ("9b lm_head", 4096, 248320, 4, 64),
 ]
+WIDE_SHAPES = SHAPES[:5] + [(name.replace("bf16", "q4"), k, n, 4, 64) for name, k, n, _, _ in DRAFTER_SHAPES[:5]]
 
 
 def weights(k: int, n: int, bits: int, group: int, rng) -> tuple:
@@ -160,6 +166,11 @@ class Kernel:
         self.n, self.nt, self.split = n, nt, split
         self.expr = lambda mt: kernel_name(name, (k, n, bits, group if bits != 16 else 1, nt, split, mt, pipe))
         self.mod = mod
+
+    def registers(self) -> str:
+        """Registers a thread / bytes spilled to local memory, at one and at four row tiles a block."""
+        fs = [self.mod.get_function(self.expr(mt)) for mt in (1, 4)]
+        return " ".join(f"mt{mt}:{f.num_regs}/{f.local_size_bytes}" for mt, f in zip((1, 4), fs))
 
     def __call__(self, x: cp.ndarray, w: tuple, m: int, rows: cp.ndarray, y: cp.ndarray) -> None:
         mt = min(4, -(-m // 16))
@@ -220,6 +231,17 @@ def plans(drafter: bool) -> list[tuple[str, str, str, int, int]]:
     return out + [("stream", "stream", "same bits", 0, 1), ("stream t4", "stream", "same bits", 4, 1)]
 
 
+def wide_plans(before: bool) -> list[tuple[str, str, str, int, int]]:
+    """`--wide`: the engine kernel at 2, 4, 8 and 16 column tiles a warp and look-aheads 1 and 2, after the
+    earlier kernel (`before`, the reference) where one is given."""
+    out = [("before", "before", "reference", 0, 1)] if before else []
+    for tiles in (0, 4, 8, 16):
+        for pipe in (1, 2):
+            claim = "reference" if not out else "same bits"
+            out.append((f"{'geometry' if not tiles else f't{tiles}'}{' pipe2' if pipe == 2 else ''}", "engine", claim, tiles, pipe))
+    return out
+
+
 def iterations(k: int, bits: int, split: int) -> int:
     """The kernel's ITERS: a look-ahead must divide it."""
     return -(-(k // (128 // bits)) // (4 * split))
@@ -229,12 +251,17 @@ def main() -> int:
     header, engine = engine_source()
     header += STREAM_LOAD
     bodies = {"engine": engine, "stream": streamed(engine)}
-    ncu, drafter = "--ncu" in sys.argv, "--drafter" in sys.argv
-    shapes = SHAPES[:1] if ncu else DRAFTER_SHAPES if drafter else SHAPES
+    ncu, drafter, wide = "--ncu" in sys.argv, "--drafter" in sys.argv, "--wide" in sys.argv
+    before = sys.argv[sys.argv.index("--wide") + 1:] if wide else []
+    if before:  # one module holds both bodies, so the earlier kernel must share the engine's header
+        old_header, bodies["before"] = engine_source(pathlib.Path(before[0]))
+        if old_header + STREAM_LOAD != header:
+            sys.exit(f"{before[0]}: its kernel header differs from the engine's; compare bodies with one header")
+    shapes = SHAPES[:1] if ncu else DRAFTER_SHAPES if drafter else WIDE_SHAPES if wide else SHAPES
     kernels = {}
     for name, k, n, bits, group in shapes:
         names, found = [], []
-        for label, body, claim, tiles, pipe in plans(drafter):
+        for label, body, claim, tiles, pipe in (wide_plans(bool(before)) if wide else plans(drafter)):
             shape = geometry(k, n, bits, tiles)
             if shape is None or (ncu and label not in ("geometry", "stream t4")):
                 continue
@@ -275,7 +302,8 @@ def main() -> int:
             fails += not ok
             us = {m: timed(kern, copies, m, k) for m in (1, 16, 64)}
             line = (f"{name:18s} {label:15s} nt{nt} sk{split} p{pipe} {claim:10s} {'PASS' if ok else 'FAIL'} err {err:.1e}  "
-                    + "  ".join(f"M{m} {v:7.1f}us" for m, v in us.items()) + f"  @1 {wbytes / us[1] / 1e3:5.0f} GB/s")
+                    + "  ".join(f"M{m} {v:7.1f}us" for m, v in us.items()) + f"  @1 {wbytes / us[1] / 1e3:5.0f} GB/s"
+                    + (f"  regs {kern.registers()}" if wide else ""))
             table.append(line)
             print(line, flush=True)
     print("\n".join(table))

@@ -365,12 +365,15 @@ def geometry(in_features: int, out_features: int, bits: int) -> Geometry:
     return Geometry(nt, split)
 
 
-def look_ahead(in_features: int, bits: int, split_k: int, tiles: int) -> int:
+def look_ahead(in_features: int, bits: int, split_k: int, tiles: int, column_tiles: int) -> int:
     """Iterations a warp loads before their math (`PIPE`): only when its loads are issued, so any value
-    gives the same bits. Measured on the H200 (tools/row_kernel_variants.py, docs/gpu-round-profile.md):
-    4 for 8-bit weights, 2 for launches of several row tiles, else 1; it must divide the iterations."""
+    gives the same bits. Measured alone (tools/row_kernel_variants.py, docs/gpu-round-profile.md): 4 for
+    8-bit weights; 2 for launches of several row tiles (the H200) and for 4-bit weights at 4 column tiles a
+    warp (an H100, session 47: a verify window's 16 rows of the 9B's gate/up 40.1 -> 31.5 us, lm_head 377.1
+    -> 295.4, its drafter's 4-bit copies' gate/up 40.4 -> 31.5; the same at 2 tiles, or in bf16, moved
+    nothing); else 1. It must divide the iterations."""
     iterations = -(-(in_features // values_per_chunk(bits)) // (4 * split_k))
-    want = 4 if bits == 8 else 2 if tiles > 1 else 1
+    want = 4 if bits == 8 else 2 if tiles > 1 or (bits == 4 and column_tiles == 4) else 1
     while iterations % want:
         want //= 2
     return want
@@ -425,10 +428,16 @@ def tiles_a_warp(m: int, k: int, n: int, bits: int) -> int:
     half of TARGET_WARPS in flight. On the H200 (docs/profiles/matmul-kernel-probe-h200.log, 2026-12-04)
     that made 16 rows of the 9B's projections 8-21% faster (its lm_head 0.591 -> 0.479 ms) and 64 rows
     35-46% faster, while weights too narrow for it (the 9B's k/v alone, the 135M model's) were as fast or
-    slower at 4. Which warp computes a column never enters its sum (the split of the input width,
-    `SPLITK`, and each lane's chunks set that), so the bits are the geometry's."""
+    slower at 4. bf16 weights take 4 tiles only past one row tile: at 16 rows the 9B drafter's bf16 products
+    were as fast or faster at 2 (fc 112.1 against 119.8 us, down 46.1 against 49.0 on an H100:
+    docs/profiles/row-kernel-variants-h100-46.txt), at 64 rows 1.4-1.6x faster at 4. Which warp computes a
+    column never enters its sum (the split of the input width, `SPLITK`, and each lane's chunks set that),
+    so the bits are the geometry's. 8 and 16 tiles a warp were slower at 1 and 16 rows on an H100 (session 47,
+    docs/profiles/row-kernel-variants-h100-47.txt), even where the kernel dequantized a k-step pair of fragments
+    at a time so that nothing spilled: fewer warps with more loads each, not registers, is what costs there."""
     g = geometry(k, n, bits)
-    if m > 1 and g.nt == 2 and n % 32 == 0 and n // 32 * g.split_k >= TARGET_WARPS // 2:
+    several = m > MMA_ROWS if bits == 16 else m > 1
+    if several and g.nt == 2 and n % 32 == 0 and n // 32 * g.split_k >= TARGET_WARPS // 2:
         return 4
     return g.nt
 
@@ -448,7 +457,7 @@ def launch(m: int, k: int, n: int, bits: int, group_size: int, parts: tuple[int,
     tiles = min(MAX_TILES, -(-m // MMA_ROWS))
     starts = list(accumulate(parts[:-1])) if parts else []
     template = (("K", k), ("N", n), ("BITS", bits), ("G", group_size if bits != 16 else 1),
-                ("NT", nt), ("SPLITK", g.split_k), ("MT", tiles), ("PIPE", look_ahead(k, bits, g.split_k, tiles)),
+                ("NT", nt), ("SPLITK", g.split_k), ("MT", tiles), ("PIPE", look_ahead(k, bits, g.split_k, tiles, nt)),
                 *zip(("P1", "P2", "P3"), starts + [n] * (MAX_PARTS - 1 - len(starts))), ("RESID", int(residual)),
                 ("NORM", int(eps is not None)), ("EPS", 0 if eps is None else float_bits(eps)))
     options = dict(template=template, grid=(n // (8 * nt) * 32 * g.split_k, -(-m // (MMA_ROWS * tiles)), 1),
