@@ -223,7 +223,7 @@ def test_the_kernel_source_run_on_a_cpu_stays_in_bounds_and_keeps_rows_alone(mon
     k, n, bits, group, split, ahead = case
     assert matmul_kernel.fits(k, n, bits, group or 64)
     assert matmul_kernel.geometry(k, n, bits).split_k == split
-    assert matmul_kernel.look_ahead(k, bits, split, tiles=2, column_tiles=2) == ahead
+    assert matmul_kernel.look_ahead(k, bits, split, tiles=2, column_tiles=2, normed=False) == ahead
     assert matmul_kernel.launch(1, k, n, bits, group or 64, ()).options["template"][4] == ("NT", 2 if n % 16 == 0 else 1)
     windows = matmul_kernel.launch(3, k, n, bits, group or 64, ()).options["template"][4]
     assert windows == ("NT", 2 if n % 16 == 0 else 1)  # too few columns for 4 tiles a warp
@@ -260,12 +260,17 @@ def test_the_kernel_source_at_four_column_tiles_a_warp_equals_two(monkeypatch, c
     which warp computes a column, never its sum: at 4 tiles every row of calls of 3, 17 and 40 rows equals
     the same call at 2 bit for bit (the weights here are narrow, so the rule is forced; what it picks for the
     9B's weights is checked beside)."""
-    assert [matmul_kernel.tiles_a_warp(m, 4096, n, 4) for m, n in ((16, 24576), (16, 4096), (1, 24576), (16, 1024))] == [4, 4, 2, 2]
-    assert matmul_kernel.tiles_a_warp(16, 576, 1536, 16) == 2  # the 135M model's MLP: too few columns
-    # bf16 weights (the 9B drafter's fc) take 4 tiles only past one row tile; 4-bit ones at 4 tiles load two
-    # iterations ahead, at 2 tiles or in bf16 one (a look-ahead changes when loads are issued, not a sum)
-    assert [matmul_kernel.tiles_a_warp(m, 32768, 4096, 16) for m in (1, 16, 17)] == [2, 2, 4]
-    assert [matmul_kernel.look_ahead(4096, bits, 1, 1, nt) for bits, nt in ((4, 4), (4, 2), (16, 4))] == [2, 1, 1]
+    assert [matmul_kernel.tiles_a_warp(m, 4096, n, 4, False) for m, n in ((16, 24576), (16, 4096), (1, 24576), (16, 1024))] == [4, 4, 2, 2]
+    assert matmul_kernel.tiles_a_warp(16, 576, 1536, 16, False) == 2  # the 135M model's MLP: too few columns
+    # bf16 weights (the 9B drafter's fc) and normed launches whose input width is split (the 9B's gate/up, split
+    # 2) take 4 tiles only past one row tile; the unsplit normed lm_head takes them at 16 rows
+    assert [matmul_kernel.tiles_a_warp(m, 32768, 4096, 16, False) for m in (1, 16, 17)] == [2, 2, 4]
+    assert [matmul_kernel.tiles_a_warp(m, 4096, 24576, 4, True) for m in (1, 16, 17)] == [2, 2, 4]
+    assert [matmul_kernel.tiles_a_warp(m, 4096, 248320, 4, True) for m in (1, 16, 17)] == [2, 4, 4]
+    # 4-bit launches at 4 tiles load two iterations ahead unless normed; at 2 tiles or in bf16 one (a look-ahead
+    # changes when loads are issued, not a sum)
+    assert [matmul_kernel.look_ahead(4096, bits, 1, 1, nt, normed) for bits, nt, normed in
+            ((4, 4, False), (4, 4, True), (4, 2, False), (16, 4, False))] == [2, 1, 1, 1]
     cuda_emulator.install_matmul(monkeypatch)
     k, n, bits, group = case
     w = weight(k, n, bits, group, seed=11)
@@ -273,7 +278,7 @@ def test_the_kernel_source_at_four_column_tiles_a_warp_equals_two(monkeypatch, c
     got = {}
     for nt in (2, 4):
         with monkeypatch.context() as patch:
-            patch.setattr(matmul_kernel, "tiles_a_warp", lambda m, k, n, bits: nt)
+            patch.setattr(matmul_kernel, "tiles_a_warp", lambda m, k, n, bits, normed: nt)
             matmul_kernel.launch.cache_clear()
             got[nt] = [matmul_kernel.rows_matmul(x[:m], w.w, w.scales, w.biases, bits, group) for m in (3, 17, 40)]
             assert matmul_kernel.launch(17, k, n, bits, group or 64, ()).options["template"][4] == ("NT", nt)

@@ -69,7 +69,7 @@ def test_the_kernel_source_norms_a_stacked_weights_parts_and_any_column_tiles_al
     got = {}
     for nt in (2, 4):
         with monkeypatch.context() as patch:
-            patch.setattr(matmul_kernel, "tiles_a_warp", lambda m, k, n, bits: nt)
+            patch.setattr(matmul_kernel, "tiles_a_warp", lambda m, k, n, bits, normed: nt)
             matmul_kernel.launch.cache_clear()
             got[nt] = [matmul_kernel.rows_matmul(x[:m], w.w, w.scales, w.biases, 4, 64, norm=norm) for m in (1, 5, 17)]
             parts = [matmul_kernel.rows_matmul(x[:m], w.w, w.scales, w.biases, 4, 64, widths, norm=norm) for m in (1, 5, 17)]

@@ -1,6 +1,6 @@
 """Variants of the decode-row matmul kernel, checked and timed alone on a CUDA GPU (CuPy, no MLX).
 
-usage (GPU machine, repo root): python3 tools/row_kernel_variants.py [--ncu | --drafter | --wide [BEFORE.py]]
+usage (GPU machine, repo root): python3 tools/row_kernel_variants.py [--ncu | --drafter | --wide [BEFORE.py] | --norm]
 
 The engine's kernel (dflash_bench/engine/matmul_kernel.py, read as text, so MLX is not needed) is
 compiled beside variants of it with nvcc through CuPy, launched on the same weights, and timed from
@@ -25,6 +25,10 @@ column tiles a warp, each at look-aheads 1 and 2: more tiles a warp load each ro
 (16 rows of x are 2 bytes for every byte of 4-bit weight at 4 tiles, 0.5 at 16). With a BEFORE file (an earlier
 matmul_kernel.py), its kernel runs first as `before`, and the engine's at the geometry must give its bits too.
 Each line shows the registers a thread and the bytes spilled to local memory at one and at four row tiles.
+`--norm` runs the 9B's 4-bit products at the geometry, 4 tiles and 4 tiles with a look-ahead of 2, each without and
+with the RMS norm in its launch (`normed`, as the engine launches every product after a norm: rows_matmul's `norm`),
+the normed ones checked against the normed float32 product and each other's bits: a round timeline's launches of
+these products took about twice their time alone (docs/gpu-round-profile.md, session 47).
 docs/gpu-round-profile.md records what the runs found.
 """
 
@@ -86,7 +90,7 @@ def kernel_name(body: str, consts: tuple[int, ...]) -> str:
 def module(bodies: dict[str, str], header: str, wanted: list[tuple[str, tuple[int, ...]]]) -> cp.RawModule:
     """One nvcc module of plain `extern "C"` kernels, one per (body, K N BITS G NT SPLITK MT PIPE),
     each writing its output whole (the parts' starts P1..P3 at N: matmul_kernel.launch without `parts`), with no
-    residual or norm."""
+    residual, and the rows RMS-normed (epsilon NORM_EPS) where the body's name starts with `normed`."""
     params = ("const __nv_bfloat16* x, const uint32_t* w, const __nv_bfloat16* scales, "
               "const __nv_bfloat16* biases, const int* rows, const __nv_bfloat16* residual, const __nv_bfloat16* norm, "
               "__nv_bfloat16* y")
@@ -96,12 +100,19 @@ def module(bodies: dict[str, str], header: str, wanted: list[tuple[str, tuple[in
                        for n, v in zip(("K", "N", "BITS", "G", "NT", "SPLITK", "MT", "PIPE"), consts))
         defs += "".join(f"  constexpr int {p} = N;\n" for p in ("P1", "P2", "P3"))  # one output, not parts
         defs += "  constexpr int RESID = 0;\n"  # no residual added (matmul_kernel.rows_matmul's `residual`)
-        defs += "  constexpr int NORM = 0;\n  constexpr int EPS = 0;\n"  # no norm (rows_matmul's `norm`)
+        normed = body.startswith("normed")  # rows_matmul's `norm`, or none
+        defs += f"  constexpr int NORM = {int(normed)};\n  constexpr int EPS = {float_bits(NORM_EPS) if normed else 0};\n"
         code += f'extern "C" __global__ void {kernel_name(body, consts)}({params}) {{\n{defs}{bodies[body]}\n}}\n'
     return cp.RawModule(code=code, backend="nvcc", options=("-O3", "-std=c++17", "-arch=sm_90"))
 
 
 TARGET_WARPS = engine_constants()["TARGET_WARPS"]
+NORM_EPS = 1e-6
+
+
+def float_bits(value: float) -> int:
+    """matmul_kernel.float_bits: a float32's bits as an int (the template's EPS)."""
+    return int(np.array([value], dtype=np.float32).view(np.int32)[0])
 
 
 def geometry(k: int, n: int, bits: int, tiles: int = 0) -> tuple[int, int] | None:
@@ -162,8 +173,9 @@ def as_f32(h: np.ndarray) -> np.ndarray:
 
 
 class Kernel:
-    def __init__(self, mod: cp.RawModule, name: str, k: int, n: int, bits: int, group: int, nt: int, split: int, pipe: int):
-        self.n, self.nt, self.split = n, nt, split
+    def __init__(self, mod: cp.RawModule, name: str, k: int, n: int, bits: int, group: int, nt: int, split: int, pipe: int,
+                 norm: cp.ndarray | None = None):
+        self.n, self.nt, self.split, self.norm = n, nt, split, norm
         self.expr = lambda mt: kernel_name(name, (k, n, bits, group if bits != 16 else 1, nt, split, mt, pipe))
         self.mod = mod
 
@@ -177,7 +189,8 @@ class Kernel:
         f = self.mod.get_function(self.expr(mt))
         dummy = w[0]
         f((self.n // (8 * self.nt), -(-m // (16 * mt)), 1), (32 * self.split, 1, 1),
-          (x, w[0], w[1] if w[1] is not None else dummy, w[2] if w[2] is not None else dummy, rows, x, x, y))
+          (x, w[0], w[1] if w[1] is not None else dummy, w[2] if w[2] is not None else dummy, rows, x,
+           x if self.norm is None else self.norm, y))
 
 
 def timed(kernel: Kernel, copies: list, m: int, k: int, launches: int = 60, reps: int = 7) -> float:
@@ -231,6 +244,16 @@ def plans(drafter: bool) -> list[tuple[str, str, str, int, int]]:
     return out + [("stream", "stream", "same bits", 0, 1), ("stream t4", "stream", "same bits", 4, 1)]
 
 
+def norm_plans() -> list[tuple[str, str, str, int, int]]:
+    """`--norm`: the geometry, 4 tiles and 4 tiles with a look-ahead of 2, without and then with the norm (each
+    group checked against its own geometry's bits)."""
+    out = []
+    for body in ("engine", "normed"):
+        out += [(f"{body} geometry", body, "reference", 0, 1), (f"{body} t4", body, "same bits", 4, 1),
+                (f"{body} t4 pipe2", body, "same bits", 4, 2)]
+    return out
+
+
 def wide_plans(before: bool) -> list[tuple[str, str, str, int, int]]:
     """`--wide`: the engine kernel at 2, 4, 8 and 16 column tiles a warp and look-aheads 1 and 2, after the
     earlier kernel (`before`, the reference) where one is given."""
@@ -251,17 +274,19 @@ def main() -> int:
     header, engine = engine_source()
     header += STREAM_LOAD
     bodies = {"engine": engine, "stream": streamed(engine)}
-    ncu, drafter, wide = "--ncu" in sys.argv, "--drafter" in sys.argv, "--wide" in sys.argv
+    ncu, drafter, wide, normed = "--ncu" in sys.argv, "--drafter" in sys.argv, "--wide" in sys.argv, "--norm" in sys.argv
+    bodies["normed"] = engine
     before = sys.argv[sys.argv.index("--wide") + 1:] if wide else []
     if before:  # one module holds both bodies, so the earlier kernel must share the engine's header
         old_header, bodies["before"] = engine_source(pathlib.Path(before[0]))
         if old_header + STREAM_LOAD != header:
             sys.exit(f"{before[0]}: its kernel header differs from the engine's; compare bodies with one header")
-    shapes = SHAPES[:1] if ncu else DRAFTER_SHAPES if drafter else WIDE_SHAPES if wide else SHAPES
+    shapes = SHAPES[:1] if ncu else DRAFTER_SHAPES if drafter else WIDE_SHAPES if wide else SHAPES[:5] if normed else SHAPES
     kernels = {}
     for name, k, n, bits, group in shapes:
         names, found = [], []
-        for label, body, claim, tiles, pipe in (wide_plans(bool(before)) if wide else plans(drafter)):
+        for label, body, claim, tiles, pipe in (wide_plans(bool(before)) if wide else norm_plans() if normed
+                                                else plans(drafter)):
             shape = geometry(k, n, bits, tiles)
             if shape is None or (ncu and label not in ("geometry", "stream t4")):
                 continue
@@ -282,11 +307,15 @@ def main() -> int:
         x = bf16(rng.standard_normal((64, k), dtype=np.float32))
         cols = min(n, 4096)
         ref = as_f32(x) @ dequantized(w, k, cols, bits, group).T
+        gain = bf16(1.0 + 0.1 * rng.standard_normal(k, dtype=np.float32))  # a norm's weights, for `normed` bodies
+        rms = np.sqrt((as_f32(x) ** 2).mean(axis=1, keepdims=True) + NORM_EPS)
+        refs = {False: ref, True: (as_f32(x) * as_f32(gain)) @ dequantized(w, k, cols, bits, group).T / rms}
         copies = [w] + [weights(k, n, bits, group, np.random.default_rng(9 + c))
                         for c in range(0 if ncu else max(0, min(12, -(-2 * L2_BYTES // wbytes)) - 1))]
         base = {}
         for label, body, nt, split, claim, pipe in found:
-            kern = Kernel(mod, body, k, n, bits, group, nt, split, pipe)
+            kern = Kernel(mod, body, k, n, bits, group, nt, split, pipe,
+                          cp.asarray(gain) if body.startswith("normed") else None)
             if ncu:
                 run(kern, w, x[:1])
                 continue
@@ -297,7 +326,8 @@ def main() -> int:
                 base = outs
             else:
                 ok &= all((outs[m] == base[m]).all() for m in outs)
-            err = float(np.linalg.norm(as_f32(outs[64][:, :cols]) - ref) / np.linalg.norm(ref))
+            want = refs[body.startswith("normed")]
+            err = float(np.linalg.norm(as_f32(outs[64][:, :cols]) - want) / np.linalg.norm(want))
             ok &= err < 1e-2
             fails += not ok
             us = {m: timed(kern, copies, m, k) for m in (1, 16, 64)}

@@ -365,15 +365,17 @@ def geometry(in_features: int, out_features: int, bits: int) -> Geometry:
     return Geometry(nt, split)
 
 
-def look_ahead(in_features: int, bits: int, split_k: int, tiles: int, column_tiles: int) -> int:
+def look_ahead(in_features: int, bits: int, split_k: int, tiles: int, column_tiles: int, normed: bool) -> int:
     """Iterations a warp loads before their math (`PIPE`): only when its loads are issued, so any value
     gives the same bits. Measured alone (tools/row_kernel_variants.py, docs/gpu-round-profile.md): 4 for
     8-bit weights; 2 for launches of several row tiles (the H200) and for 4-bit weights at 4 column tiles a
-    warp (an H100, session 47: a verify window's 16 rows of the 9B's gate/up 40.1 -> 31.5 us, lm_head 377.1
-    -> 295.4, its drafter's 4-bit copies' gate/up 40.4 -> 31.5; the same at 2 tiles, or in bf16, moved
-    nothing); else 1. It must divide the iterations."""
+    warp without a norm in the launch (an H100, session 47: a verify window's 16 rows of the 9B's down 24.1 ->
+    21.1 us, lm_head 377.1 -> 295.4 without its norm; with the norm, as gate/up and the lm_head run, 2 moved
+    nothing, and in a round timeline's launches the normed gate/up took 5% longer); else 1. It must divide
+    the iterations."""
     iterations = -(-(in_features // values_per_chunk(bits)) // (4 * split_k))
-    want = 4 if bits == 8 else 2 if tiles > 1 or (bits == 4 and column_tiles == 4) else 1
+    wide = bits == 4 and column_tiles == 4 and not normed
+    want = 4 if bits == 8 else 2 if tiles > 1 or wide else 1
     while iterations % want:
         want //= 2
     return want
@@ -421,23 +423,30 @@ class KernelCall:
     options: dict  # template, grid, threadgroup, output shapes and dtypes
 
 
-def tiles_a_warp(m: int, k: int, n: int, bits: int) -> int:
-    """8-column MMA tiles a warp computes for m rows. Each warp loads its rows of x for every chunk, and
-    at one row only a few lanes do; a verify window's 16 rows cost every lane 8 loads a chunk against 2
-    of weights at the geometry's 2 tiles, so several rows take 4 tiles a warp where that still leaves
-    half of TARGET_WARPS in flight. On the H200 (docs/profiles/matmul-kernel-probe-h200.log, 2026-12-04)
-    that made 16 rows of the 9B's projections 8-21% faster (its lm_head 0.591 -> 0.479 ms) and 64 rows
-    35-46% faster, while weights too narrow for it (the 9B's k/v alone, the 135M model's) were as fast or
-    slower at 4. bf16 weights take 4 tiles only past one row tile: at 16 rows the 9B drafter's bf16 products
-    were as fast or faster at 2 (fc 112.1 against 119.8 us, down 46.1 against 49.0 on an H100:
-    docs/profiles/row-kernel-variants-h100-46.txt), at 64 rows 1.4-1.6x faster at 4. Which warp computes a
-    column never enters its sum (the split of the input width, `SPLITK`, and each lane's chunks set that),
-    so the bits are the geometry's. 8 and 16 tiles a warp were slower at 1 and 16 rows on an H100 (session 47,
-    docs/profiles/row-kernel-variants-h100-47.txt), even where the kernel dequantized a k-step pair of fragments
-    at a time so that nothing spilled: fewer warps with more loads each, not registers, is what costs there."""
+def tiles_a_warp(m: int, k: int, n: int, bits: int, normed: bool) -> int:
+    """8-column MMA tiles a warp computes for m rows (`normed`: the launch RMS-norms its rows). Each warp
+    loads its rows of x for every chunk, and at one row only a few lanes do; a verify window's 16 rows cost
+    every lane 8 loads a chunk against 2 of weights at the geometry's 2 tiles, so several rows take 4 tiles a
+    warp where that still leaves half of TARGET_WARPS in flight. On the H200
+    (docs/profiles/matmul-kernel-probe-h200.log, 2026-12-04) that made 16 rows of the 9B's projections 8-21%
+    faster (its lm_head 0.591 -> 0.479 ms) and 64 rows 35-46% faster, while weights too narrow for it (the 9B's
+    k/v alone, the 135M model's) were as fast or slower at 4. Two exceptions at one row tile, measured alone on
+    an H100: bf16 weights keep 2 tiles (the 9B drafter's fc 112.1 against 119.8 us at 16 rows, down 46.1
+    against 49.0: docs/profiles/row-kernel-variants-h100-46.txt; at 64 rows 4 tiles are 1.4-1.6x faster), and so
+    do normed launches whose input width is split over warps (a norm's squares and weighting are work a warp
+    does for every chunk of x it loads, and 4 tiles halve the warps doing it: 16 rows of the 9B's normed
+    gate/up 51.1 us at 2 tiles against 62.4 at 4, its GatedDeltaNet in_proj 27.1 against 33.1, where the
+    unsplit lm_head is faster at 4, 430.4 against 479.4: docs/profiles/row-kernel-variants-norm-h100-47.txt).
+    Which warp computes a column never enters its sum (the split of the input width, `SPLITK`, and each lane's
+    chunks set that), so the bits are the geometry's. 8 and 16 tiles a warp were slower at 1 and 16 rows on an
+    H100 (docs/profiles/row-kernel-variants-h100-47.txt), even where the kernel dequantized a k-step pair of
+    fragments at a time so that nothing spilled: fewer warps with more loads each, not registers, is what
+    costs there."""
     g = geometry(k, n, bits)
-    several = m > MMA_ROWS if bits == 16 else m > 1
-    if several and g.nt == 2 and n % 32 == 0 and n // 32 * g.split_k >= TARGET_WARPS // 2:
+    one_tile = m <= MMA_ROWS
+    if m == 1 or one_tile and (bits == 16 or normed and g.split_k > 1):
+        return g.nt
+    if g.nt == 2 and n % 32 == 0 and n // 32 * g.split_k >= TARGET_WARPS // 2:
         return 4
     return g.nt
 
@@ -453,11 +462,11 @@ def launch(m: int, k: int, n: int, bits: int, group_size: int, parts: tuple[int,
     """The launch of `rows_matmul` for m rows of a (n, k) weight (rows RMS-normed first where `eps` is given):
     a function of the shapes alone."""
     g = geometry(k, n, bits)
-    nt = tiles_a_warp(m, k, n, bits)
+    nt = tiles_a_warp(m, k, n, bits, eps is not None)
     tiles = min(MAX_TILES, -(-m // MMA_ROWS))
     starts = list(accumulate(parts[:-1])) if parts else []
     template = (("K", k), ("N", n), ("BITS", bits), ("G", group_size if bits != 16 else 1),
-                ("NT", nt), ("SPLITK", g.split_k), ("MT", tiles), ("PIPE", look_ahead(k, bits, g.split_k, tiles, nt)),
+                ("NT", nt), ("SPLITK", g.split_k), ("MT", tiles), ("PIPE", look_ahead(k, bits, g.split_k, tiles, nt, eps is not None)),
                 *zip(("P1", "P2", "P3"), starts + [n] * (MAX_PARTS - 1 - len(starts))), ("RESID", int(residual)),
                 ("NORM", int(eps is not None)), ("EPS", 0 if eps is None else float_bits(eps)))
     options = dict(template=template, grid=(n // (8 * nt) * 32 * g.split_k, -(-m // (MMA_ROWS * tiles)), 1),
