@@ -1,6 +1,6 @@
 """Variants of the decode-row matmul kernel, checked and timed alone on a CUDA GPU (CuPy, no MLX).
 
-usage (GPU machine, repo root): python3 tools/row_kernel_variants.py [--ncu | --drafter | --wide [BEFORE.py] | --norm]
+usage (GPU machine, repo root): python3 tools/row_kernel_variants.py [--ncu] [--drafter | --wide [BEFORE.py] | --norm]
 
 The engine's kernel (dflash_bench/engine/matmul_kernel.py, read as text, so MLX is not needed) is
 compiled beside variants of it with nvcc through CuPy, launched on the same weights, and timed from
@@ -16,7 +16,8 @@ whose weight loads skip L1 (`ld.global.nc.L1::no_allocate`), so the rows of x ar
 once, at the geometry's tiles and at 4. Which warp computes a column and where a load is cached never enter a
 sum, so every variant must give the geometry's bits. (Column groups a block, 2 or 4 groups of a block's warps
 side by side, were measured in job M and left out of the engine: docs/gpu-round-profile.md.)
-`--ncu` launches the geometry's kernel and `stream t4` once each on the 9B's gate/up shape, for Nsight Compute.
+`--ncu` launches the geometry's kernel and `stream t4` once each on the 9B's gate/up shape, for Nsight Compute
+(with `--norm`: the geometry and 4 tiles, each without and with the norm, at one and at 16 rows).
 `--drafter` runs the 9B drafter's bf16 products and the 9B's 4-bit lm_head instead, with look-aheads of 2 and 4
 (`PIPE`: when loads are issued) and one column tile a warp (twice the warps) beside the geometry and `t4`
 (docs/profiles/row-kernel-variants-h100-46.txt).
@@ -288,7 +289,8 @@ def main() -> int:
         for label, body, claim, tiles, pipe in (wide_plans(bool(before)) if wide else norm_plans() if normed
                                                 else plans(drafter)):
             shape = geometry(k, n, bits, tiles)
-            if shape is None or (ncu and label not in ("geometry", "stream t4")):
+            profiled = ("engine geometry", "engine t4", "normed geometry", "normed t4") if normed else ("geometry", "stream t4")
+            if shape is None or (ncu and label not in profiled):
                 continue
             nt, split = shape
             if iterations(k, bits, split) % pipe:
@@ -317,7 +319,8 @@ def main() -> int:
             kern = Kernel(mod, body, k, n, bits, group, nt, split, pipe,
                           cp.asarray(gain) if body.startswith("normed") else None)
             if ncu:
-                run(kern, w, x[:1])
+                for m in (1, 16) if normed else (1,):
+                    run(kern, w, x[:m])
                 continue
             outs = {m: run(kern, w, x[:m]) for m in (1, 16, 64)}
             alone = np.concatenate([run(kern, w, x[i : i + 1]) for i in range(64)])
