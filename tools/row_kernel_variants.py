@@ -25,7 +25,9 @@ side by side, were measured in job M and left out of the engine: docs/gpu-round-
 column tiles a warp, each at look-aheads 1 and 2: more tiles a warp load each row of x once for more columns
 (16 rows of x are 2 bytes for every byte of 4-bit weight at 4 tiles, 0.5 at 16). With a BEFORE file (an earlier
 matmul_kernel.py), its kernel runs first as `before`, and the engine's at the geometry must give its bits too.
-Each line shows the registers a thread and the bytes spilled to local memory at one and at four row tiles.
+(Session 47: 8 and 16 tiles were slower than 4 at 1 and 16 rows: docs/profiles/row-kernel-variants-h100-47.txt.)
+With `--wide` or `--norm` each line shows the registers a thread and the bytes spilled to local memory at one and at four
+row tiles.
 `--norm` runs the 9B's 4-bit products at the geometry, 4 tiles and 4 tiles with a look-ahead of 2, each without and
 with the RMS norm in its launch (`normed`, as the engine launches every product after a norm: rows_matmul's `norm`),
 the normed ones checked against the normed float32 product and each other's bits: a round timeline's launches of
@@ -336,7 +338,7 @@ def main() -> int:
             us = {m: timed(kern, copies, m, k) for m in (1, 16, 64)}
             line = (f"{name:18s} {label:15s} nt{nt} sk{split} p{pipe} {claim:10s} {'PASS' if ok else 'FAIL'} err {err:.1e}  "
                     + "  ".join(f"M{m} {v:7.1f}us" for m, v in us.items()) + f"  @1 {wbytes / us[1] / 1e3:5.0f} GB/s"
-                    + (f"  regs {kern.registers()}" if wide else ""))
+                    + (f"  regs {kern.registers()}" if wide or normed else ""))
             table.append(line)
             print(line, flush=True)
     print("\n".join(table))
