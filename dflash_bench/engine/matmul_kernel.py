@@ -433,10 +433,10 @@ def tiles_a_warp(m: int, k: int, n: int, bits: int, normed: bool) -> int:
     k/v alone, the 135M model's) were as fast or slower at 4. Two exceptions at one row tile, measured alone on
     an H100: bf16 weights keep 2 tiles (the 9B drafter's fc 112.1 against 119.8 us at 16 rows, down 46.1
     against 49.0: docs/profiles/row-kernel-variants-h100-46.txt; at 64 rows 4 tiles are 1.4-1.6x faster), and so
-    do normed launches whose input width is split over warps (a norm's squares and weighting are work a warp
-    does for every chunk of x it loads, and 4 tiles halve the warps doing it: 16 rows of the 9B's normed
-    gate/up 51.1 us at 2 tiles against 62.4 at 4, its GatedDeltaNet in_proj 27.1 against 33.1, where the
-    unsplit lm_head is faster at 4, 430.4 against 479.4: docs/profiles/row-kernel-variants-norm-h100-47.txt).
+    do normed launches whose input width is split over warps (with the norm's squares and weighting in the
+    launch, half the warps at 4 tiles were slower: 16 rows of the 9B's normed gate/up 51.1 us at 2 tiles against
+    62.4 at 4, its GatedDeltaNet in_proj 27.1 against 33.1, where the unsplit lm_head is faster at 4, 430.4
+    against 479.4: docs/profiles/row-kernel-variants-norm-h100-47.txt; why is not measured yet).
     Which warp computes a column never enters its sum (the split of the input width, `SPLITK`, and each lane's
     chunks set that), so the bits are the geometry's. 8 and 16 tiles a warp were slower at 1 and 16 rows on an
     H100 (docs/profiles/row-kernel-variants-h100-47.txt), even where the kernel dequantized a k-step pair of
