@@ -31,7 +31,9 @@ row tiles.
 `--norm` runs the 9B's 4-bit products at the geometry, 4 tiles and 4 tiles with a look-ahead of 2, each without and
 with the RMS norm in its launch (`normed`, as the engine launches every product after a norm: rows_matmul's `norm`),
 the normed ones checked against the normed float32 product and each other's bits: a round timeline's launches of
-these products took about twice their time alone (docs/gpu-round-profile.md, session 47).
+these products took about twice their time alone (docs/gpu-round-profile.md, session 47). Then `normed_sq4`, the
+norm with each row's squares in four chains a lane (a quarter as deep), at the geometry and 4 tiles: if the norm's
+cost is its serial chain, this shows it (its bits are its own: rows alone and the normed product are checked).
 docs/gpu-round-profile.md records what the runs found.
 """
 
@@ -84,6 +86,33 @@ def streamed(engine: str) -> str:
     load = "__ldg(reinterpret_cast<const uint4*>(wq"
     assert engine.count(load) == 1, "the engine kernel's weight load moved"
     return engine.replace(load, "mm_stream(reinterpret_cast<const uint4*>(wq")
+
+
+SQUARES4 = r"""
+__device__ __forceinline__ void mm_squares4(uint4 v, float* s) {
+  const uint32_t words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float lo = __uint_as_float(words[i] << 16), hi = __uint_as_float(words[i] & 0xFFFF0000u);
+    s[i] = __fmaf_rn(hi, hi, __fmaf_rn(lo, lo, s[i]));
+  }
+}
+"""
+
+
+def squares4(engine: str) -> str:
+    """The engine kernel with each row's squares in four chains a lane (one a word of a 16-byte load, `mm_squares4`
+    in SQUARES4), added pairwise at the end: a norm's serial FMA chain a quarter as deep. The order of the squares'
+    sum changes, so its bits are its own (rows alone, not the engine's)."""
+    swaps = [("float ss[MT][2];", "float ss[MT][2][4];"),
+             ("ss[i][0] = ss[i][1] = 0.0f;", "for (int e = 0; e < 8; ++e) ss[i][e / 4][e % 4] = 0.0f;"),
+             ("ss[i][0] = mm_squares(xa, ss[i][0]);", "mm_squares4(xa, ss[i][0]);"),
+             ("ss[i][1] = mm_squares(xb, ss[i][1]);", "mm_squares4(xb, ss[i][1]);"),
+             ("float v = ss[i][e];", "float v = __fadd_rn(__fadd_rn(ss[i][e][0], ss[i][e][1]), __fadd_rn(ss[i][e][2], ss[i][e][3]));")]
+    for old, new in swaps:
+        assert engine.count(old) == 1, f"the engine kernel's norm moved: {old}"
+        engine = engine.replace(old, new)
+    return engine
 
 
 def kernel_name(body: str, consts: tuple[int, ...]) -> str:
@@ -249,12 +278,13 @@ def plans(drafter: bool) -> list[tuple[str, str, str, int, int]]:
 
 def norm_plans() -> list[tuple[str, str, str, int, int]]:
     """`--norm`: the geometry, 4 tiles and 4 tiles with a look-ahead of 2, without and then with the norm (each
-    group checked against its own geometry's bits)."""
+    group checked against its own geometry's bits), then with the norm's squares in four chains a lane
+    (`normed_sq4`: bits of its own, so checked for rows alone and the normed product only)."""
     out = []
     for body in ("engine", "normed"):
         out += [(f"{body} geometry", body, "reference", 0, 1), (f"{body} t4", body, "same bits", 4, 1),
                 (f"{body} t4 pipe2", body, "same bits", 4, 2)]
-    return out
+    return out + [("normed_sq4 geometry", "normed_sq4", "rows alone", 0, 1), ("normed_sq4 t4", "normed_sq4", "rows alone", 4, 1)]
 
 
 def wide_plans(before: bool) -> list[tuple[str, str, str, int, int]]:
@@ -274,15 +304,14 @@ def iterations(k: int, bits: int, split: int) -> int:
 
 
 def main() -> int:
-    header, engine = engine_source()
-    header += STREAM_LOAD
-    bodies = {"engine": engine, "stream": streamed(engine)}
+    engine_header, engine = engine_source()
+    header = engine_header + STREAM_LOAD + SQUARES4
+    bodies = {"engine": engine, "stream": streamed(engine), "normed": engine, "normed_sq4": squares4(engine)}
     ncu, drafter, wide, normed = "--ncu" in sys.argv, "--drafter" in sys.argv, "--wide" in sys.argv, "--norm" in sys.argv
-    bodies["normed"] = engine
     before = sys.argv[sys.argv.index("--wide") + 1:] if wide else []
     if before:  # one module holds both bodies, so the earlier kernel must share the engine's header
         old_header, bodies["before"] = engine_source(pathlib.Path(before[0]))
-        if old_header + STREAM_LOAD != header:
+        if old_header != engine_header:
             sys.exit(f"{before[0]}: its kernel header differs from the engine's; compare bodies with one header")
     shapes = SHAPES[:1] if ncu else DRAFTER_SHAPES if drafter else WIDE_SHAPES if wide else SHAPES[:5] if normed else SHAPES
     kernels = {}
@@ -291,7 +320,8 @@ def main() -> int:
         for label, body, claim, tiles, pipe in (wide_plans(bool(before)) if wide else norm_plans() if normed
                                                 else plans(drafter)):
             shape = geometry(k, n, bits, tiles)
-            profiled = ("engine geometry", "engine t4", "normed geometry", "normed t4") if normed else ("geometry", "stream t4")
+            profiled = (("engine geometry", "engine t4", "normed geometry", "normed t4", "normed_sq4 geometry", "normed_sq4 t4")
+                        if normed else ("geometry", "stream t4"))
             if shape is None or (ncu and label not in profiled):
                 continue
             nt, split = shape
@@ -329,7 +359,7 @@ def main() -> int:
             ok = all((outs[m] == alone[:m]).all() for m in outs) and not np.isnan(as_f32(alone)).any()
             if claim == "reference":
                 base = outs
-            else:
+            elif claim == "same bits":
                 ok &= all((outs[m] == base[m]).all() for m in outs)
             want = refs[body.startswith("normed")]
             err = float(np.linalg.norm(as_f32(outs[64][:, :cols]) - want) / np.linalg.norm(want))
