@@ -223,7 +223,7 @@ if [ -n "$ncu" ]; then
   step round-kernels-9b-report 60 python3 tools/round_kernels.py --report "$out/round-kernels-9b.csv"
   # why a norm in the row kernel's launch costs what it does (16 rows of the 9B's gate/up: 51.1 us normed at 2 tiles
   # against 43.3 without, 62.4 against 40.3 at 4; docs/gpu-round-profile.md, session 47): the four launches at 1 and
-  # 16 rows, their warps' stall reasons, issue rates and occupancy
+  # 16 rows (and with the squares in four chains a lane, normed_sq4), their warps' stall reasons, issue rates and occupancy
   step row-kernel-norm-ncu 300 "$ncu" --section SpeedOfLight --section Occupancy --section LaunchStats \
     --section SchedulerStats --section WarpStateStats python3 tools/row_kernel_variants.py --ncu --norm
 fi
