@@ -4,7 +4,7 @@ Three documents live in receipts/:
 - a run receipt (schema "dflash-bench/receipt"): the envelope below with the kind's records and
   aggregates (checks/aggregates.py); receipt.Receipt writes it;
 - a comparison (schema "dflash-bench/compare"), what `compare --out` writes; files written before the
-  schema key was added (receipts/compare-default-plain-vs-drafted-serve.json) are read by their keys;
+  schema key was added (a user's; every committed one now carries it) are read by their keys;
 - a training receipt (schema 1 and a `what`), written by tools/train_drafter;
 and one side file, the prefill check's token arrays (<receipt>.prefill-arrays.json, named in the
 prefill receipt's side_files).
