@@ -17,7 +17,7 @@ once, at the geometry's tiles and at 4. Which warp computes a column and where a
 sum, so every variant must give the geometry's bits. (Column groups a block, 2 or 4 groups of a block's warps
 side by side, were measured in job M and left out of the engine: docs/gpu-round-profile.md.)
 `--ncu` launches the geometry's kernel and `stream t4` once each on the 9B's gate/up shape, for Nsight Compute
-(with `--norm`: the geometry and 4 tiles, each without and with the norm, at one and at 16 rows).
+(with `--norm`: `--norm`'s launches but those with a look-ahead of 2, each at one and at 16 rows).
 `--drafter` runs the 9B drafter's bf16 products and the 9B's 4-bit lm_head instead, with look-aheads of 2 and 4
 (`PIPE`: when loads are issued) and one column tile a warp (twice the warps) beside the geometry and `t4`
 (docs/profiles/row-kernel-variants-h100-46.txt).
@@ -132,7 +132,7 @@ def module(bodies: dict[str, str], header: str, wanted: list[tuple[str, tuple[in
                        for n, v in zip(("K", "N", "BITS", "G", "NT", "SPLITK", "MT", "PIPE"), consts))
         defs += "".join(f"  constexpr int {p} = N;\n" for p in ("P1", "P2", "P3"))  # one output, not parts
         defs += "  constexpr int RESID = 0;\n"  # no residual added (matmul_kernel.rows_matmul's `residual`)
-        normed = body.startswith("normed")  # rows_matmul's `norm`, or none
+        normed = is_normed(body)  # rows_matmul's `norm`, or none
         defs += f"  constexpr int NORM = {int(normed)};\n  constexpr int EPS = {float_bits(NORM_EPS) if normed else 0};\n"
         code += f'extern "C" __global__ void {kernel_name(body, consts)}({params}) {{\n{defs}{bodies[body]}\n}}\n'
     return cp.RawModule(code=code, backend="nvcc", options=("-O3", "-std=c++17", "-arch=sm_90"))
@@ -143,8 +143,14 @@ NORM_EPS = 1e-6
 
 
 def float_bits(value: float) -> int:
-    """matmul_kernel.float_bits: a float32's bits as an int (the template's EPS)."""
+    """matmul_kernel.float_bits: a float32's bits as an int (the template's EPS), here because importing the engine
+    module needs MLX, which this tool does without."""
     return int(np.array([value], dtype=np.float32).view(np.int32)[0])
+
+
+def is_normed(body: str) -> bool:
+    """Whether a body's launches RMS-norm their rows (`--norm`'s `normed` and `normed_sq4`)."""
+    return body.startswith("normed")
 
 
 def geometry(k: int, n: int, bits: int, tiles: int = 0) -> tuple[int, int] | None:
@@ -314,14 +320,14 @@ def main() -> int:
         if old_header != engine_header:
             sys.exit(f"{before[0]}: its kernel header differs from the engine's; compare bodies with one header")
     shapes = SHAPES[:1] if ncu else DRAFTER_SHAPES if drafter else WIDE_SHAPES if wide else SHAPES[:5] if normed else SHAPES
+    profiled = ({label for label, *_ in norm_plans() if not label.endswith("pipe2")} if normed
+                else {"geometry", "stream t4"})  # the launches `--ncu` makes
     kernels = {}
     for name, k, n, bits, group in shapes:
         names, found = [], []
         for label, body, claim, tiles, pipe in (wide_plans(bool(before)) if wide else norm_plans() if normed
                                                 else plans(drafter)):
             shape = geometry(k, n, bits, tiles)
-            profiled = (("engine geometry", "engine t4", "normed geometry", "normed t4", "normed_sq4 geometry", "normed_sq4 t4")
-                        if normed else ("geometry", "stream t4"))
             if shape is None or (ncu and label not in profiled):
                 continue
             nt, split = shape
@@ -340,16 +346,17 @@ def main() -> int:
         wbytes = sum(a.nbytes for a in w if a is not None)
         x = bf16(rng.standard_normal((64, k), dtype=np.float32))
         cols = min(n, 4096)
-        ref = as_f32(x) @ dequantized(w, k, cols, bits, group).T
-        gain = bf16(1.0 + 0.1 * rng.standard_normal(k, dtype=np.float32))  # a norm's weights, for `normed` bodies
-        rms = np.sqrt((as_f32(x) ** 2).mean(axis=1, keepdims=True) + NORM_EPS)
-        refs = {False: ref, True: (as_f32(x) * as_f32(gain)) @ dequantized(w, k, cols, bits, group).T / rms}
+        refs = {False: as_f32(x) @ dequantized(w, k, cols, bits, group).T}
+        if normed:  # a norm's weights, and the normed float32 product, for the normed bodies
+            gain = bf16(1.0 + 0.1 * rng.standard_normal(k, dtype=np.float32))
+            rms = np.sqrt((as_f32(x) ** 2).mean(axis=1, keepdims=True) + NORM_EPS)
+            refs[True] = (as_f32(x) * as_f32(gain)) @ dequantized(w, k, cols, bits, group).T / rms
         copies = [w] + [weights(k, n, bits, group, np.random.default_rng(9 + c))
                         for c in range(0 if ncu else max(0, min(12, -(-2 * L2_BYTES // wbytes)) - 1))]
         base = {}
         for label, body, nt, split, claim, pipe in found:
             kern = Kernel(mod, body, k, n, bits, group, nt, split, pipe,
-                          cp.asarray(gain) if body.startswith("normed") else None)
+                          cp.asarray(gain) if is_normed(body) else None)
             if ncu:
                 for m in (1, 16) if normed else (1,):
                     run(kern, w, x[:m])
@@ -361,7 +368,7 @@ def main() -> int:
                 base = outs
             elif claim == "same bits":
                 ok &= all((outs[m] == base[m]).all() for m in outs)
-            want = refs[body.startswith("normed")]
+            want = refs[is_normed(body)]
             err = float(np.linalg.norm(as_f32(outs[64][:, :cols]) - want) / np.linalg.norm(want))
             ok &= err < 1e-2
             fails += not ok
