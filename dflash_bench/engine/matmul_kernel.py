@@ -462,13 +462,14 @@ def launch(m: int, k: int, n: int, bits: int, group_size: int, parts: tuple[int,
     """The launch of `rows_matmul` for m rows of a (n, k) weight (rows RMS-normed first where `eps` is given):
     a function of the shapes alone."""
     g = geometry(k, n, bits)
-    nt = tiles_a_warp(m, k, n, bits, eps is not None)
+    normed = eps is not None
+    nt = tiles_a_warp(m, k, n, bits, normed)
     tiles = min(MAX_TILES, -(-m // MMA_ROWS))
     starts = list(accumulate(parts[:-1])) if parts else []
     template = (("K", k), ("N", n), ("BITS", bits), ("G", group_size if bits != 16 else 1),
-                ("NT", nt), ("SPLITK", g.split_k), ("MT", tiles), ("PIPE", look_ahead(k, bits, g.split_k, tiles, nt, eps is not None)),
+                ("NT", nt), ("SPLITK", g.split_k), ("MT", tiles), ("PIPE", look_ahead(k, bits, g.split_k, tiles, nt, normed)),
                 *zip(("P1", "P2", "P3"), starts + [n] * (MAX_PARTS - 1 - len(starts))), ("RESID", int(residual)),
-                ("NORM", int(eps is not None)), ("EPS", 0 if eps is None else float_bits(eps)))
+                ("NORM", int(normed)), ("EPS", float_bits(eps) if normed else 0))
     options = dict(template=template, grid=(n // (8 * nt) * 32 * g.split_k, -(-m // (MMA_ROWS * tiles)), 1),
                    threadgroup=(32 * g.split_k, 1, 1), output_shapes=[(m, width) for width in parts] or [(m, n)],
                    output_dtypes=[mx.bfloat16] * max(1, len(parts)))
