@@ -94,6 +94,10 @@ inline float __shfl_xor_sync(unsigned, float v, int o) {
   int t = threadIdx.x; g_shfl[t] = v; __syncwarp();
   float r = g_shfl[(t & ~31) | ((t & 31) ^ o)]; __syncwarp(); return r;
 }
+inline float __shfl_sync(unsigned, float v, int src) {
+  int t = threadIdx.x; g_shfl[t] = v; __syncwarp();
+  float r = g_shfl[(t & ~31) | (src & 31)]; __syncwarp(); return r;
+}
 using std::min; using std::max;
 """
 

@@ -115,6 +115,50 @@ def squares4(engine: str) -> str:
     return engine
 
 
+def squares_mma(engine: str) -> str:
+    """The engine kernel with each row tile's squares taken by the tensor cores: the tile's x (16 rows) times its own
+    rows 0-7 and 8-15 as B, two MMAs a 16-value k-step each, whose diagonals are each row's squares over the warp's
+    chunks (an output of an MMA depends on its row of A and its column of B alone, here both the same row of x); a
+    lane then reads its rows' diagonal from the lane holding it. No FMA chain a lane and no shuffle sums, four MMAs
+    a k-step pair beside the product's 2 * NT. The order of the squares' sum is the MMA's, so its bits are its own."""
+    swaps = [("float ss[MT][2];", "float ss[MT][2][4];"),
+             ("ss[i][0] = ss[i][1] = 0.0f;", "for (int e = 0; e < 8; ++e) ss[i][e / 4][e % 4] = 0.0f;"),
+             ("ss[i][0] = mm_squares(xa, ss[i][0]);",
+              "mm_mma(ss[i][0], xa.x, xb.x, xa.y, xb.y, xa.x, xa.y);\n"
+              "            mm_mma(ss[i][0], xa.z, xb.z, xa.w, xb.w, xa.z, xa.w);"),
+             ("ss[i][1] = mm_squares(xb, ss[i][1]);",
+              "mm_mma(ss[i][1], xa.x, xb.x, xa.y, xb.y, xb.x, xb.y);\n"
+              "            mm_mma(ss[i][1], xa.z, xb.z, xa.w, xb.w, xb.z, xb.w);"),
+             ("float v = ss[i][e];",
+              "const float diag = (grp & 1) ? ss[i][e][2 * e + 1] : ss[i][e][2 * e];\n"
+              "        float v = __shfl_sync(0xffffffffu, diag, grp * 4 + (grp >> 1));"),
+             ("v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 1));\n", ""),
+             ("        v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 2));\n", "")]
+    for old, new in swaps:
+        assert engine.count(old) == 1, f"the engine kernel's norm moved: {old}"
+        engine = engine.replace(old, new)
+    return engine
+
+
+def norm_ablations(engine: str) -> dict[str, str]:
+    """The normed kernel with one part of its norm taken out or changed, to find what the norm in the launch costs
+    (session 47: 16 rows of gate/up 51.1 us normed against 43.3 without, at one row 42.0 against 29.6, and neither
+    four square chains nor the tensor cores' squares moved it): `normed_ldg` loads the norm's weights through the
+    read-only path (the engine's bits), `normed_nosq` sums no squares and `normed_nowt` weights no values (their
+    values are not the norm's: timed, and only checked for NaN)."""
+    load = "*reinterpret_cast<const uint4*>(norm + (size_t)c * VPT + h * 8)"
+    swaps = {"normed_ldg": [(load, f"__ldg({load[1:]})")],
+             "normed_nosq": [("ss[i][0] = mm_squares(xa, ss[i][0]);", ""), ("ss[i][1] = mm_squares(xb, ss[i][1]);", "")],
+             "normed_nowt": [("xa = mm_weighted(xa, nw);", ""), ("xb = mm_weighted(xb, nw);", "")]}
+    out = {}
+    for body, pairs in swaps.items():
+        out[body] = engine
+        for old, new in pairs:
+            assert engine.count(old) == 1, f"the engine kernel's norm moved: {old}"
+            out[body] = out[body].replace(old, new)
+    return out
+
+
 def kernel_name(body: str, consts: tuple[int, ...]) -> str:
     return body + "_" + "_".join(map(str, consts))
 
@@ -290,7 +334,13 @@ def norm_plans() -> list[tuple[str, str, str, int, int]]:
     for body in ("engine", "normed"):
         out += [(f"{body} geometry", body, "reference", 0, 1), (f"{body} t4", body, "same bits", 4, 1),
                 (f"{body} t4 pipe2", body, "same bits", 4, 2)]
-    return out + [("normed_sq4 geometry", "normed_sq4", "rows alone", 0, 1), ("normed_sq4 t4", "normed_sq4", "rows alone", 4, 1)]
+    for body in ("normed_ldg", "normed_nosq", "normed_nowt"):
+        claim = "same bits" if body == "normed_ldg" else "timing only"
+        out += [(f"{body} geometry", body, claim, 0, 1), (f"{body} t4", body, claim, 4, 1)]
+    for body in ("normed_sq4", "normed_mma"):
+        out += [(f"{body} geometry", body, "rows alone", 0, 1), (f"{body} t4", body, "rows alone", 4, 1),
+                (f"{body} t4 pipe2", body, "rows alone", 4, 2)]
+    return out
 
 
 def wide_plans(before: bool) -> list[tuple[str, str, str, int, int]]:
@@ -312,7 +362,8 @@ def iterations(k: int, bits: int, split: int) -> int:
 def main() -> int:
     engine_header, engine = engine_source()
     header = engine_header + STREAM_LOAD + SQUARES4
-    bodies = {"engine": engine, "stream": streamed(engine), "normed": engine, "normed_sq4": squares4(engine)}
+    bodies = {"engine": engine, "stream": streamed(engine), "normed": engine, "normed_sq4": squares4(engine),
+              "normed_mma": squares_mma(engine), **norm_ablations(engine)}
     ncu, drafter, wide, normed = "--ncu" in sys.argv, "--drafter" in sys.argv, "--wide" in sys.argv, "--norm" in sys.argv
     before = sys.argv[sys.argv.index("--wide") + 1:] if wide else []
     if before:  # one module holds both bodies, so the earlier kernel must share the engine's header
@@ -364,13 +415,14 @@ def main() -> int:
             outs = {m: run(kern, w, x[:m]) for m in (1, 16, 64)}
             alone = np.concatenate([run(kern, w, x[i : i + 1]) for i in range(64)])
             ok = all((outs[m] == alone[:m]).all() for m in outs) and not np.isnan(as_f32(alone)).any()
+            timing_only = claim == "timing only"
             if claim == "reference":
                 base = outs
             elif claim == "same bits":
                 ok &= all((outs[m] == base[m]).all() for m in outs)
             want = refs[is_normed(body)]
             err = float(np.linalg.norm(as_f32(outs[64][:, :cols]) - want) / np.linalg.norm(want))
-            ok &= err < 1e-2
+            ok &= err < 1e-2 or timing_only
             fails += not ok
             us = {m: timed(kern, copies, m, k) for m in (1, 16, 64)}
             line = (f"{name:18s} {label:15s} nt{nt} sk{split} p{pipe} {claim:10s} {'PASS' if ok else 'FAIL'} err {err:.1e}  "
