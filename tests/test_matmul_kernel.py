@@ -262,11 +262,12 @@ def test_the_kernel_source_at_four_column_tiles_a_warp_equals_two(monkeypatch, c
     9B's weights is checked beside)."""
     assert [matmul_kernel.tiles_a_warp(m, 4096, n, 4, False) for m, n in ((16, 24576), (16, 4096), (1, 24576), (16, 1024))] == [4, 4, 2, 2]
     assert matmul_kernel.tiles_a_warp(16, 576, 1536, 16, False) == 2  # the 135M model's MLP: too few columns
-    # bf16 weights (the 9B drafter's fc) and normed launches whose input width is split (the 9B's gate/up, split
-    # 2) take 4 tiles only past one row tile; the unsplit normed lm_head takes them at 16 rows
+    # bf16 weights (the 9B drafter's fc) and 8-bit normed launches whose input width is split take 4 tiles only
+    # past one row tile; 4-bit normed launches (the 9B's gate/up, split 2, and its lm_head) from one row on
     assert [matmul_kernel.tiles_a_warp(m, 32768, 4096, 16, False) for m in (1, 16, 17)] == [2, 2, 4]
-    assert [matmul_kernel.tiles_a_warp(m, 4096, 24576, 4, True) for m in (1, 16, 17)] == [2, 2, 4]
-    assert [matmul_kernel.tiles_a_warp(m, 4096, 248320, 4, True) for m in (1, 16, 17)] == [2, 4, 4]
+    assert [matmul_kernel.tiles_a_warp(m, 4096, 24576, 8, True) for m in (1, 16, 17)] == [2, 2, 4]
+    assert [matmul_kernel.tiles_a_warp(m, 4096, 24576, 4, True) for m in (1, 16, 17)] == [4, 4, 4]
+    assert [matmul_kernel.tiles_a_warp(m, 4096, 248320, 4, True) for m in (1, 16, 17)] == [4, 4, 4]
     # 4-bit launches at 4 tiles load two iterations ahead unless normed; at 2 tiles or in bf16 one (a look-ahead
     # changes when loads are issued, not a sum)
     assert [matmul_kernel.look_ahead(4096, bits, 1, 1, nt, normed) for bits, nt, normed in

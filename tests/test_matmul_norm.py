@@ -60,8 +60,10 @@ def test_the_kernel_source_norms_each_row_in_its_launch(monkeypatch, case) -> No
 @cuda_emulator.needs_gxx
 def test_the_kernel_source_norms_a_stacked_weights_parts_and_any_column_tiles_alike(monkeypatch) -> None:
     """A normed launch's parts equal the columns of the same normed launch without parts, and its rows at 4
-    column tiles a warp equal those at 2, bit for bit, at 1, 5 and 17 rows: the squares are summed in an order
-    set by the input width's split, which neither the parts nor the column tiles touch."""
+    column tiles a warp equal those at 2, bit for bit, at 1, 5, 8, 9 and 17 rows: the squares are summed in an
+    order set by the input width's split, which neither the parts nor the column tiles touch. (A call of up to 8 rows
+    skips its row tile's upper half; the test above holds such calls' rows equal to the same rows in calls of 17
+    and 70 rows, which do not.)"""
     cuda_emulator.install_matmul(monkeypatch)
     widths = (64, 32, 16, 16)
     w = weight(512, sum(widths), 4, 64, seed=24)
@@ -71,8 +73,8 @@ def test_the_kernel_source_norms_a_stacked_weights_parts_and_any_column_tiles_al
         with monkeypatch.context() as patch:
             patch.setattr(matmul_kernel, "tiles_a_warp", lambda m, k, n, bits, normed: nt)
             matmul_kernel.launch.cache_clear()
-            got[nt] = [matmul_kernel.rows_matmul(x[:m], w.w, w.scales, w.biases, 4, 64, norm=norm) for m in (1, 5, 17)]
-            parts = [matmul_kernel.rows_matmul(x[:m], w.w, w.scales, w.biases, 4, 64, widths, norm=norm) for m in (1, 5, 17)]
+            got[nt] = [matmul_kernel.rows_matmul(x[:m], w.w, w.scales, w.biases, 4, 64, norm=norm) for m in (1, 5, 8, 9, 17)]
+            parts = [matmul_kernel.rows_matmul(x[:m], w.w, w.scales, w.biases, 4, 64, widths, norm=norm) for m in (1, 5, 8, 9, 17)]
         matmul_kernel.launch.cache_clear()
         for whole, split in zip(got[nt], parts):
             lo = 0

@@ -41,7 +41,9 @@ A layer's RMS norm before its projection rides in the projection's launch too (`
 multiplied by the norm's weight there (rounded to bf16) as it is loaded, the row's squares are summed as they
 are loaded, in an order set by the weight's shape (each lane its chunks, then a warp's lanes, then the warps
 in order), and each output's float32 sum is scaled by the row's 1 / sqrt(mean + eps). The kernel's own
-arithmetic, not MLX's norm's bits, but again a function of the row alone.
+arithmetic, not MLX's norm's bits, but again a function of the row alone. A launch of one row tile whose upper
+half holds no row (a plain step's one row, up to 8 of a verify window's) skips that half's squares and weighting:
+those rows are not written, and an MMA's output row depends on its own row of A alone, so no written bit moves.
 
 Only the decode rows take this path, and only on a CUDA GPU (tiles.py `linear`); prompt chunks keep
 MLX's own kernels (their bits need only be a function of the chunk: tiles.py). The engine's
@@ -236,9 +238,11 @@ _SOURCE = r"""
           if constexpr (NORM != 0) {  // the rows' squares as they come, then x times the norm's weights there
             const uint4 nw = live ? *reinterpret_cast<const uint4*>(norm + (size_t)c * VPT + h * 8) : make_uint4(0u, 0u, 0u, 0u);
             ss[i][0] = mm_squares(xa, ss[i][0]);
-            ss[i][1] = mm_squares(xb, ss[i][1]);
             xa = mm_weighted(xa, nw);
-            xb = mm_weighted(xb, nw);
+            if (MT > 1 || m0 + 8 < M) {  // one row tile: its upper half's squares and weights where it has rows
+              ss[i][1] = mm_squares(xb, ss[i][1]);
+              xb = mm_weighted(xb, nw);
+            }
           }
           if constexpr (BITS == 4) {  // x's values in the nibble pairs' order: (0,4) (1,5) | (2,6) (3,7)
             xa = make_uint4(__byte_perm(xa.x, xa.z, 0x5410), __byte_perm(xa.x, xa.z, 0x7632),
@@ -430,25 +434,25 @@ def tiles_a_warp(m: int, k: int, n: int, bits: int, normed: bool) -> int:
     warp where that still leaves half of TARGET_WARPS in flight. On the H200
     (docs/profiles/matmul-kernel-probe-h200.log, 2026-12-04) that made 16 rows of the 9B's projections 8-21%
     faster (its lm_head 0.591 -> 0.479 ms) and 64 rows 35-46% faster, while weights too narrow for it (the 9B's
-    k/v alone, the 135M model's) were as fast or slower at 4. Two exceptions at one row tile, measured alone on
-    an H100: bf16 weights keep 2 tiles (the 9B drafter's fc 112.1 against 119.8 us at 16 rows, down 46.1
-    against 49.0: docs/profiles/row-kernel-variants-h100-46.txt; at 64 rows 4 tiles are 1.4-1.6x faster), and so
-    do normed launches whose input width is split over warps (with the norm's squares and weighting in the
-    launch, half the warps at 4 tiles were slower: 16 rows of the 9B's normed gate/up 51.1 us at 2 tiles against
-    62.4 at 4, its GatedDeltaNet in_proj 27.1 against 33.1, where the unsplit lm_head is faster at 4, 430.4
-    against 479.4: docs/profiles/row-kernel-variants-norm-h100-47.txt; why is not measured yet).
+    k/v alone, the 135M model's) were as fast or slower at 4. At one row tile (1-16 rows), measured alone on an
+    H100: 4-bit launches with the norm in them take 4 tiles from one row on, since their upper half's norm is
+    skipped where it holds no row (16 rows of the 9B's normed gate/up 40.2 us against 51.0 at 2 tiles, one row
+    35.3 against 42.8; its GatedDeltaNet in_proj 22.1 / 19.9 against 26.9 / 23.0; the lm_head 355.7 / 311.8
+    against 480.2 / 349.8: docs/profiles/row-kernel-variants-norm-h100-48.txt; before that skip, 4 tiles were the
+    slower for normed launches with a split input width, 62.4 against 51.1 us for 16 rows of gate/up); other
+    launches keep the geometry's tiles at one row, and bf16 weights at up to 16 rows (the 9B drafter's fc 112.1
+    against 119.8 us at 16 rows, down 46.1 against 49.0: docs/profiles/row-kernel-variants-h100-46.txt; at 64
+    rows 4 tiles are 1.4-1.6x faster), as do 8-bit normed launches with a split input width (not measured).
     Which warp computes a column never enters its sum (the split of the input width, `SPLITK`, and each lane's
     chunks set that), so the bits are the geometry's. 8 and 16 tiles a warp were slower at 1 and 16 rows on an
     H100 (docs/profiles/row-kernel-variants-h100-47.txt), even where the kernel dequantized a k-step pair of
     fragments at a time so that nothing spilled: fewer warps with more loads each, not registers, is what
     costs there."""
     g = geometry(k, n, bits)
-    one_tile = m <= MMA_ROWS
-    if m == 1 or one_tile and (bits == 16 or normed and g.split_k > 1):
+    wide = g.nt == 2 and n % 32 == 0 and n // 32 * g.split_k >= TARGET_WARPS // 2
+    if m <= MMA_ROWS and not (normed and bits == 4) and (m == 1 or bits == 16 or normed and g.split_k > 1):
         return g.nt
-    if g.nt == 2 and n % 32 == 0 and n // 32 * g.split_k >= TARGET_WARPS // 2:
-        return 4
-    return g.nt
+    return 4 if wide else g.nt
 
 
 def float_bits(value: float) -> int:
