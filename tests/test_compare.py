@@ -170,3 +170,44 @@ def test_cli_refuses_a_file_that_is_not_a_receipt_in_one_line(tmp_path):
     (tmp_path / "x.json").write_text("{}")
     res = CliRunner().invoke(app, ["compare", str(tmp_path / "x.json"), str(tmp_path / "x.json")])
     assert res.exit_code == 1 and res.output.strip().startswith("BadReceipt:")
+
+
+def engine_speed_receipt(plain: list, drafted: list, mlx_lm: list, round_over_plain: float) -> Receipt:
+    """An engine-speed receipt with the code probe at one stream: plain, drafted (its round over plain's) and
+    mlx-lm's aggregate tok/s by rep."""
+    r = Receipt.new("engine-speed", ["dflash-bench", "engine-speed"], {"levels": [1]})
+    r.aggregates = {"code": {
+        "plain": {"1": {"aggregate_tok_s": summary(plain), "stream_tok_s": summary(plain)}},
+        "drafted": {"1": {"aggregate_tok_s": summary(drafted), "stream_tok_s": summary(drafted),
+                          "round_over_plain": round_over_plain, "equals_plain": True}},
+        "mlx-lm": {"1": {"aggregate_tok_s": summary(mlx_lm), "stream_tok_s": summary(mlx_lm)}}}}
+    r.finish(True)
+    return r
+
+
+def test_engine_speed_cells_judge_our_modes_and_show_mlx_lm_and_the_round_ratio(tmp_path):
+    """engine-speed pairs (a kernel change measured before and after on one GPU machine): each mode's aggregate
+    tok/s judged by the rule, a drafted round over a plain one shown with its ratio, and mlx-lm's tok/s shown
+    and never judged, even where it fell, since it measures the machine, not the change."""
+    b = write(tmp_path, "b.json", engine_speed_receipt([120.0, 121.0, 119.0], [75.0, 76.0, 74.0], [110.0, 111.0, 109.0], 1.6))
+    a = write(tmp_path, "a.json", engine_speed_receipt([120.5, 121.0, 119.5], [83.0, 84.0, 82.0], [90.0, 91.0, 89.0], 1.45))
+    result = compare(b, a)
+    assert cell(result, "engine aggregate tok/s", "code x1", "drafted").ratio == pytest.approx(83.0 / 75.0)
+    assert cell(result, "round / plain round", "code x1", "drafted").ratio == pytest.approx(1.45 / 1.6)
+    machine = cell(result, "mlx-lm tok/s, the machine (never judged)", "code x1", "mlx-lm")
+    assert machine.ratio == pytest.approx(90.0 / 110.0) and not machine.drop
+    assert [c.mode for c in result.cells if c.section == "engine aggregate tok/s"] == ["plain", "drafted"]
+    assert result.exit_code == 0
+    slower = write(tmp_path, "s.json", engine_speed_receipt([120.0, 121.0, 119.0], [65.0, 66.0, 64.0], [110.0, 111.0, 109.0], 1.8))
+    result = compare(b, slower)
+    assert result.exit_code == 1 and [c.mode for c in result.drops] == ["drafted"]
+
+
+def test_cli_refuses_receipts_with_nothing_to_compare_in_one_line(tmp_path):
+    """A pair with no speed kind in common (here exactness before, engine-speed after) is an error naming what
+    each side holds, not an empty table that passes."""
+    b = write(tmp_path, "b.json", exactness_receipt(True))
+    a = write(tmp_path, "a.json", engine_speed_receipt([1.0, 1.0], [1.0, 1.0], [1.0, 1.0], 1.0))
+    res = CliRunner().invoke(app, ["compare", str(b), str(a)])
+    line = res.output.strip()
+    assert res.exit_code == 1 and "\n" not in line and "BEFORE holds exactness and AFTER engine-speed" in line

@@ -6,7 +6,9 @@ The rule (also in `dflash-bench compare --help`):
 - a speed cell (tok/s) is a drop when AFTER's median is below BEFORE's by more than the larger of
   the two runs' own spreads (max - min); a cell with fewer than two reps on either side has no
   spread and is never called a drop;
-- tokens per round and peak footprint are shown with ratios but never fail;
+- tokens per round, peak footprint, engine-speed's round over a plain round and mlx-lm's tok/s (the same
+  weights through another engine on each side's machine: how far the machine moved) are shown with ratios
+  but never fail;
 - any verdict failure in AFTER's receipts (drafted != plain, concurrent != solo, ...) fails the comparison.
 Exit codes: 1 on a drop or a failure in AFTER, 2 if a receipt on either side is incomplete, else 0.
 """
@@ -20,7 +22,8 @@ from dflash_bench.checks import aggregates as agg
 from dflash_bench.checks.receipt import BadReceipt, Receipt, summary
 from dflash_bench.checks.schema import COMPARE_SCHEMA, CompareDoc
 
-SPEED_KINDS = ("decode", "prefill")
+# the receipt kinds `compare` builds cells from (`_CELLS`); a pair with none of them is an error, not an empty table
+SPEED_KINDS = ("decode", "prefill", "engine-speed")
 
 
 @dataclass
@@ -158,6 +161,38 @@ def prefill_cells(before: Receipt, after: Receipt) -> list[Cell]:
     return cells
 
 
+def _by_level(cells: object) -> dict[str, agg.SpeedCell]:
+    """A mode's cells by level; an older receipt's one-stream mlx-lm cell (MlxLmCell) has no levels."""
+    return cells if isinstance(cells, dict) else {}
+
+
+def engine_speed_cells(before: Receipt, after: Receipt) -> list[Cell]:
+    """engine-speed: each probe's modes at each level, aggregate tok/s (judged) and a round's seconds over a
+    plain round's (shown); then mlx-lm's tok/s on each side's machine, shown and never judged: the same
+    weights through another engine, so a move in it is the machine's, which a reviewer reads ours against."""
+    b = before.typed().aggregates.probes()
+    a = after.typed().aggregates.probes()
+    cells = []
+    for probe in sorted(set(b) | set(a)):
+        bp, ap = b.get(probe, {}), a.get(probe, {})
+        modes = sorted(set(bp) | set(ap), key=lambda m: (m == "mlx-lm", m != "plain", m))
+        for mode in modes:
+            bm, am = _by_level(bp.get(mode)), _by_level(ap.get(mode))
+            for level in sorted(set(bm) | set(am), key=int):
+                bc, ac = bm.get(level), am.get(level)
+                row = f"{probe} x{level}"
+                if mode == "mlx-lm":
+                    cells.append(Cell("mlx-lm tok/s, the machine (never judged)", row, mode,
+                                      bc and bc.aggregate_tok_s, ac and ac.aggregate_tok_s, False))
+                    continue
+                cells.append(Cell("engine aggregate tok/s", row, mode, bc and bc.aggregate_tok_s,
+                                  ac and ac.aggregate_tok_s, True))
+                if mode != "plain":
+                    cells.append(Cell("round / plain round", row, mode, _single(bc and bc.round_over_plain),
+                                      _single(ac and ac.round_over_plain), False))
+    return cells
+
+
 def judge(cell: Cell, noise: float) -> None:
     """Sets the cell's ratio, noisy mark and drop flag by the rule in this module's docstring."""
     b, a = cell.before, cell.after
@@ -186,9 +221,13 @@ def compare(before_path: Path, after_path: Path, noise: float = 0.10) -> Compare
     before = load_side(before_path, "BEFORE")
     after = load_side(after_path, "AFTER")
     result = CompareResult([str(p) for p, _ in before.values()], [str(p) for p, _ in after.values()], noise)
-    for kind, build in (("decode", decode_cells), ("prefill", prefill_cells)):
-        if kind in before and kind in after:
-            result.cells += build(before[kind][1], after[kind][1])
+    builds = {"decode": decode_cells, "prefill": prefill_cells, "engine-speed": engine_speed_cells}
+    shared = [kind for kind in SPEED_KINDS if kind in before and kind in after]
+    if not shared:
+        raise BadReceipt(f"nothing to compare: BEFORE holds {', '.join(sorted(before))} and AFTER "
+                         f"{', '.join(sorted(after))}; compare takes two of one kind of {', '.join(SPEED_KINDS)}")
+    for kind in shared:
+        result.cells += builds[kind](before[kind][1], after[kind][1])
     for cell in result.cells:
         judge(cell, noise)
     for side, receipts in (("BEFORE", before), ("AFTER", after)):
@@ -205,14 +244,18 @@ VERDICT = {0: "no drop beyond the runs' spread; AFTER has no failures",
            2: "incomplete receipts: see above"}
 
 
+def digits(section: str) -> int:
+    """Decimals a section's values are shown with (the table and the Markdown alike)."""
+    return 2 if section in ("tokens per round", "round / plain round") else 3 if "seconds" in section else 1
+
+
 def _fmt(s: agg.Summary | None, section: str) -> str:
     if s is None or s.median is None:
         return "—"
     if section == "peak footprint":
         return f"{s.median / 1e9:.2f} GB"
-    digits = 2 if section == "tokens per round" else 3 if "seconds" in section else 1
     spread = f" ±{s.spread:.0%}" if s.n > 1 and s.spread is not None else ""
-    return f"{s.median:,.{digits}f}{spread}"
+    return f"{s.median:,.{digits(section)}f}{spread}"
 
 
 def markdown(result: CompareResult) -> str:

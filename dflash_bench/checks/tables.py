@@ -9,7 +9,7 @@ from rich.table import Table
 from rich.text import Text
 
 from dflash_bench.checks import aggregates as agg
-from dflash_bench.checks.compare import VERDICT, CompareResult
+from dflash_bench.checks.compare import VERDICT, CompareResult, digits
 from dflash_bench.checks.receipt import BadReceipt, Receipt
 from dflash_bench.checks.schema import TrainingReceipt
 
@@ -344,8 +344,7 @@ def compare_table(result: CompareResult) -> Group:
     for col in ("metric", "row", "mode", "before", "after", "ratio", "note"):
         t.add_column(col)
     for c in result.cells:
-        digits = 2 if c.section == "tokens per round" else 3 if "seconds" in c.section else 1
-        fmt = gb if c.section == "peak footprint" else (lambda s, d=digits: stat(s, d))
+        fmt = gb if c.section == "peak footprint" else (lambda s, d=digits(c.section): stat(s, d))
         before = fmt(c.before.median if c.before and fmt is gb else c.before)
         after = fmt(c.after.median if c.after and fmt is gb else c.after)
         if c.noisy:

@@ -51,11 +51,11 @@ def compare(receipts: Annotated[list[Path], typer.Argument(
                                                    "comment, a CI job summary).")] = False,
             json_out: Json = False,
             out: Annotated[Optional[Path], typer.Option(help="Also write the comparison as JSON here.")] = None):
-    """Before/after tables with ratios (decode tok/s per probe and level, tokens a round, footprint, prefill); or a metric's trend over a series of receipts.
+    """Before/after tables with ratios (decode tok/s per probe and level, tokens a round, footprint, prefill; engine-speed's modes per probe and level, a drafted round over a plain one, and mlx-lm's tok/s on each side's machine, never judged); or a metric's trend over a series of receipts.
 
     Noisy: a cell whose spread, (max - min) / median of its reps, exceeds --noise in either run is marked * and left out of the ratios and of the verdict.
 
-    Drop: a tok/s cell whose AFTER median is below BEFORE's by more than the larger of the two runs' own spreads (max - min); a cell with one rep on a side has no spread and is never called a drop. Tokens a round and footprint never fail.
+    Drop: a tok/s cell whose AFTER median is below BEFORE's by more than the larger of the two runs' own spreads (max - min); a cell with one rep on a side has no spread and is never called a drop. Tokens a round, footprint, a round over a plain one and mlx-lm's tok/s never fail; a pair with no kind in common is an error.
 
     Exit 1 on a drop or on any verdict failure in AFTER's receipts (drafted != plain, concurrent != solo, ...), 2 if a receipt on either side is incomplete, else 0. A trend only reports: exit 0.
     """
