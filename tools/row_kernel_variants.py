@@ -31,9 +31,11 @@ row tiles.
 `--norm` runs the 9B's 4-bit products at the geometry, 4 tiles and 4 tiles with a look-ahead of 2, each without and
 with the RMS norm in its launch (`normed`, as the engine launches every product after a norm: rows_matmul's `norm`),
 the normed ones checked against the normed float32 product and each other's bits: a round timeline's launches of
-these products took about twice their time alone (docs/gpu-round-profile.md, session 47). Then `normed_sq4`, the
-norm with each row's squares in four chains a lane (a quarter as deep), at the geometry and 4 tiles: if the norm's
-cost is its serial chain, this shows it (its bits are its own: rows alone and the normed product are checked).
+these products took about twice their time alone (docs/gpu-round-profile.md, session 47). Then the norm taken apart
+(`norm_ablations`: its weights through the read-only path, and without its squares or its weighting, the last two
+timed only), and two other ways to sum the squares, each with bits of its own (rows alone and the normed product
+checked): `normed_sq4`, four chains a lane, and `normed_mma`, the tensor cores' (session 48: neither moved the cost,
+which is the norm's instructions: docs/profiles/row-kernel-variants-norm-h100-48.txt).
 docs/gpu-round-profile.md records what the runs found.
 """
 
@@ -193,7 +195,7 @@ def float_bits(value: float) -> int:
 
 
 def is_normed(body: str) -> bool:
-    """Whether a body's launches RMS-norm their rows (`--norm`'s `normed` and `normed_sq4`)."""
+    """Whether a body's launches RMS-norm their rows (`--norm`'s bodies named `normed...`)."""
     return body.startswith("normed")
 
 
@@ -328,8 +330,9 @@ def plans(drafter: bool) -> list[tuple[str, str, str, int, int]]:
 
 def norm_plans() -> list[tuple[str, str, str, int, int]]:
     """`--norm`: the geometry, 4 tiles and 4 tiles with a look-ahead of 2, without and then with the norm (each
-    group checked against its own geometry's bits), then with the norm's squares in four chains a lane
-    (`normed_sq4`: bits of its own, so checked for rows alone and the normed product only)."""
+    group checked against its own geometry's bits); the ablations (`norm_ablations`: `normed_ldg` with the normed
+    bits, the others timed only); then the squares in four chains a lane (`normed_sq4`) and by the tensor cores
+    (`normed_mma`), bits of their own, so checked for rows alone and the normed product only."""
     out = []
     for body in ("engine", "normed"):
         out += [(f"{body} geometry", body, "reference", 0, 1), (f"{body} t4", body, "same bits", 4, 1),
