@@ -195,6 +195,10 @@ if [ -n "${BASELINE:-}" ]; then
   step engine-speed-9b-base 1500 env -C "$BASELINE" PYTHONPATH="$BASELINE:$PYTHONPATH" DFLASH_BENCH_COMMIT="${BASELINE_COMMIT:-baseline}" \
     python3 -m dflash_bench engine-speed /root/f9/t --drafter /root/f9/d --levels 1,4 --tokens 128 --reps 3 \
     --drafter-bits 0,4 --backend gpu --out "$out/engine-speed-qwen3.5-9b-4bit-gpu-$dev-base.json" ${SPEED_9B_ARGS:-}
+  # the pair as a reviewer reads it: BASELINE before, this revision after, mlx-lm's tok/s beside as the machine's drift
+  # (it exits 1 on a drop beyond the reps' spread, which the progress line shows; the receipt is written either way)
+  run engine-speed-9b-compare 60 compare "$out/engine-speed-qwen3.5-9b-4bit-gpu-$dev-base.json" \
+    "$out/engine-speed-qwen3.5-9b-4bit-gpu-$dev.json" --out "$out/compare-engine-speed-9b-$dev.json"
 fi
 if [ -f "$gguf" ]; then
   run engine-speed-default 540 engine-speed default --levels 1,4 --tokens 256 --reps 3 --drafter-bits 0 \
