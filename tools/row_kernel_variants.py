@@ -102,19 +102,28 @@ __device__ __forceinline__ void mm_squares4(uint4 v, float* s) {
 """
 
 
-def squares4(engine: str) -> str:
-    """The engine kernel with each row's squares in four chains a lane (one a word of a 16-byte load, `mm_squares4`
-    in SQUARES4), added pairwise at the end: a norm's serial FMA chain a quarter as deep. The order of the squares'
-    sum changes, so its bits are its own (rows alone, not the engine's)."""
-    swaps = [("float ss[MT][2];", "float ss[MT][2][4];"),
-             ("ss[i][0] = ss[i][1] = 0.0f;", "for (int e = 0; e < 8; ++e) ss[i][e / 4][e % 4] = 0.0f;"),
-             ("ss[i][0] = mm_squares(xa, ss[i][0]);", "mm_squares4(xa, ss[i][0]);"),
-             ("ss[i][1] = mm_squares(xb, ss[i][1]);", "mm_squares4(xb, ss[i][1]);"),
-             ("float v = ss[i][e];", "float v = __fadd_rn(__fadd_rn(ss[i][e][0], ss[i][e][1]), __fadd_rn(ss[i][e][2], ss[i][e][3]));")]
+def swapped(engine: str, swaps: list[tuple[str, str]]) -> str:
+    """The engine kernel with each (old, new) text swapped, every old text found exactly once (else the engine's
+    kernel moved under the variant, which must then be rewritten)."""
     for old, new in swaps:
         assert engine.count(old) == 1, f"the engine kernel's norm moved: {old}"
         engine = engine.replace(old, new)
     return engine
+
+
+# the squares of each row half as four floats a lane (`squares4`'s chains, `squares_mma`'s MMA fragment)
+FOUR_SQUARES = [("float ss[MT][2];", "float ss[MT][2][4];"),
+                ("ss[i][0] = ss[i][1] = 0.0f;", "for (int e = 0; e < 8; ++e) ss[i][e / 4][e % 4] = 0.0f;")]
+
+
+def squares4(engine: str) -> str:
+    """The engine kernel with each row's squares in four chains a lane (one a word of a 16-byte load, `mm_squares4`
+    in SQUARES4), added pairwise at the end: a norm's serial FMA chain a quarter as deep. The order of the squares'
+    sum changes, so its bits are its own (rows alone, not the engine's)."""
+    return swapped(engine, FOUR_SQUARES + [
+        ("ss[i][0] = mm_squares(xa, ss[i][0]);", "mm_squares4(xa, ss[i][0]);"),
+        ("ss[i][1] = mm_squares(xb, ss[i][1]);", "mm_squares4(xb, ss[i][1]);"),
+        ("float v = ss[i][e];", "float v = __fadd_rn(__fadd_rn(ss[i][e][0], ss[i][e][1]), __fadd_rn(ss[i][e][2], ss[i][e][3]));")])
 
 
 def squares_mma(engine: str) -> str:
@@ -123,42 +132,31 @@ def squares_mma(engine: str) -> str:
     chunks (an output of an MMA depends on its row of A and its column of B alone, here both the same row of x); a
     lane then reads its rows' diagonal from the lane holding it. No FMA chain a lane and no shuffle sums, four MMAs
     a k-step pair beside the product's 2 * NT. The order of the squares' sum is the MMA's, so its bits are its own."""
-    swaps = [("float ss[MT][2];", "float ss[MT][2][4];"),
-             ("ss[i][0] = ss[i][1] = 0.0f;", "for (int e = 0; e < 8; ++e) ss[i][e / 4][e % 4] = 0.0f;"),
-             ("ss[i][0] = mm_squares(xa, ss[i][0]);",
-              "mm_mma(ss[i][0], xa.x, xb.x, xa.y, xb.y, xa.x, xa.y);\n"
-              "            mm_mma(ss[i][0], xa.z, xb.z, xa.w, xb.w, xa.z, xa.w);"),
-             ("ss[i][1] = mm_squares(xb, ss[i][1]);",
-              "mm_mma(ss[i][1], xa.x, xb.x, xa.y, xb.y, xb.x, xb.y);\n"
-              "            mm_mma(ss[i][1], xa.z, xb.z, xa.w, xb.w, xb.z, xb.w);"),
-             ("float v = ss[i][e];",
-              "const float diag = (grp & 1) ? ss[i][e][2 * e + 1] : ss[i][e][2 * e];\n"
-              "        float v = __shfl_sync(0xffffffffu, diag, grp * 4 + (grp >> 1));"),
-             ("v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 1));\n", ""),
-             ("        v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 2));\n", "")]
-    for old, new in swaps:
-        assert engine.count(old) == 1, f"the engine kernel's norm moved: {old}"
-        engine = engine.replace(old, new)
-    return engine
+    return swapped(engine, FOUR_SQUARES + [
+        ("ss[i][0] = mm_squares(xa, ss[i][0]);",
+         "mm_mma(ss[i][0], xa.x, xb.x, xa.y, xb.y, xa.x, xa.y);\n"
+         "            mm_mma(ss[i][0], xa.z, xb.z, xa.w, xb.w, xa.z, xa.w);"),
+        ("ss[i][1] = mm_squares(xb, ss[i][1]);",
+         "mm_mma(ss[i][1], xa.x, xb.x, xa.y, xb.y, xb.x, xb.y);\n"
+         "            mm_mma(ss[i][1], xa.z, xb.z, xa.w, xb.w, xb.z, xb.w);"),
+        ("float v = ss[i][e];",
+         "const float diag = (grp & 1) ? ss[i][e][2 * e + 1] : ss[i][e][2 * e];\n"
+         "        float v = __shfl_sync(0xffffffffu, diag, grp * 4 + (grp >> 1));"),
+        ("v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 1));\n", ""),
+        ("        v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, 2));\n", "")])
 
 
 def norm_ablations(engine: str) -> dict[str, str]:
     """The normed kernel with one part of its norm taken out or changed, to find what the norm in the launch costs
-    (session 47: 16 rows of gate/up 51.1 us normed against 43.3 without, at one row 42.0 against 29.6, and neither
-    four square chains nor the tensor cores' squares moved it): `normed_ldg` loads the norm's weights through the
-    read-only path (the engine's bits), `normed_nosq` sums no squares and `normed_nowt` weights no values (their
-    values are not the norm's: timed, and only checked for NaN)."""
+    (session 47: 16 rows of gate/up 51.1 us normed against 43.3 without, at one row 42.0 against 29.6):
+    `normed_ldg` loads the norm's weights through the read-only path (the engine's bits), `normed_nosq` sums no
+    squares and `normed_nowt` weights no values (their values are not the norm's: timed, and only checked for NaN).
+    Session 48's runs: docs/profiles/row-kernel-variants-norm-h100-48.txt."""
     load = "*reinterpret_cast<const uint4*>(norm + (size_t)c * VPT + h * 8)"
-    swaps = {"normed_ldg": [(load, f"__ldg({load[1:]})")],
-             "normed_nosq": [("ss[i][0] = mm_squares(xa, ss[i][0]);", ""), ("ss[i][1] = mm_squares(xb, ss[i][1]);", "")],
-             "normed_nowt": [("xa = mm_weighted(xa, nw);", ""), ("xb = mm_weighted(xb, nw);", "")]}
-    out = {}
-    for body, pairs in swaps.items():
-        out[body] = engine
-        for old, new in pairs:
-            assert engine.count(old) == 1, f"the engine kernel's norm moved: {old}"
-            out[body] = out[body].replace(old, new)
-    return out
+    return {"normed_ldg": swapped(engine, [(load, f"__ldg({load[1:]})")]),
+            "normed_nosq": swapped(engine, [("ss[i][0] = mm_squares(xa, ss[i][0]);", ""),
+                                            ("ss[i][1] = mm_squares(xb, ss[i][1]);", "")]),
+            "normed_nowt": swapped(engine, [("xa = mm_weighted(xa, nw);", ""), ("xb = mm_weighted(xb, nw);", "")])}
 
 
 def kernel_name(body: str, consts: tuple[int, ...]) -> str:
