@@ -22,9 +22,6 @@ from dflash_bench.checks import aggregates as agg
 from dflash_bench.checks.receipt import BadReceipt, Receipt, summary
 from dflash_bench.checks.schema import COMPARE_SCHEMA, CompareDoc
 
-# the receipt kinds `compare` builds cells from (`_CELLS`); a pair with none of them is an error, not an empty table
-SPEED_KINDS = ("decode", "prefill", "engine-speed")
-
 
 @dataclass
 class Cell:
@@ -193,6 +190,11 @@ def engine_speed_cells(before: Receipt, after: Receipt) -> list[Cell]:
     return cells
 
 
+# the receipt kinds `compare` builds cells from, each kind's builder; a pair with none in common is an error, not an
+# empty table that passes
+CELLS = {"decode": decode_cells, "prefill": prefill_cells, "engine-speed": engine_speed_cells}
+
+
 def judge(cell: Cell, noise: float) -> None:
     """Sets the cell's ratio, noisy mark and drop flag by the rule in this module's docstring."""
     b, a = cell.before, cell.after
@@ -221,13 +223,12 @@ def compare(before_path: Path, after_path: Path, noise: float = 0.10) -> Compare
     before = load_side(before_path, "BEFORE")
     after = load_side(after_path, "AFTER")
     result = CompareResult([str(p) for p, _ in before.values()], [str(p) for p, _ in after.values()], noise)
-    builds = {"decode": decode_cells, "prefill": prefill_cells, "engine-speed": engine_speed_cells}
-    shared = [kind for kind in SPEED_KINDS if kind in before and kind in after]
+    shared = [kind for kind in CELLS if kind in before and kind in after]
     if not shared:
         raise BadReceipt(f"nothing to compare: BEFORE holds {', '.join(sorted(before))} and AFTER "
-                         f"{', '.join(sorted(after))}; compare takes two of one kind of {', '.join(SPEED_KINDS)}")
+                         f"{', '.join(sorted(after))}; compare takes two of one kind of {', '.join(CELLS)}")
     for kind in shared:
-        result.cells += builds[kind](before[kind][1], after[kind][1])
+        result.cells += CELLS[kind](before[kind][1], after[kind][1])
     for cell in result.cells:
         judge(cell, noise)
     for side, receipts in (("BEFORE", before), ("AFTER", after)):
