@@ -28,7 +28,9 @@ in a forward or a drafter pass is Python building a graph with nothing queued be
 a round are summed by name (CUPTI's runtime and driver records): MLX instantiates a CUDA graph whose shape its cache
 has not seen and only updates one it has (mlx/backend/cuda/device.cpp's `commit`), and the two differ in cost; each
 instantiation is listed with its round and host phase. The longest launches are listed with their grids, and
-the longest of MLX's own kernels (copies, gathers) apart.
+the longest of MLX's own kernels (copies, gathers) apart. Each mode's report ends with the GPU's clocks over its
+profiled rounds (tools/gpu_clocks.py: nvidia-smi's samples), to read its launches' times against the alone
+timings' (tools/row_kernel_variants.py prints its own).
 
 `--writes` tests why a round meets new graphs (docs/gpu-round-profile.md, session 45): MLX's slice update and
 scatter, the attention caches' writes (engine/cache.py), copy the whole cache first unless MLX may donate its
@@ -47,9 +49,11 @@ import functools
 import json
 import os
 import sys
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from gpu_clocks import ClockLog
 from round_kernels import kernel_kind
 
 ROUND = "dflash_bench_round"
@@ -307,9 +311,10 @@ def held_writes():
 
 
 def record(engine, prompt: list[int], draft: bool, rounds: int, trace: Path, streams: int = 1,
-           warm: int = WARM_ROUNDS, synced: bool = False) -> None:
+           warm: int = WARM_ROUNDS, synced: bool = False) -> str:
     """`warm` rounds of `streams` requests, then `rounds` + 1 marked rounds under the profiler, the trace to `trace`;
-    `synced`: each round starts once the device has finished the one before."""
+    `synced`: each round starts once the device has finished the one before. Returns the GPU's clocks over the
+    marked rounds (tools/gpu_clocks.py)."""
     import mlx.core as mx
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -327,22 +332,26 @@ def record(engine, prompt: list[int], draft: bool, rounds: int, trace: Path, str
     for seed in range(streams):
         engine.submit(Request(prompt, max_tokens=(warm + rounds + 4) * 17, ignore_eos=True, seed=seed,
                               draft=draft))
-    for _ in range(warm):
-        if synced:
-            mx.synchronize()
-        engine.step()
-    mx.synchronize()
-    with around_phases(engine, marked), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(rounds + 1):
+    with ClockLog() as clocks:  # sampling from the warm rounds on, so that it runs by the marked ones
+        for _ in range(warm):
             if synced:
                 mx.synchronize()
-            with record_function(ROUND):
-                engine.step()
+            engine.step()
         mx.synchronize()
-        torch.cuda.synchronize()
+        with around_phases(engine, marked), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            start = time.monotonic()
+            for _ in range(rounds + 1):
+                if synced:
+                    mx.synchronize()
+                with record_function(ROUND):
+                    engine.step()
+            mx.synchronize()
+            torch.cuda.synchronize()
+            end = time.monotonic()
     prof.export_chrome_trace(str(trace))
     while engine.lanes.busy:
         engine.step()
+    return clocks.describe(start, end)
 
 
 def run(target: str, drafter: str, rounds: int, out: Path, streams: int = 1, warm: int = WARM_ROUNDS,
@@ -363,12 +372,12 @@ def run(target: str, drafter: str, rounds: int, out: Path, streams: int = 1, war
     for mode in ("plain", "drafted"):
         trace = out / f"round-timeline-{mode}.json"
         with held_writes() if writes == "held" else contextlib.nullcontext():
-            record(engine, prompt, mode == "drafted", rounds, trace, streams, warm, writes == "synced")
+            clocks = record(engine, prompt, mode == "drafted", rounds, trace, streams, warm, writes == "synced")
         kernels, marks, phases, calls = read_trace(str(trace))
         if not kernels:
             raise SystemExit(f"{trace} holds no kernel records: CUPTI did not see the engine's launches")
         got[mode], text = report(mode, kernels, marks, phases, calls, rounds)
-        print(text, flush=True)
+        print(text, f"  {clocks} (the profiled rounds)", sep="\n", flush=True)
     print(f"drafted / plain: a round {got['drafted'].wall_ms / got['plain'].wall_ms:.2f}x, "
           f"the device's busy time {got['drafted'].busy_ms / got['plain'].busy_ms:.2f}x")
 

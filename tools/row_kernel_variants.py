@@ -36,7 +36,8 @@ these products took about twice their time alone (docs/gpu-round-profile.md, ses
 timed only), and two other ways to sum the squares, each with bits of its own (rows alone and the normed product
 checked): `normed_sq4`, four chains a lane, and `normed_mma`, the tensor cores' (session 48: neither moved the cost,
 which is the norm's instructions: docs/profiles/row-kernel-variants-norm-h100-48.txt).
-docs/gpu-round-profile.md records what the runs found.
+docs/gpu-round-profile.md records what the runs found. Each timed line ends with the SM clock its timing ran at
+where nvidia-smi gave samples then, and the run with the clocks over all of it (tools/gpu_clocks.py).
 """
 
 from __future__ import annotations
@@ -45,10 +46,12 @@ import ast
 import pathlib
 import statistics
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import cupy as cp
 import numpy as np
+from gpu_clocks import ClockLog
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 L2_BYTES = 60 * 2**20
@@ -390,48 +393,54 @@ def main() -> int:
         kernels[name] = (module(bodies, header, names), found)
     with ThreadPoolExecutor(8) as pool:  # nvcc runs per module: compile them side by side
         list(pool.map(lambda mod: mod.compile(), [m for m, _ in kernels.values()]))
-    rng = np.random.default_rng(0)
-    table, fails = [], 0
-    for name, k, n, bits, group in shapes:
-        mod, found = kernels[name]
-        w = weights(k, n, bits, group, rng)
-        wbytes = sum(a.nbytes for a in w if a is not None)
-        x = bf16(rng.standard_normal((64, k), dtype=np.float32))
-        cols = min(n, 4096)
-        refs = {False: as_f32(x) @ dequantized(w, k, cols, bits, group).T}
-        if normed:  # a norm's weights, and the normed float32 product, for the normed bodies
-            gain = bf16(1.0 + 0.1 * rng.standard_normal(k, dtype=np.float32))
-            rms = np.sqrt((as_f32(x) ** 2).mean(axis=1, keepdims=True) + NORM_EPS)
-            refs[True] = (as_f32(x) * as_f32(gain)) @ dequantized(w, k, cols, bits, group).T / rms
-        copies = [w] + [weights(k, n, bits, group, np.random.default_rng(9 + c))
-                        for c in range(0 if ncu else max(0, min(12, -(-2 * L2_BYTES // wbytes)) - 1))]
-        base = {}
-        for label, body, nt, split, claim, pipe in found:
-            kern = Kernel(mod, body, k, n, bits, group, nt, split, pipe,
-                          cp.asarray(gain) if is_normed(body) else None)
-            if ncu:
-                for m in (1, 16) if normed else (1,):
-                    run(kern, w, x[:m])
-                continue
-            outs = {m: run(kern, w, x[:m]) for m in (1, 16, 64)}
-            alone = np.concatenate([run(kern, w, x[i : i + 1]) for i in range(64)])
-            ok = all((outs[m] == alone[:m]).all() for m in outs) and not np.isnan(as_f32(alone)).any()
-            timing_only = claim == "timing only"
-            if claim == "reference":
-                base = outs
-            elif claim == "same bits":
-                ok &= all((outs[m] == base[m]).all() for m in outs)
-            want = refs[is_normed(body)]
-            err = float(np.linalg.norm(as_f32(outs[64][:, :cols]) - want) / np.linalg.norm(want))
-            ok &= err < 1e-2 or timing_only
-            fails += not ok
-            us = {m: timed(kern, copies, m, k) for m in (1, 16, 64)}
-            line = (f"{name:18s} {label:15s} nt{nt} sk{split} p{pipe} {claim:10s} {'PASS' if ok else 'FAIL'} err {err:.1e}  "
-                    + "  ".join(f"M{m} {v:7.1f}us" for m, v in us.items()) + f"  @1 {wbytes / us[1] / 1e3:5.0f} GB/s"
-                    + (f"  regs {kern.registers()}" if wide or normed else ""))
-            table.append(line)
-            print(line, flush=True)
+    with ClockLog() as clocks:  # the SM clock each kernel's timing ran at (tools/gpu_clocks.py)
+        begun = time.monotonic()
+        rng = np.random.default_rng(0)
+        table, fails = [], 0
+        for name, k, n, bits, group in shapes:
+            mod, found = kernels[name]
+            w = weights(k, n, bits, group, rng)
+            wbytes = sum(a.nbytes for a in w if a is not None)
+            x = bf16(rng.standard_normal((64, k), dtype=np.float32))
+            cols = min(n, 4096)
+            refs = {False: as_f32(x) @ dequantized(w, k, cols, bits, group).T}
+            if normed:  # a norm's weights, and the normed float32 product, for the normed bodies
+                gain = bf16(1.0 + 0.1 * rng.standard_normal(k, dtype=np.float32))
+                rms = np.sqrt((as_f32(x) ** 2).mean(axis=1, keepdims=True) + NORM_EPS)
+                refs[True] = (as_f32(x) * as_f32(gain)) @ dequantized(w, k, cols, bits, group).T / rms
+            copies = [w] + [weights(k, n, bits, group, np.random.default_rng(9 + c))
+                            for c in range(0 if ncu else max(0, min(12, -(-2 * L2_BYTES // wbytes)) - 1))]
+            base = {}
+            for label, body, nt, split, claim, pipe in found:
+                kern = Kernel(mod, body, k, n, bits, group, nt, split, pipe,
+                              cp.asarray(gain) if is_normed(body) else None)
+                if ncu:
+                    for m in (1, 16) if normed else (1,):
+                        run(kern, w, x[:m])
+                    continue
+                outs = {m: run(kern, w, x[:m]) for m in (1, 16, 64)}
+                alone = np.concatenate([run(kern, w, x[i : i + 1]) for i in range(64)])
+                ok = all((outs[m] == alone[:m]).all() for m in outs) and not np.isnan(as_f32(alone)).any()
+                timing_only = claim == "timing only"
+                if claim == "reference":
+                    base = outs
+                elif claim == "same bits":
+                    ok &= all((outs[m] == base[m]).all() for m in outs)
+                want = refs[is_normed(body)]
+                err = float(np.linalg.norm(as_f32(outs[64][:, :cols]) - want) / np.linalg.norm(want))
+                ok &= err < 1e-2 or timing_only
+                fails += not ok
+                t0 = time.monotonic()
+                us = {m: timed(kern, copies, m, k) for m in (1, 16, 64)}
+                sm = clocks.sm_median(t0, time.monotonic())
+                line = (f"{name:18s} {label:15s} nt{nt} sk{split} p{pipe} {claim:10s} {'PASS' if ok else 'FAIL'} err {err:.1e}  "
+                        + "  ".join(f"M{m} {v:7.1f}us" for m, v in us.items()) + f"  @1 {wbytes / us[1] / 1e3:5.0f} GB/s"
+                        + (f"  regs {kern.registers()}" if wide or normed else "") + (f"  SM {sm:.0f} MHz" if sm else ""))
+                table.append(line)
+                print(line, flush=True)
+        ended = time.monotonic()
     print("\n".join(table))
+    print(clocks.describe(begun, ended))
     return 1 if fails else 0
 
 
