@@ -31,11 +31,29 @@ def test_every_committed_receipt_validates_and_shows(path):
 
 
 def test_show_prints_the_engine_speed_table_and_the_training_table():
+    """The 9B's engine-speed receipt shows ours beside mlx-lm at each level (code at 1 stream: 133.30 against mlx-lm's
+    115.28 tok/s); the training receipt its held-out table."""
     runner = CliRunner()
-    speed = runner.invoke(app, ["show", "receipts/engine-speed-default-random-drafter.json"])
-    assert "engine speed (tok/s" in speed.output and "mlx-lm generate" in speed.output
+    speed = runner.invoke(app, ["show", "receipts/engine-speed-qwen3.5-9b-4bit-gpu-h100.json"], env={"COLUMNS": "250"})
+    row = next(line for line in speed.output.splitlines() if "code" in line and "plain" in line and "133.30" in line)
+    assert "engine speed (tok/s" in speed.output and "115.28" in row and "1.16x" in row
     train = runner.invoke(app, ["show", "receipts/train-smollm2-135m-dflash-v10.json"])
     assert "held-out measurements" in train.output and "mean" in train.output
+
+
+def test_show_prints_an_older_engine_speed_receipts_one_stream_mlx_lm_row(tmp_path):
+    """Receipts written before mlx-lm ran at every level hold one mlx-lm cell a probe (its `generate_step` at one
+    stream and ours over it), which `show` prints as a row of its own; no committed receipt holds one any more."""
+    from dflash_bench.checks.receipt import Receipt, summary
+
+    r = Receipt.new("engine-speed", ["dflash-bench", "engine-speed"], {"levels": [1]})
+    r.aggregates = {"code": {"plain": {"1": {"aggregate_tok_s": summary([1.2]), "stream_tok_s": summary([1.2])}},
+                             "mlx-lm": {"stream_tok_s": summary([5.58]), "ours_over_mlx_lm": 0.22}}}
+    r.finish(True)
+    r.write(tmp_path / "old.json")
+    out = CliRunner().invoke(app, ["show", str(tmp_path / "old.json")], env={"COLUMNS": "250"}).output
+    row = next(line for line in out.splitlines() if "mlx-lm generate" in line)
+    assert "5.58" in row and "0.22" in row
 
 
 def test_tables_are_not_cut_to_80_columns_when_stdout_is_not_a_terminal():
