@@ -18,11 +18,12 @@
 # job's first 300 s so). A session's 1,800 s of device time covers the uploads, the first phase and about three
 # timed steps: the steps run in the order the open bars need them.
 # STEPS=a,b,c (step names, as OUT_DIR/progress shows them) runs only those steps, in the script's order: a session
-# whose device time covers a few steps names the bars' (kernel-cache,fixture-9b,fixture-9b-drafter,engine-speed-9b,
-# engine-speed-default; as written, with 3 reps and both drafter precisions, the 9B's step alone may take its whole
-# 1,500 s limit, more than a session's device time leaves after the uploads: SPEED_9B_ARGS="--reps 2 --drafter-bits 0"
-# (options given again win) made session 41's shorter run; exactness-default, if named, runs in the first phase,
-# before them). tools/device_poll.sh polls OUT_DIR from later calls.
+# whose device time covers a few steps names the bars' (`STEPS=bars`: kernel-cache,fixture-9b,fixture-9b-drafter,
+# exactness-default,concurrent-default,engine-speed-9b,engine-speed-default; as written, with 3 reps and both drafter
+# precisions, the 9B's step alone may take its whole 1,500 s limit on a slow host, more than a session's device time
+# leaves after the uploads: SPEED_9B_ARGS="--reps 2 --drafter-bits 0" (options given again win) made session 41's
+# shorter run, and session 48's H100 ran 2 reps of one drafter precision in about 2 minutes; exactness-default and
+# concurrent-default, if named, run in the first phase, before them). tools/device_poll.sh polls OUT_DIR from later calls.
 # PTX_OUT=/root/mlx-ptx.tgz packs MLX's compiled modules after every step (below); one call at the session's end,
 # `cp /root/mlx-ptx.tgz $OUT/`, brings them back, to be kept as .dev/mlx-ptx.tgz and carried to the next session's
 # machine in a call of its own (carry [".dev/mlx-ptx.tgz"], with no part: session 43's was 12.2 MB, 571 files, after
@@ -33,6 +34,11 @@
 # each; `cat` them to /tmp/site/extra/SmolLM2-135M-Instruct.Q4_1.gguf before starting the job.)
 set -u
 out=${1:?usage: gpu_receipts.sh OUT_DIR}
+# STEPS=bars: the steps whose receipts issue 15's bars name (the 9B's and the default model's engine-speed, the default
+# model's exactness and concurrent), with the kernel cache's test and the fixtures they need
+if [ "${STEPS:-}" = bars ]; then
+  STEPS=kernel-cache,fixture-9b,fixture-9b-drafter,exactness-default,concurrent-default,engine-speed-9b,engine-speed-default
+fi
 cd "$(dirname "$0")/.."
 export PYTHONPATH=/tmp/site:$PWD
 export PYTHONUNBUFFERED=1  # a step its limit stops keeps what it printed (session 40's two timelines left empty logs)
