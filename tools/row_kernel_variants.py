@@ -88,9 +88,7 @@ __device__ __forceinline__ uint4 mm_stream(const uint4* p) {
 def streamed(engine: str) -> str:
     """The engine kernel with its weight words loaded past L1 (`mm_stream`, in STREAM_LOAD): only where
     a load is cached changes, so its bits must be the engine's."""
-    load = "__ldg(reinterpret_cast<const uint4*>(wq"
-    assert engine.count(load) == 1, "the engine kernel's weight load moved"
-    return engine.replace(load, "mm_stream(reinterpret_cast<const uint4*>(wq")
+    return swapped(engine, [("__ldg(reinterpret_cast<const uint4*>(wq", "mm_stream(reinterpret_cast<const uint4*>(wq")])
 
 
 SQUARES4 = r"""
@@ -109,7 +107,7 @@ def swapped(engine: str, swaps: list[tuple[str, str]]) -> str:
     """The engine kernel with each (old, new) text swapped, every old text found exactly once (else the engine's
     kernel moved under the variant, which must then be rewritten)."""
     for old, new in swaps:
-        assert engine.count(old) == 1, f"the engine kernel's norm moved: {old}"
+        assert engine.count(old) == 1, f"the engine kernel moved under a variant: {old}"
         engine = engine.replace(old, new)
     return engine
 
