@@ -276,10 +276,12 @@ class Kernel:
            x if self.norm is None else self.norm, y))
 
 
-def timed(kernel: Kernel, copies: list, m: int, k: int, launches: int = 60, reps: int = 7) -> float:
-    """Median µs a launch, from CUDA-graph replays of `launches` launches over the weight copies."""
+def timed(kernel: Kernel, copies: list, m: int, k: int, launches: int = 60, reps: int = 7,
+          rows: cp.ndarray | None = None) -> float:
+    """Median µs a launch, from CUDA-graph replays of `launches` launches over the weight copies; `rows`, the
+    launch's row count (m) where it lies, by default in device memory (tools/placement_probe.py places it)."""
     xs = [cp.asarray(bf16(np.random.default_rng(i).standard_normal((m, k), dtype=np.float32))) for i in range(4)]
-    rows = cp.asarray(np.array([m], dtype=np.int32))
+    rows = cp.asarray(np.array([m], dtype=np.int32)) if rows is None else rows
     y = cp.empty((m, kernel.n), dtype=cp.uint16)
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
