@@ -27,6 +27,7 @@ import mlx.core as mx
 from dflash_bench.engine import gguf
 from dflash_bench.engine.backend import FLOAT32_TENSORS
 from dflash_bench.engine.constants import MIB
+from dflash_bench.engine.device_values import place
 from dflash_bench.engine.errors import BadTargetConfig, CheckpointError
 from dflash_bench.engine.quantize import dequantize, quantization
 from dflash_bench.engine.target_config import TargetConfig, parse_target_config
@@ -365,8 +366,21 @@ def _check_and_cast(staged: dict, expected: dict[str, tuple[int, ...]], dtype: m
         mx.eval(arrays)
         if not all_finite(arrays):
             raise CheckpointError(f"{path}: tensor {name!r} holds NaN or infinite values")
-        weights[name] = w
+        weights[name] = in_device_memory(w)
     return weights
+
+
+def in_device_memory(w: Weight | mx.array) -> Weight | mx.array:
+    """A loaded tensor (a packed matrix: its words, scales and biases) as an exact copy in the GPU's own memory on
+    CUDA, where MLX leaves what it read from a file in managed memory (device_values: a small tensor there, a norm's
+    weights, costs every launch that reads it a crossing of the bus); the tensor itself elsewhere."""
+    if not isinstance(w, Weight):
+        return place([w])[0]
+    if not w.bits:
+        return Weight(place([w.w])[0])
+    words, scales = place([w.w, w.scales])
+    biases = None if w.biases is None else place([w.biases])[0]
+    return Weight.packed(words, scales, biases, w.group_size, w.bits)
 
 
 def all_finite(arrays: list[mx.array]) -> bool:

@@ -62,6 +62,7 @@ import mlx.core as mx
 
 from dflash_bench.engine.backend import on_cuda
 from dflash_bench.engine.baked_kernel import BakedKernel
+from dflash_bench.engine.device_values import constant
 
 MMA_ROWS = 16  # rows of one tensor-core tile
 MAX_TILES = 4  # row tiles a block carries (64 rows read the weights once)
@@ -477,7 +478,7 @@ def launch(m: int, k: int, n: int, bits: int, group_size: int, parts: tuple[int,
     options = dict(template=template, grid=(n // (8 * nt) * 32 * g.split_k, -(-m // (MMA_ROWS * tiles)), 1),
                    threadgroup=(32 * g.split_k, 1, 1), output_shapes=[(m, width) for width in parts] or [(m, n)],
                    output_dtypes=[mx.bfloat16] * max(1, len(parts)))
-    return KernelCall(mx.array([m], dtype=mx.int32), options)
+    return KernelCall(constant((m,)), options)
 
 
 def rows_matmul(x: mx.array, w: mx.array, scales: mx.array | None, biases: mx.array | None, bits: int,

@@ -26,7 +26,7 @@ import mlx.core as mx
 import numpy as np
 
 from dflash_bench.engine.cache import JointCache, TargetState, write_index
-from dflash_bench.engine.checkpoint import all_finite, files_sha256
+from dflash_bench.engine.checkpoint import all_finite, files_sha256, in_device_memory
 from dflash_bench.engine.draft_config import DraftConfig, read_draft_config
 from dflash_bench.engine.drafters import norm_rope_kernel
 from dflash_bench.engine.drafters.block_masks import BlockMasks, StreamBlock
@@ -484,6 +484,7 @@ def load_drafter(path: str | Path, target: Target, bits: int = 0, dtype: mx.Dtyp
     bad = [k for k, v in weights.items() if not all_finite([v])]
     if bad:  # checked after the cast: a value finite in float32 can overflow to inf in bf16
         raise CheckpointError(f"{path}: tensor {bad[0]!r} holds NaN or infinite values")
+    weights = {k: in_device_memory(v) for k, v in weights.items()}
     if config.is_dflash2:
         from dflash_bench.engine.drafters.dflash2 import DFlash2Drafter  # the subclass imports this module
 

@@ -29,6 +29,7 @@ import mlx.core as mx
 import numpy as np
 
 from dflash_bench.engine.baked_kernel import BakedKernel
+from dflash_bench.engine.device_values import constant, place
 
 KEYS_INPUTS = ["x", "v", "w", "positions", "inv_freq", "eps"]
 QK_INPUTS = ["q", "k", "v", "qw", "kw", "positions", "inv_freq", "eps"]
@@ -112,13 +113,13 @@ def _qk_kernel():
 
 @lru_cache(maxsize=16)
 def _inv_freq(head_dim: int, theta: float) -> mx.array:
-    """theta^(-2j/D) for j < D/2 in float32, computed once in float64."""
-    return mx.array((theta ** (-2.0 * np.arange(head_dim // 2) / head_dim)).astype(np.float32))
+    """theta^(-2j/D) for j < D/2 in float32, computed once in float64, in device memory (device_values)."""
+    return place([mx.array((theta ** (-2.0 * np.arange(head_dim // 2) / head_dim)).astype(np.float32))])[0]
 
 
-@lru_cache(maxsize=16)
 def _eps(eps: float) -> mx.array:
-    return mx.array([eps], dtype=mx.float32)
+    """The norm's epsilon, in device memory (device_values.constant)."""
+    return constant((eps,), mx.float32)
 
 
 def heads_of(x: mx.array, w: mx.array) -> tuple[int, int, int]:

@@ -63,6 +63,7 @@ import mlx.core as mx
 
 from dflash_bench.engine.baked_kernel import BakedKernel
 from dflash_bench.engine.cuda_source import CONVERSIONS
+from dflash_bench.engine.device_values import constant, per_round
 
 PARTITION = 128  # keys per pass-1 block, at absolute positions (a multiple of CHUNK)
 CHUNK = 32  # keys per staged chunk: one per lane
@@ -380,9 +381,9 @@ def _combine_kernel():
     return BakedKernel("dflash_attention_combine", ["meta", "ml", "part_out"], ["out"], _COMBINE, _HEADER)
 
 
-@lru_cache(maxsize=64)
 def _scale(scale: float) -> mx.array:
-    return mx.array([scale], dtype=mx.float32)
+    """The launch's softmax scale, in device memory (device_values.constant)."""
+    return constant((scale,), mx.float32)
 
 
 @lru_cache(maxsize=64)
@@ -476,7 +477,7 @@ def launch_meta(segments: list[Rows], ats: list[mx.array | None] | None = None, 
     if ats is not None and any(at is not None for at in ats):
         return device_meta((pmax, offsets[-1]), lengths, starts, ats, seg_meta, causal)
     positions = [start + r for start, n in zip(starts, lengths) for r in last_keys(n, causal)]
-    return _meta((pmax, offsets[-1], *positions, *seg_meta))
+    return per_round([pmax, offsets[-1], *positions, *seg_meta])
 
 
 def decode_attention(segments: list[Rows], scale: float, meta: mx.array | None = None, causal: bool = True,
