@@ -161,7 +161,10 @@ def fits(hk: int, hv: int, dk: int, dv: int) -> bool:
     return hv % hk == 0 and lanes is not None and (dv * lanes) % 32 == 0
 
 
-UNSCALED = mx.array([1.0, 1.0], dtype=mx.float32)  # the kernel's scales for q and k as given: x * 1 is x
+def unscaled() -> mx.array:
+    """The kernel's scales for q and k as given (x * 1 is x), in device memory (device_values.constant)."""
+    return constant((1.0, 1.0), mx.float32)
+
 
 # A rollback's conv tails, copied by the same launch (`rollback`): window seg's SPAN rows of C conv inputs from
 # row conv_at[seg] + limits[seg] of its layer's conv inputs (the rows ending at its last kept row), every thread
@@ -403,7 +406,7 @@ def _launch(parts: list[tuple[QKV, mx.array, mx.array, list[mx.array], mx.array 
     span), the rollback's launch: a third output, each window's conv tail after its `limits` rows."""
     first, windows = parts[0][0], len(parts[0][3])
     arrays = [a for qkv, g, beta, _, conv in parts
-             for a in (*qkv.arrays, g, beta, UNSCALED if qkv.scale is None else qkv.scale, *(() if tail is None else (conv,)))]
+             for a in (*qkv.arrays, g, beta, unscaled() if qkv.scale is None else qkv.scale, *(() if tail is None else (conv,)))]
     arrays += [st for *_, states, _ in parts for st in states]
     arrays += [offsets, limits, _int32s(first.layout)]
     conv = parts[0][4]

@@ -39,6 +39,7 @@ import mlx.core as mx
 from mlx_lm.models.gated_delta import compute_g, gated_delta_ops
 
 from dflash_bench.engine.cache import JointCache, LinearCache, TargetState
+from dflash_bench.engine.device_values import constant
 from dflash_bench.engine.fused import conv_silu, gated
 from dflash_bench.engine.row_ids import row_ids
 from dflash_bench.engine.target_config import TargetConfig
@@ -121,8 +122,9 @@ class GatedDeltaNet:
         # its eps, and its scales per head (q: head_dim**-1, k: head_dim**-0.5), float32 as the conv's rows
         inv_scale = self.dk**-0.5
         self.qk_eps = 1e-6 * inv_scale**2
-        self.qk_scales = mx.array([inv_scale**2, inv_scale], dtype=mx.float32)  # q's and k's (the kernel takes these)
-        self.qk_scale = mx.repeat(self.qk_scales, self.hk)[:, None]  # one a head, for mlx-lm's ops
+        # q's and k's as the kernel takes them (in device memory, padded past MLX's small pool: device_values)
+        self.qk_scales = constant((inv_scale**2, inv_scale), mx.float32)
+        self.qk_scale = mx.repeat(self.qk_scales[:2], self.hk)[:, None]  # one a head, for mlx-lm's ops
         mx.eval(self.qk_scales, self.qk_scale)  # made now: no forward's graph holds them
 
     @property
