@@ -31,12 +31,12 @@ def test_every_committed_receipt_validates_and_shows(path):
 
 
 def test_show_prints_the_engine_speed_table_and_the_training_table():
-    """The 9B's engine-speed receipt shows ours beside mlx-lm at each level (code at 1 stream: 133.30 against mlx-lm's
-    115.28 tok/s); the training receipt its held-out table."""
+    """The 9B's engine-speed receipt shows ours beside mlx-lm at each level (code at 1 stream: 149.10 against mlx-lm's
+    126.27 tok/s); the training receipt its held-out table."""
     runner = CliRunner()
     speed = runner.invoke(app, ["show", "receipts/engine-speed-qwen3.5-9b-4bit-gpu-h100.json"], env={"COLUMNS": "250"})
-    row = next(line for line in speed.output.splitlines() if "code" in line and "plain" in line and "133.30" in line)
-    assert "engine speed (tok/s" in speed.output and "115.28" in row and "1.16x" in row
+    row = next(line for line in speed.output.splitlines() if "code" in line and "plain" in line and "149.10" in line)
+    assert "engine speed (tok/s" in speed.output and "126.27" in row and "1.18x" in row
     train = runner.invoke(app, ["show", "receipts/train-smollm2-135m-dflash-v10.json"])
     assert "held-out measurements" in train.output and "mean" in train.output
 
