@@ -38,7 +38,7 @@ import time
 import cupy as cp
 import numpy as np
 from gpu_clocks import ClockLog
-from row_kernel_variants import SHAPES, Kernel, bf16, engine_source, geometry, module, timed, weights
+from row_kernel_variants import SHAPES, Kernel, bf16, emit, engine_source, finish, geometry, module, timed, weights
 
 ADVISE_ACCESSED_BY = 5  # cudaMemAdviseSetAccessedBy (CUDA's enum)
 POOL_BYTES = 4 * 16384  # MLX's small pool: 4 pages of 16 KB
@@ -119,18 +119,13 @@ def main() -> int:
                     us = timed(kern, ws, m, k, rows=rows)
                     line = (f"{name:12s} M{m:<3d} {label:16s} {'PASS' if ok else 'FAIL'} {us:8.1f} us  "
                             f"{wbytes / us / 1e3:5.0f} GB/s")
-                    table.append(line)
-                    print(line, flush=True)
+                    emit(table, line)
                 for label, rows, upload in (("device rewritten", cp.asarray(count), True),
                                             ("pool rewritten", pool, False), ("managed rewritten", small, False)):
                     us = rewritten(kern, copies[0], cp.asarray(x[:m]), m, rows, upload)
-                    line = f"{name:12s} M{m:<3d} {label:18s} alone {us:8.1f} us"
-                    table.append(line)
-                    print(line, flush=True)
+                    emit(table, f"{name:12s} M{m:<3d} {label:18s} alone {us:8.1f} us")
         ended = time.monotonic()
-    print("\n".join(table))
-    print(clocks.describe(begun, ended))
-    return 1 if fails else 0
+    return finish(table, clocks.describe(begun, ended), fails)
 
 
 if __name__ == "__main__":

@@ -436,11 +436,21 @@ def main() -> int:
                 line = (f"{name:18s} {label:15s} nt{nt} sk{split} p{pipe} {claim:10s} {'PASS' if ok else 'FAIL'} err {err:.1e}  "
                         + "  ".join(f"M{m} {v:7.1f}us" for m, v in us.items()) + f"  @1 {wbytes / us[1] / 1e3:5.0f} GB/s"
                         + (f"  regs {kern.registers()}" if wide or normed else "") + (f"  SM {sm:.0f} MHz" if sm else ""))
-                table.append(line)
-                print(line, flush=True)
+                emit(table, line)
         ended = time.monotonic()
+    return finish(table, clocks.describe(begun, ended), fails)
+
+
+def emit(table: list[str], line: str) -> None:
+    """A timed line, printed as it comes (a run its limit stops keeps what it printed) and kept for the table."""
+    table.append(line)
+    print(line, flush=True)
+
+
+def finish(table: list[str], clocks: str, fails: int) -> int:
+    """The run's lines again as one table, then the clocks over the run; the exit status (1 where a check failed)."""
     print("\n".join(table))
-    print(clocks.describe(begun, ended))
+    print(clocks)
     return 1 if fails else 0
 
 
