@@ -1,6 +1,6 @@
 """Where a launch's small inputs and weights live, and what a row-kernel launch pays for it (CuPy, no MLX).
 
-usage (GPU machine, repo root): python3 tools/placement_probe.py
+usage (GPU machine, repo root): python3 tools/placement_probe.py [--gather | --only-gather]
 
 Why: in the engine's round timelines the row kernel's launches run 1.5-3x their alone times (the 9B's o 28 us
 against 8.9 at one row: docs/gpu-round-profile.md), about 15-25 us more a launch whatever its size. The alone
@@ -25,6 +25,10 @@ writes the row count again, as the engine makes a round's small arrays (position
 `device` (an upload by cudaMemcpy, what a device array needs), `pool rewritten` (the small pool: the host's write
 stays in host memory) and `managed rewritten` (a 16-byte managed allocation: the host's write moves its page back to
 the host, and the launch's read faults it over again).
+
+With `--gather` (or `--only-gather`, the gather alone), MLX's own small kernels: one row's gather (an embedding lookup of one token: 4,096 bf16 values, 16 blocks of
+256 threads) with the token id in device memory and in the small pool, timed as above, to price what a round's
+host-made token ids and cache indices (MLX puts them in the pool) cost the kernels that read them.
 
 Each placement's output must equal the `device` one's bit for bit (placement never enters a sum).
 """
@@ -81,14 +85,54 @@ def rewritten(kern: Kernel, w: tuple, x: cp.ndarray, m: int, rows: cp.ndarray, u
     return float(np.median(out))
 
 
+GATHER = r"""
+extern "C" __global__ void take(const int* ids, const unsigned short* table, unsigned short* out, int width) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < width) out[i] = table[(size_t)ids[0] * width + i];
+}
+"""
+
+
+def gather_costs(table: list[str], launches: int = 60, reps: int = 7) -> None:
+    """One row's gather with its id in device memory and in the small pool (module docstring), median µs a launch
+    from CUDA-graph replays."""
+    take = cp.RawKernel(GATHER, "take")
+    width, rows = 4096, 32768
+    emb = cp.asarray(np.random.default_rng(1).integers(0, 2**16, size=(rows, width), dtype=np.uint16))
+    out = cp.empty(width, dtype=cp.uint16)
+    token = np.array([12345], dtype=np.int32)
+    pool, _ = host_written(token, POOL_BYTES, True)
+    for label, ids in (("id device", cp.asarray(token)), ("id pool", pool)):
+        stream = cp.cuda.Stream(non_blocking=True)
+        with stream:
+            take((width // 256,), (256,), (ids, emb, out, np.int32(width)))
+            stream.synchronize()
+            ok = bool((out == emb[12345]).all())
+            stream.begin_capture()
+            for _ in range(launches):
+                take((width // 256,), (256,), (ids, emb, out, np.int32(width)))
+            graph = stream.end_capture()
+            graph.launch(stream)
+            stream.synchronize()
+            times = []
+            for _ in range(reps):
+                a, b = cp.cuda.Event(), cp.cuda.Event()
+                a.record(stream)
+                graph.launch(stream)
+                b.record(stream)
+                b.synchronize()
+                times.append(cp.cuda.get_elapsed_time(a, b) * 1e3 / launches)
+        emit(table, f"gather 1 row  {label:16s} {'PASS' if ok else 'FAIL'} {float(np.median(times)):8.1f} us")
+
+
 def main() -> int:
     header, engine = engine_source()
-    shapes = SHAPES[:5]
+    shapes = [] if "--only-gather" in sys.argv else SHAPES[:5]
     wanted = []
     for _, k, n, bits, group in shapes:
         nt, split = geometry(k, n, bits)
         wanted += [("engine", (k, n, bits, group, nt, split, mt, 1)) for mt in (1, 4)]
-    mod = module({"engine": engine}, header, wanted)
+    mod = module({"engine": engine}, header, wanted) if wanted else None
     rng = np.random.default_rng(0)
     fails, table = 0, []
     with ClockLog() as clocks:
@@ -124,6 +168,8 @@ def main() -> int:
                                             ("pool rewritten", pool, False), ("managed rewritten", small, False)):
                     us = rewritten(kern, copies[0], cp.asarray(x[:m]), m, rows, upload)
                     emit(table, f"{name:12s} M{m:<3d} {label:18s} alone {us:8.1f} us")
+        if "--gather" in sys.argv or "--only-gather" in sys.argv:
+            gather_costs(table)
         ended = time.monotonic()
     return finish(table, clocks.describe(begun, ended), fails)
 
