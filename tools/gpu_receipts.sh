@@ -241,6 +241,9 @@ fi
 # checked for the engine's bits and timed from CUDA graphs (CuPy and nvcc, in the machine's image; needs no MLX);
 # job M's run is docs/profiles/row-kernel-variants-h200.txt's last section, so it comes late
 step row-kernel-variants 300 python3 tools/row_kernel_variants.py
+# where a launch's small inputs lie and what it costs (session 49: the row count in MLX's small pool added 12.4-13.7 us
+# a launch; docs/profiles/placement-probe-h100-49.txt), and one row's gather with its id in the pool (MLX's own arrays)
+step placement-probe 200 python3 tools/placement_probe.py --gather
 # the 9B drafter's bf16 products with look-aheads of 2 and 4 and one column tile a warp (twice the warps): at
 # the geometry's they moved 0.27-2.2 TB/s of an H100's ~3.0 in session 46 (docs/gpu-round-profile.md)
 step row-kernel-variants-drafter 300 python3 tools/row_kernel_variants.py --drafter
