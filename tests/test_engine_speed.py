@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from dflash_bench.checks import aggregates as agg
 from dflash_bench.checks import engine_speed, mlx_lm_speed, tables
 from dflash_bench.checks import prompts as prompt_sets
 from dflash_bench.checks.receipt import Receipt, summary
@@ -90,6 +91,7 @@ def test_gpu_mode_on_this_cpu_recorded_beside_mlx_lm_at_every_level(files, one_p
     assert ready["drafted"] > 0
     shown = text(Receipt.from_dict(receipt.to_dict()))
     assert "gpu mode" in shown and "round/plain round" in shown and "equal" in shown
+    assert " ".join(shown.split()).count("each stream's at T 0.7") == 1  # the caption: what "= plain" held
     assert "first request" in shown
     assert [line.split("│")[2].strip() for line in shown.splitlines() if "ready after" in line] == ["plain", "drafted"]
     # the weights each mode's round reads, and their ratio beside round/plain round
@@ -105,7 +107,7 @@ def test_reps_are_taken_in_turns_so_a_drift_in_host_speed_reaches_both_sides(fil
                                    tokens=4, reps=2, backend="gpu")
     receipt = Receipt.new("engine-speed", ["test"], s.__dict__)
     engine_speed.run(s, receipt)
-    order = [(r["streams"], r["mode"], r["rep"]) for r in receipt.records]
+    order = [(r["streams"], r["mode"], r["rep"]) for r in receipt.records if not r.get("temperature")]
     sides = ["plain", "drafted", engine_speed.MLX_LM]
     assert order == [(n, mode, rep) for n in (1, 2) for rep in (0, 1) for mode in sides]
 
@@ -151,15 +153,45 @@ def test_mlx_lms_tokens_are_not_held_to_ours_but_a_drafted_cell_is():
     assert [f["subject"] for f in receipt.failures] == ["code drafted x1"]
 
 
+def test_a_sampled_drafted_stream_is_held_to_plains_stream_of_its_seed():
+    """At a sampled temperature stream i has seed i in both modes: drafted must equal plain stream for stream (the
+    same hashes in another order are two streams that differ), and plain's seed must keep its hash at every level;
+    greedy records beside them are not mixed in."""
+    receipt = Receipt.new("engine-speed", ["test"], {})
+    records = [("plain", 1, ["g"], 0.0), ("drafted", 1, ["g"], 0.0), ("plain", 2, ["g", "g"], 0.0),
+               ("drafted", 2, ["g", "g"], 0.0), ("plain", 1, ["a"], 0.7), ("drafted", 1, ["a"], 0.7),
+               ("plain", 2, ["a", "b"], 0.7), ("drafted", 2, ["a", "b"], 0.7)]
+    receipt.records = [{"probe": "code", "mode": m, "streams": n, "token_sha": shas, "temperature": t}
+                       for m, n, shas, t in records]
+    cells = {mode: {"1": {}, "2": {}} for mode in ("plain", "drafted")}
+    engine_speed.check_equal(receipt, "code", cells, (1, 2))
+    engine_speed.check_sampled(receipt, "code", cells, (1, 2), (0.7,))
+    assert receipt.failures == [] and cells["drafted"]["2"]["equals_plain_sampled"] == {"0.7": True}
+    receipt.records[7]["token_sha"] = ["b", "a"]  # the same hashes, each on the other seed's stream
+    engine_speed.check_sampled(receipt, "code", cells, (1, 2), (0.7,))
+    assert [f["subject"] for f in receipt.failures] == ["code drafted x2 T=0.7"]
+    assert cells["drafted"]["2"]["equals_plain_sampled"] == {"0.7": False}
+    receipt.failures.clear()
+    receipt.records[6]["token_sha"] = ["c", "b"]  # plain's seed 0 at 2 streams is not its stream at 1
+    engine_speed.check_sampled(receipt, "code", cells, (1, 2), (0.7,))
+    assert "code plain T=0.7 seed 0" in [f["subject"] for f in receipt.failures]
+    # the table's "= plain": equal only where greedy and every sampled temperature were
+    verdict = tables.plain_verdict
+    assert verdict(agg.SpeedCell(equals_plain=True, equals_plain_sampled={"0.7": True})).plain == "equal"
+    assert verdict(agg.SpeedCell(equals_plain=True, equals_plain_sampled={"0.7": False})).plain == "DIFFER (T 0.7)"
+    assert verdict(agg.SpeedCell(equals_plain=False)).plain == "DIFFER (greedy)"
+
+
 def test_every_side_decodes_the_timed_length_once_untimed_before_its_reps(files, one_probe, monkeypatch):
     """A short untimed pass left a side's first timed rep growing its caches (engine_speed.run's docstring):
-    each side's first call at a level is untimed and as long as a rep; only the first request is short."""
+    each side's first call at a level is untimed and as long as a rep; only the first request is short. After
+    the reps, each of our modes decodes once more at the sampled temperature (mlx-lm does not)."""
     calls: list[tuple[str, int, int]] = []
     ours, theirs = engine_speed.run_level, engine_speed.mlx_lm_record
 
-    def run_level(engine, prompt, streams, tokens, draft):
-        calls.append(("drafted" if draft else "plain", streams, tokens))
-        return ours(engine, prompt, streams, tokens, draft)
+    def run_level(engine, prompt, streams, tokens, draft, temperature=0.0):
+        calls.append(("drafted" if draft else "plain", streams, tokens) + ((temperature,) if temperature else ()))
+        return ours(engine, prompt, streams, tokens, draft, temperature)
 
     def mlx_lm_record(reference, ids, streams, tokens):
         calls.append((engine_speed.MLX_LM, streams, tokens))
@@ -173,8 +205,16 @@ def test_every_side_decodes_the_timed_length_once_untimed_before_its_reps(files,
     engine_speed.run(s, receipt)
     sides = ["plain", "drafted", engine_speed.MLX_LM]
     assert calls == [("plain", 1, engine_speed.FIRST_TOKENS)] + [
-        (mode, n, 7) for n in (1, 2) for _ in ("untimed", "rep 0") for mode in sides]
-    assert len(receipt.records) == 2 * len(sides) and receipt.aggregates["first_request_seconds"] > 0
+        call for n in (1, 2) for call in [(mode, n, 7) for _ in ("untimed", "rep 0") for mode in sides]
+        + [("plain", n, 7, 0.7), ("drafted", n, 7, 0.7)]]
+    assert len(receipt.records) == 2 * (len(sides) + 2) and receipt.aggregates["first_request_seconds"] > 0
+    cells = receipt.aggregates["code"]["drafted"]
+    assert all(cells[n]["equals_plain"] and cells[n]["equals_plain_sampled"] == {"0.7": True} for n in ("1", "2"))
+    sampled = [r for r in receipt.records if r.get("temperature") == 0.7 and r["streams"] == 2]
+    greedy = [r for r in receipt.records if not r.get("temperature") and r["streams"] == 2 and r["mode"] == "plain"]
+    # sampling happened: seeds 0 and 1 part ways, and neither stream is the greedy one
+    assert len(set(sampled[0]["token_sha"])) == 2 and greedy[0]["token_sha"][0] not in sampled[0]["token_sha"]
+    assert not receipt.failures
 
 
 def test_a_run_cut_short_keeps_the_checks_and_ratios_of_the_levels_it_finished(files, one_probe, monkeypatch):
@@ -182,10 +222,10 @@ def test_a_run_cut_short_keeps_the_checks_and_ratios_of_the_levels_it_finished(f
     measured keep their equality verdicts and ratios, the level cut short has no cell."""
     ours = engine_speed.run_level
 
-    def run_level(engine, prompt, streams, tokens, draft):
+    def run_level(engine, prompt, streams, tokens, draft, temperature=0.0):
         if streams == 2:
             raise KeyboardInterrupt("SIGTERM")
-        return ours(engine, prompt, streams, tokens, draft)
+        return ours(engine, prompt, streams, tokens, draft, temperature)
 
     monkeypatch.setattr(engine_speed, "run_level", run_level)
     s = engine_speed.SpeedSettings(target=str(files["llama"]), drafter=str(files["dflash"]), levels=(1, 2),
@@ -197,3 +237,11 @@ def test_a_run_cut_short_keeps_the_checks_and_ratios_of_the_levels_it_finished(f
     assert set(cells["drafted"]) == {"1"} and cells["drafted"]["1"]["equals_plain"] is True
     assert cells["drafted"]["1"]["round_over_plain"] > 0 and cells["plain"]["1"]["over_mlx_lm"] > 0
     assert not receipt.failures
+
+
+@pytest.mark.parametrize("sampled", ["0,0.7", "-1", "warm"])
+def test_sampled_temperatures_are_above_zero_or_the_command_says_which_option(sampled):
+    """The timed reps are greedy; `--sampled` names the temperatures of the untimed equality pass, so 0 (and
+    anything not a number above 0) is refused with the option's name, before any model loads."""
+    out = CliRunner().invoke(app, ["engine-speed", "--sampled", sampled])
+    assert out.exit_code == 2 and "--sampled" in out.output

@@ -260,6 +260,8 @@ class SpeedCell(Loose):
     round_over_plain: Optional[float] = None  # seconds a round over a plain round's at the level
     scaling: Optional[float] = None  # aggregate over the mode's at 1 stream
     equals_plain: Optional[bool] = None  # drafted cells: every stream's tokens are plain's
+    # drafted cells: temperature -> every stream's sampled tokens are plain's stream of its seed; older receipts: none
+    equals_plain_sampled: dict[str, bool] = Field(default_factory=dict)
 
 
 class MlxLmCell(Loose):

@@ -9,6 +9,9 @@ ours over mlx-lm, a drafted round's seconds over a plain round's (what verifying
 and a level's aggregate over one stream's (how streams scale). Beside them, the weights each mode's round
 reads at least (Engine.weight_bytes): a drafted round that reads 1.71x a plain one's bytes cannot cost less than
 1.71x at one speed a byte (docs/gpu-round-profile.md, session 46).
+The timed reps are greedy. At each sampled temperature (`sampled`, 0.7 by default) every one of our modes decodes
+once more at every level, untimed, each stream with its own seed: each drafted stream must equal plain's stream of
+the same seed, and plain's stream of a seed has one hash at every level (check_sampled).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class SpeedSettings:
     drafter_bits: tuple[int, ...] = (0,)
     mlx_lm: bool = True
     backend: str = "auto"  # 'auto' (the mode serve would use here), 'cpu' or 'gpu'
+    sampled: tuple[float, ...] = (0.7,)  # temperatures of one untimed pass a mode and level (module docstring)
 
 
 def chat_ids(loaded: LoadedTarget, prompt: prompt_sets.Prompt) -> list[int]:
@@ -51,9 +55,12 @@ def chat_ids(loaded: LoadedTarget, prompt: prompt_sets.Prompt) -> list[int]:
     return tok.encode(prompt.text)
 
 
-def run_level(engine: Engine, prompt: list[int], streams: int, tokens: int, draft: bool) -> dict:
-    """`streams` copies of one request (distinct seeds keep them separate streams), timed together."""
-    reqs = [Request(prompt, max_tokens=tokens, draft=draft, ignore_eos=True, seed=i) for i in range(streams)]
+def run_level(engine: Engine, prompt: list[int], streams: int, tokens: int, draft: bool,
+              temperature: float = 0.0) -> dict:
+    """`streams` copies of one request (distinct seeds keep them separate streams), timed together; stream i
+    has seed i, which picks its tokens where they are sampled (`temperature` above 0)."""
+    reqs = [Request(prompt, max_tokens=tokens, draft=draft, ignore_eos=True, seed=i, temperature=temperature)
+            for i in range(streams)]
     start = time.perf_counter()
     results = engine.run(reqs)
     wall = time.perf_counter() - start
@@ -180,6 +187,7 @@ def run(s: SpeedSettings, receipt: Receipt, progress: Callable[[str], None] = la
         finally:  # an interrupted run keeps the checks and ratios of the levels it finished
             if done:
                 check_equal(receipt, name, cells, tuple(done))
+                check_sampled(receipt, name, cells, tuple(done), s.sampled)
                 derive(cells)
     receipt.aggregates["peak_bytes"] = mx.get_peak_memory()
 
@@ -202,6 +210,11 @@ def measure_level(s: SpeedSettings, receipt: Receipt, name: str, ids: list[int],
             progress(f"{name} {mode} x{streams} rep {rep + 1}/{s.reps}")
             reps[mode].append(side(s.tokens))
             receipt.records.append({"probe": name, "mode": mode, "rep": rep, **reps[mode][-1]})
+    for temperature in s.sampled:  # drafted == plain where tokens are sampled: once each, untimed, our modes only
+        for mode, engine, draft in modes:
+            progress(f"{name} {mode} x{streams} T={temperature:g}")
+            got = run_level(engine, ids, streams, s.tokens, draft, temperature)
+            receipt.records.append({"probe": name, "mode": mode, "rep": 0, "temperature": temperature, **got})
     for mode, got in reps.items():
         cells.setdefault(mode, {})[str(streams)] = cell(got) if mode != MLX_LM else {
             "aggregate_tok_s": summary([r["aggregate_tok_s"] for r in got]),
@@ -215,8 +228,8 @@ def check_equal(receipt: Receipt, probe: str, cells: dict[str, dict[str, dict]],
     has one hash over all levels (streams never change a stream's tokens); a cell or level that
     differs fails the receipt."""
     def shas(mode: str, streams: int) -> set[str]:
-        return {h for r in receipt.records
-                if r["probe"] == probe and r["mode"] == mode and r["streams"] == streams for h in r["token_sha"]}
+        return {h for r in receipt.records if r["probe"] == probe and r["mode"] == mode and r["streams"] == streams
+                and not r.get("temperature") for h in r["token_sha"]}
 
     plain_all = set().union(*(shas("plain", n) for n in levels))
     if len(plain_all) != 1:
@@ -232,3 +245,38 @@ def check_equal(receipt: Receipt, probe: str, cells: dict[str, dict[str, dict]],
             if not equal:
                 receipt.fail("drafted equals plain", f"{probe} {mode} x{streams}",
                              f"{probe} {mode} x{streams}: token hashes {sorted(ours)}, plain {sorted(plain)}")
+
+
+def check_sampled(receipt: Receipt, probe: str, cells: dict[str, dict[str, dict]], levels: tuple[int, ...],
+                  temperatures: tuple[float, ...]) -> None:
+    """Drafted == plain where tokens are sampled: at each temperature and level, each drafted stream's tokens are
+    plain's stream of the same seed (stream i has seed i: run_level), recorded per temperature in the drafted
+    cell's `equals_plain_sampled`; and plain's stream of a seed has one hash at every level (a stream's tokens do
+    not depend on the streams beside it). A difference fails the receipt."""
+    def streams_of(mode: str, streams: int, temperature: float) -> list[str] | None:
+        found = [r["token_sha"] for r in receipt.records if r["probe"] == probe and r["mode"] == mode
+                 and r["streams"] == streams and r.get("temperature") == temperature]
+        return found[0] if found else None
+
+    for temperature in temperatures:
+        by_seed: dict[int, set[str]] = {}
+        for streams in levels:
+            for seed, sha in enumerate(streams_of("plain", streams, temperature) or []):
+                by_seed.setdefault(seed, set()).add(sha)
+        for seed, found in by_seed.items():
+            if len(found) != 1:
+                receipt.fail("sampled plain equals itself", f"{probe} plain T={temperature:g} seed {seed}",
+                             f"{probe} plain T={temperature:g} seed {seed}: token hashes differ across levels: "
+                             f"{sorted(found)}")
+        for mode, by_level in cells.items():
+            if mode in ("plain", MLX_LM):
+                continue
+            for streams in levels:
+                plain, ours = streams_of("plain", streams, temperature), streams_of(mode, streams, temperature)
+                if plain is None or ours is None:
+                    continue
+                equal = ours == plain
+                by_level[str(streams)].setdefault("equals_plain_sampled", {})[f"{temperature:g}"] = equal
+                if not equal:
+                    receipt.fail("drafted equals plain", f"{probe} {mode} x{streams} T={temperature:g}",
+                                 f"{probe} {mode} x{streams} T={temperature:g}: token hashes {ours}, plain {plain}")

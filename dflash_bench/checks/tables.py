@@ -249,7 +249,12 @@ def engine_speed(a: agg.EngineSpeedAggregates, r: Receipt) -> Table:
     round/plain round column (what that ratio would be at one speed a byte). Old receipts leave the newer parts empty."""
     mode = r.server.get("backend") if r.server else None
     title = "engine speed (tok/s; medians of reps" + (f"; {mode} mode)" if mode else ")")
-    t = Table(title=title, caption=a.mlx_lm_note)
+    sampled = sorted({t for modes in a.probes().values() for cells in modes.values() if isinstance(cells, dict)
+                      for c in cells.values() for t in c.equals_plain_sampled}, key=float)
+    caption = [a.mlx_lm_note] if a.mlx_lm_note else []
+    if sampled:
+        caption.append(f"= plain: the greedy reps' tokens, and each stream's at T {', '.join(sampled)} (one untimed pass)")
+    t = Table(title=title, caption="; ".join(caption) or None)
     cols = ("probe", "mode", "streams", "aggregate tok/s", "stream tok/s", "mlx-lm tok/s", "ours/mlx-lm",
             "ms a round", "round/plain round", "tokens/round", "1->N", "= plain", "spread")
     for col in cols:
@@ -266,7 +271,7 @@ def engine_speed(a: agg.EngineSpeedAggregates, r: Receipt) -> Table:
             for streams, c in cells.items():
                 theirs = ref.get(streams) if isinstance(ref, dict) else None
                 per_round = c.seconds_per_round.median if c.seconds_per_round else None
-                same = None if c.equals_plain is None else MARK[c.equals_plain]
+                same = plain_verdict(c)
                 t.add_row(probe, mode, streams, num(c.aggregate_tok_s.median, 2), num(c.stream_tok_s.median, 2),
                           num(theirs.aggregate_tok_s.median, 2) if theirs else "—", times(c.over_mlx_lm),
                           num(per_round * 1e3 if per_round is not None else None, 2), times(c.round_over_plain),
@@ -284,6 +289,15 @@ def engine_speed(a: agg.EngineSpeedAggregates, r: Receipt) -> Table:
             t.add_row("ready after", mode, "", f"{seconds:.1f} s", *[""] * 9)
         t.add_row("first request", "", "", f"{a.first_request_seconds:.2f} s", *[""] * 9)
     return t
+
+
+def plain_verdict(c: agg.SpeedCell) -> Text | None:
+    """A drafted cell's "= plain": equal where its greedy tokens and its sampled ones (each temperature's) were
+    plain's, else DIFFER naming where; None for a plain cell."""
+    if c.equals_plain is None:
+        return None
+    failed = ([] if c.equals_plain else ["greedy"]) + [f"T {t}" for t, ok in c.equals_plain_sampled.items() if not ok]
+    return MARK[True] if not failed else Text(f"DIFFER ({', '.join(failed)})", style="bold red")
 
 
 def times(value: float | None) -> str:

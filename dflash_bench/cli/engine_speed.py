@@ -29,11 +29,16 @@ def engine_speed_cmd(
                                                "its batched loop at more; not for a GGUF target, which mlx-lm cannot read).")] = True,
     backend: Annotated[str, typer.Option(help="Engine mode: auto (the one serve would use here), cpu (float32) or gpu "
                                               "(packed quantized weights, bf16).")] = "auto",
+    sampled: Annotated[str, typer.Option(help="Temperatures above 0 at which each mode decodes once more, untimed, at every "
+                                              "level: each drafted stream must equal plain's stream of its seed ('' for none).")] = "0.7",
     out: Out = None,
     json_out: Json = False,
 ) -> None:
     """Plain and drafted decode at each level in one process, in serve's mode, and mlx-lm on the same files (ratios)."""
     bits = numbers(drafter_bits, "--drafter-bits", int, 0)
+    temperatures = numbers(sampled, "--sampled", float, 0) if sampled.strip() else ()
+    if 0 in temperatures:
+        raise typer.BadParameter(f"--sampled {sampled!r}: the timed reps are greedy; expected temperatures above 0")
     if backend not in ("auto", *BACKENDS):
         raise typer.BadParameter(f"--backend is {backend!r}, expected auto, {' or '.join(BACKENDS)}")
     try:
@@ -44,7 +49,7 @@ def engine_speed_cmd(
     settings = engine_speed.SpeedSettings(
         target=target, drafter=drafter,
         levels=ints(levels, "--levels"), tokens=tokens, reps=reps, drafter_bits=bits, mlx_lm=mlx_lm,
-        backend=backend,
+        backend=backend, sampled=temperatures,
     )
     receipt = Receipt.new("engine-speed", sys.argv, settings.__dict__)
     path = out or default_out("engine-speed")
