@@ -42,7 +42,8 @@ import time
 import cupy as cp
 import numpy as np
 from gpu_clocks import ClockLog
-from row_kernel_variants import SHAPES, Kernel, bf16, emit, engine_source, finish, geometry, module, timed, weights
+from row_kernel_variants import (SHAPES, Kernel, bf16, emit, engine_source, finish, geometry, graph_us, module, timed,
+                                 weights)
 
 ADVISE_ACCESSED_BY = 5  # cudaMemAdviseSetAccessedBy (CUDA's enum)
 POOL_BYTES = 4 * 16384  # MLX's small pool: 4 pages of 16 KB
@@ -103,26 +104,14 @@ def gather_costs(table: list[str], launches: int = 60, reps: int = 7) -> None:
     token = np.array([12345], dtype=np.int32)
     pool, _ = host_written(token, POOL_BYTES, True)
     for label, ids in (("id device", cp.asarray(token)), ("id pool", pool)):
-        stream = cp.cuda.Stream(non_blocking=True)
-        with stream:
+        def launch(_: int, ids: cp.ndarray = ids) -> None:
             take((width // 256,), (256,), (ids, emb, out, np.int32(width)))
-            stream.synchronize()
-            ok = bool((out == emb[12345]).all())
-            stream.begin_capture()
-            for _ in range(launches):
-                take((width // 256,), (256,), (ids, emb, out, np.int32(width)))
-            graph = stream.end_capture()
-            graph.launch(stream)
-            stream.synchronize()
-            times = []
-            for _ in range(reps):
-                a, b = cp.cuda.Event(), cp.cuda.Event()
-                a.record(stream)
-                graph.launch(stream)
-                b.record(stream)
-                b.synchronize()
-                times.append(cp.cuda.get_elapsed_time(a, b) * 1e3 / launches)
-        emit(table, f"gather 1 row  {label:16s} {'PASS' if ok else 'FAIL'} {float(np.median(times)):8.1f} us")
+
+        launch(0)
+        cp.cuda.Device().synchronize()
+        ok = bool((out == emb[12345]).all())
+        us = graph_us(launch, launches, reps, warm=1)
+        emit(table, f"gather 1 row  {label:16s} {'PASS' if ok else 'FAIL'} {us:8.1f} us")
 
 
 def main() -> int:

@@ -47,6 +47,7 @@ import pathlib
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import cupy as cp
@@ -283,14 +284,20 @@ def timed(kernel: Kernel, copies: list, m: int, k: int, launches: int = 60, reps
     xs = [cp.asarray(bf16(np.random.default_rng(i).standard_normal((m, k), dtype=np.float32))) for i in range(4)]
     rows = cp.asarray(np.array([m], dtype=np.int32)) if rows is None else rows
     y = cp.empty((m, kernel.n), dtype=cp.uint16)
+    return graph_us(lambda i: kernel(xs[i % 4], copies[i % len(copies)], m, rows, y), launches, reps, warm=len(copies))
+
+
+def graph_us(launch: Callable[[int], None], launches: int = 60, reps: int = 7, warm: int = 0) -> float:
+    """Median µs a launch from CUDA-graph replays of launch(0) .. launch(launches - 1) on a stream of its own
+    (device time, no host launch cost), after launch(0) .. launch(warm - 1) outside the graph."""
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
-        for i in range(len(copies)):
-            kernel(xs[i % 4], copies[i], m, rows, y)
+        for i in range(warm):
+            launch(i)
         stream.synchronize()
         stream.begin_capture()
         for i in range(launches):
-            kernel(xs[i % 4], copies[i % len(copies)], m, rows, y)
+            launch(i)
         graph = stream.end_capture()
         graph.launch(stream)
         stream.synchronize()
