@@ -46,7 +46,7 @@ from row_kernel_variants import (SHAPES, Kernel, bf16, emit, engine_source, fini
                                  weights)
 
 ADVISE_ACCESSED_BY = 5  # cudaMemAdviseSetAccessedBy (CUDA's enum)
-POOL_BYTES = 4 * 16384  # MLX's small pool: 4 pages of 16 KB
+POOL_SIZE = 4 * 16384  # MLX's small pool: 4 pages of 16 KB
 
 
 def host_written(values: np.ndarray, nbytes: int, accessed_by: bool) -> tuple[cp.ndarray, cp.cuda.MemoryPointer]:
@@ -102,7 +102,7 @@ def gather_costs(table: list[str], launches: int = 60, reps: int = 7) -> None:
     emb = cp.asarray(np.random.default_rng(1).integers(0, 2**16, size=(rows, width), dtype=np.uint16))
     out = cp.empty(width, dtype=cp.uint16)
     token = np.array([12345], dtype=np.int32)
-    pool, _ = host_written(token, POOL_BYTES, True)
+    pool, _ = host_written(token, POOL_SIZE, True)
     for label, ids in (("id device", cp.asarray(token)), ("id pool", pool)):
         def launch(_: int, ids: cp.ndarray = ids) -> None:
             take((width // 256,), (256,), (ids, emb, out, np.int32(width)))
@@ -137,7 +137,7 @@ def main() -> int:
             x = bf16(rng.standard_normal((16, k), dtype=np.float32))
             for m in (1, 16):
                 count = np.array([m], dtype=np.int32)
-                pool, _ = host_written(count, POOL_BYTES, True)
+                pool, _ = host_written(count, POOL_SIZE, True)
                 small, _ = host_written(np.array([m, 0, 0, 0], dtype=np.int32), 16, False)
                 places = {"device": (cp.asarray(count), copies), "rows pool": (pool, copies),
                           "rows managed": (small, copies), "weights managed": (cp.asarray(count), mcopies)}
