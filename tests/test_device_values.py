@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 
 from dflash_bench.engine import checkpoint, device_values
-from dflash_bench.engine.device_values import POOL_BYTES, constant, per_round, place
-from dflash_bench.engine.targets import delta_kernel
+from dflash_bench.engine.device_values import POOL_BYTES, constant, off_pool, per_round, place
 from dflash_bench.engine.tiles import Weight
 
 
@@ -64,7 +63,7 @@ def test_a_rounds_layout_keeps_its_values_padded_only_where_the_pool_would_take_
 
 
 def test_a_rollbacks_single_count_is_padded_past_the_pool_and_several_are_not() -> None:
-    one = delta_kernel._padded(mx.array([3], dtype=mx.int32))
+    one = off_pool(mx.array([3], dtype=mx.int32))
     assert one.nbytes > POOL_BYTES and one.tolist()[0] == 3 and not any(one.tolist()[1:])
     four = mx.array([1, 2, 3, 4], dtype=mx.int32)
-    assert delta_kernel._padded(four) is four
+    assert off_pool(four) is four

@@ -46,12 +46,25 @@ def place(arrays: list[mx.array]) -> list[mx.array]:
     return out
 
 
+def padding(count: int, itemsize: int) -> int:
+    """How many zeros take `count` values of `itemsize` bytes past POOL_BYTES (none where they are past it already):
+    each kernel reads the values it is told of, never the zeros."""
+    return max(0, POOL_BYTES // itemsize + 1 - count)
+
+
+def off_pool(a: mx.array) -> mx.array:
+    """A GPU operation's small output (a rollback's kept count at one stream) with zeros after it where it would fit
+    the pool, by one more operation (`mx.concatenate` writes a new buffer, in device memory past POOL_BYTES); `a`
+    itself where it is larger."""
+    extra = padding(a.size, a.itemsize)
+    return mx.concatenate([a, mx.zeros((extra,), dtype=a.dtype)]) if extra else a
+
+
 @lru_cache(maxsize=1024)
 def constant(values: tuple[int | float, ...], dtype: mx.Dtype = mx.int32) -> mx.array:
-    """A launch's small input (`values`, then zeros up to more than POOL_BYTES) in device memory, made once per
-    value: the kernels read the values they are told of and never the padding."""
-    size = mx.array(0, dtype=dtype).itemsize
-    padded = list(values) + [0] * max(0, POOL_BYTES // size + 1 - len(values))  # more than POOL_BYTES
+    """A launch's small input (`values`, then zeros past POOL_BYTES: `padding`) in device memory, made once per
+    value."""
+    padded = list(values) + [0] * padding(len(values), mx.array(0, dtype=dtype).itemsize)
     (out,) = place([mx.array(padded, dtype=dtype)])
     return out
 
@@ -60,11 +73,9 @@ def per_round(values: list[int], dtype: mx.Dtype = mx.int32) -> mx.array:
     """A small input the host makes for one round (a forward's layout), copied to device memory by the round's own
     graph: one copy reads the host's values across the bus once, where each launch reading them would (module
     docstring). Lazy (the round's graph runs the copy, no evaluation here): `mx.concatenate` of two slices writes a
-    new buffer, so nothing is donated. The same values, and on CUDA zeros after them where they would fit the small
-    pool."""
+    new buffer, so nothing is donated (`off_pool`'s, where the values would fit the small pool). The same values, and
+    on CUDA zeros after them where they would fit the pool."""
     src = mx.array(list(values), dtype=dtype)
     if not on_cuda():
         return src
-    if src.nbytes <= POOL_BYTES:
-        src = mx.array(list(values) + [0] * (POOL_BYTES // src.itemsize + 1 - len(values)), dtype=dtype)
-    return mx.concatenate([src[:1], src[1:]])
+    return off_pool(src) if src.nbytes <= POOL_BYTES else mx.concatenate([src[:1], src[1:]])

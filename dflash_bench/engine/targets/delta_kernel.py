@@ -60,7 +60,7 @@ import mlx.core as mx
 
 from dflash_bench.engine.baked_kernel import BakedKernel
 from dflash_bench.engine.cuda_source import CONVERSIONS
-from dflash_bench.engine.device_values import POOL_BYTES, constant
+from dflash_bench.engine.device_values import constant, off_pool
 
 Window = tuple[mx.array, mx.array, mx.array, mx.array, mx.array, mx.array]  # q, k, v, g, beta, state
 
@@ -382,19 +382,9 @@ def rollback(parts: list[Part], starts: tuple[int, ...], counts: mx.array, conv_
         assert (qkv.heads, qkv.rows, qkv.layout, qkv.y_dtype, len(states)) == (first.heads, first.rows, first.layout,
                                                                               first.y_dtype, windows)
         assert (conv.dtype, conv.shape[1]) == (parts[0][4].dtype, parts[0][4].shape[1]), "every layer's conv alike"
-    _, states, tails = _launch(parts, _int32s(tuple(starts)), _padded(counts.astype(mx.int32)), (tuple(conv_starts), span))
+    _, states, tails = _launch(parts, _int32s(tuple(starts)), off_pool(counts.astype(mx.int32)), (tuple(conv_starts), span))
     states, tails = _unstacked(states, len(parts) * windows), _unstacked(tails, len(parts) * windows)
     return [(states[i * windows : (i + 1) * windows], tails[i * windows : (i + 1) * windows]) for i in range(len(parts))]
-
-
-def _padded(counts: mx.array) -> mx.array:
-    """A rollback's device counts with zeros after them where they would fit MLX's small pool (one window's count:
-    4 bytes, which the pool keeps in host memory, and every thread of the launch reads it: device_values). The launch
-    reads a count a window; the zeros are never read. The counts are a GPU operation's, so the padded array is one
-    more, written in device memory."""
-    if counts.size * counts.itemsize > POOL_BYTES:
-        return counts
-    return mx.concatenate([counts, mx.zeros((POOL_BYTES // counts.itemsize,), dtype=counts.dtype)])
 
 
 def _launch(parts: list[tuple[QKV, mx.array, mx.array, list[mx.array], mx.array | None]], offsets: mx.array,
