@@ -222,14 +222,20 @@ def measure_level(s: SpeedSettings, receipt: Receipt, name: str, ids: list[int],
         }
 
 
+def records_of(receipt: Receipt, probe: str, mode: str, streams: int, temperature: float = 0.0) -> list[dict]:
+    """A cell's records at one temperature: the timed greedy reps (0, the records that name none), or a sampled
+    pass's."""
+    return [r for r in receipt.records if r["probe"] == probe and r["mode"] == mode and r["streams"] == streams
+            and r.get("temperature", 0.0) == temperature]
+
+
 def check_equal(receipt: Receipt, probe: str, cells: dict[str, dict[str, dict]], levels: tuple[int, ...]) -> None:
     """Drafted == plain per cell: every stream of every rep of a drafted cell (not mlx-lm's, whose
     kernels differ from ours) has plain's token hash at that level (greedy, so one hash), and plain
     has one hash over all levels (streams never change a stream's tokens); a cell or level that
     differs fails the receipt."""
     def shas(mode: str, streams: int) -> set[str]:
-        return {h for r in receipt.records if r["probe"] == probe and r["mode"] == mode and r["streams"] == streams
-                and not r.get("temperature") for h in r["token_sha"]}
+        return {h for r in records_of(receipt, probe, mode, streams) for h in r["token_sha"]}
 
     plain_all = set().union(*(shas("plain", n) for n in levels))
     if len(plain_all) != 1:
@@ -254,9 +260,8 @@ def check_sampled(receipt: Receipt, probe: str, cells: dict[str, dict[str, dict]
     cell's `equals_plain_sampled`; and plain's stream of a seed has one hash at every level (a stream's tokens do
     not depend on the streams beside it). A difference fails the receipt."""
     def streams_of(mode: str, streams: int, temperature: float) -> list[str] | None:
-        found = [r["token_sha"] for r in receipt.records if r["probe"] == probe and r["mode"] == mode
-                 and r["streams"] == streams and r.get("temperature") == temperature]
-        return found[0] if found else None
+        found = records_of(receipt, probe, mode, streams, temperature)
+        return found[0]["token_sha"] if found else None
 
     for temperature in temperatures:
         by_seed: dict[int, set[str]] = {}

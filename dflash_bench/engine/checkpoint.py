@@ -376,11 +376,8 @@ def in_device_memory(w: Weight | mx.array) -> Weight | mx.array:
     weights, costs every launch that reads it a crossing of the bus); the tensor itself elsewhere."""
     if not isinstance(w, Weight):
         return place([w])[0]
-    if not w.bits:
-        return Weight(place([w.w])[0])
-    words, scales = place([w.w, w.scales])
-    biases = None if w.biases is None else place([w.biases])[0]
-    return Weight.packed(words, scales, biases, w.group_size, w.bits)
+    words, scales, biases = (None if a is None else place([a])[0] for a in (w.w, w.scales, w.biases))
+    return Weight.packed(words, scales, biases, w.group_size, w.bits) if w.bits else Weight(words)
 
 
 def all_finite(arrays: list[mx.array]) -> bool:
