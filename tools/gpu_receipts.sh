@@ -23,7 +23,8 @@
 # precisions, the 9B's step alone may take its whole 1,500 s limit on a slow host, more than a session's device time
 # leaves after the uploads: SPEED_9B_ARGS="--reps 2 --drafter-bits 0" (options given again win) made session 41's
 # shorter run, and session 48's H100 ran 2 reps of one drafter precision in about 2 minutes; exactness-default and
-# concurrent-default, if named, run in the first phase, before them). tools/device_poll.sh polls OUT_DIR from later calls.
+# concurrent-default, if named, run in the first phase, before them; SPEED_DEFAULT_ARGS does for the default model's
+# engine-speed what SPEED_9B_ARGS does for the 9B's). tools/device_poll.sh polls OUT_DIR from later calls.
 # PTX_OUT=/root/mlx-ptx.tgz packs MLX's compiled modules after every step (below); one call at the session's end,
 # `cp /root/mlx-ptx.tgz $OUT/`, brings them back, to be kept as .dev/mlx-ptx.tgz and carried to the next session's
 # machine in a call of its own (carry [".dev/mlx-ptx.tgz"], with no part: session 43's was 12.2 MB, 571 files, after
@@ -208,7 +209,7 @@ if [ -n "${BASELINE:-}" ]; then
 fi
 if [ -f "$gguf" ]; then
   run engine-speed-default 540 engine-speed default --levels 1,4 --tokens 256 --reps 3 --drafter-bits 0 \
-    --backend gpu --out "$out/engine-speed-default-gpu-$dev.json"
+    --backend gpu --out "$out/engine-speed-default-gpu-$dev.json" ${SPEED_DEFAULT_ARGS:-}
 else
   log "default model skipped: no $gguf (pack it with prepare-mlx-cuda.sh)"
 fi
