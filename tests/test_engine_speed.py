@@ -7,12 +7,18 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+import mlx.core as mx
+
 from dflash_bench.checks import aggregates as agg
 from dflash_bench.checks import engine_speed, mlx_lm_speed, tables
 from dflash_bench.checks import prompts as prompt_sets
 from dflash_bench.checks.receipt import Receipt, summary
 from dflash_bench.cli import app
 from dflash_bench.engine import backend as backends
+from dflash_bench.engine import gguf
+from dflash_bench.engine.checkpoint import load_target
+from dflash_bench.engine.targets import Segment, build_target
+from dflash_bench.engine.tiles import Weight
 from dflash_bench.fixtures.small import write_fixture
 
 
@@ -35,9 +41,9 @@ def text(receipt: Receipt) -> str:
     return console.export_text()
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3_5"])
+@pytest.mark.parametrize("family", ["llama", "qwen3_5", "llama-gguf"])
 def test_batched_loop_gives_generate_steps_greedy_tokens(files, family):
-    model = mlx_lm_speed.load(files[family])
+    model = mlx_lm_speed.load(load_target(files[family]))
     prompt = [3, 17, 5, 9, 250, 41, 7]
     one = mlx_lm_speed.generate_one(model, prompt, 12)
     assert len(one["tokens"][0]) == 12
@@ -112,16 +118,60 @@ def test_reps_are_taken_in_turns_so_a_drift_in_host_speed_reaches_both_sides(fil
     assert order == [(n, mode, rep) for n in (1, 2) for rep in (0, 1) for mode in sides]
 
 
-def test_a_gguf_target_is_noted_not_failed_in_the_mode_auto_picks(files, one_probe):
-    s = engine_speed.SpeedSettings(target=str(files["llama-gguf"]), levels=(1,), tokens=4, reps=1)
+def test_a_gguf_target_runs_beside_mlx_lm_on_the_weights_we_load(files, one_probe):
+    """mlx-lm cannot read a GGUF file, so its model is built on the weights our loader read (mlx_lm_speed's
+    `from_loaded`): the receipt has its cells and ratios, and nothing is noted or failed."""
+    s = engine_speed.SpeedSettings(target=str(files["llama-gguf"]), levels=(1, 2), tokens=4, reps=1)
     receipt = Receipt.new("engine-speed", ["test"], s.__dict__)
     engine_speed.run(s, receipt)
     receipt.finish(True)
     assert receipt.server["backend"] == backends.device_backend().name
-    note = receipt.aggregates["mlx_lm_note"]
-    assert "GGUF" in note and not receipt.failures and [w["check"] for w in receipt.warnings] == ["mlx-lm"]
-    assert engine_speed.MLX_LM not in receipt.aggregates["code"]
-    assert "GGUF" in text(receipt)
+    assert "mlx_lm_note" not in receipt.aggregates and not receipt.failures and not receipt.warnings
+    cells = receipt.aggregates["code"]
+    assert set(cells[engine_speed.MLX_LM]) == {"1", "2"} and cells["plain"]["1"]["over_mlx_lm"] > 0
+
+
+def mlx_lm_logits(model, prompt: list[int]) -> mx.array:
+    return model(mx.array([prompt]))[0, -1].astype(mx.float32)
+
+
+def test_mlx_lms_model_on_a_ggufs_weights_is_its_model_on_the_same_safetensors_bit_for_bit(files):
+    """The llama-gguf fixture holds the llama fixture's weights exactly (fixtures/small.py), so mlx-lm's model built
+    on what our loader reads from the GGUF (bf16, as the gpu mode loads it: llama.cpp's Q/K row order put back,
+    the config from the file's metadata) gives the logits of mlx-lm loading the safetensors folder itself, bit for
+    bit. The control leaves one layer's q rows in llama.cpp's order: other logits."""
+    prompt = [3, 17, 5, 9, 250, 41, 7]
+    own = mlx_lm_logits(mlx_lm_speed.load(load_target(files["llama"], dtype=mx.bfloat16, packed=True)), prompt)
+    loaded = load_target(files["llama-gguf"], dtype=mx.bfloat16, packed=True)
+    assert mx.array_equal(mlx_lm_logits(mlx_lm_speed.load(loaded), prompt), own).item()
+    name = "layers.0.self_attn.q_proj.weight"
+    loaded.weights[name] = gguf.permute_qk(loaded.weights[name], loaded.config.num_heads)
+    assert not mx.array_equal(mlx_lm_logits(mlx_lm_speed.from_loaded(loaded), prompt), own).item()
+
+
+def test_mlx_lms_model_on_the_default_ggufs_packed_weights_agrees_with_our_target():
+    """The default model's GGUF (Q4_1 projections, a Q8_0 embedding), loaded packed in bf16 as the gpu mode loads
+    it: mlx-lm's model on those weights, each projection quantized as its triple is, and our target on the same
+    arrays give a prompt's last logits to bf16 accuracy; the control (one layer's k rows in llama.cpp's order)
+    does not."""
+    loaded = load_target("default", dtype=mx.bfloat16, packed=True)
+    prompt = loaded.tokenizer.encode("The capital of France is")
+    target = build_target(loaded.config, loaded.weights, dtype=mx.bfloat16)
+
+    def ours() -> mx.array:
+        out = target.forward([Segment(prompt, 0, target.new_state(), [len(prompt) - 1], prefill=True)])
+        return out[0].logits[0].astype(mx.float32)
+
+    def error(got: mx.array, want: mx.array) -> float:
+        return (mx.linalg.norm(got - want) / mx.linalg.norm(want)).item()
+
+    want = ours()
+    assert error(mlx_lm_logits(mlx_lm_speed.load(loaded), prompt), want) < 2e-2
+    name = "layers.0.self_attn.k_proj.weight"
+    w = loaded.weights[name]
+    loaded.weights[name] = Weight.packed(*(gguf.permute_qk(a, loaded.config.num_kv_heads) for a in (w.w, w.scales, w.biases)),
+                                         w.group_size, w.bits)
+    assert error(mlx_lm_logits(mlx_lm_speed.from_loaded(loaded), prompt), want) > 5e-2
 
 
 def test_bad_backend_refused_before_loading_anything():

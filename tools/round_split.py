@@ -188,7 +188,7 @@ def layers(engine: Engine, drafter_path: str, tokens: int) -> None:
               flush=True)
 
     def with_mlx_lm() -> None:
-        held["mlx-lm"] = mlx_lm_speed.load(engine.loaded.path)
+        held["mlx-lm"] = mlx_lm_speed.load(engine.loaded)
 
     def with_drafting_engine() -> None:
         drafter = load_drafter(drafter_path, engine.target, dtype=engine.backend.dtype)

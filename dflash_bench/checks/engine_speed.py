@@ -169,13 +169,13 @@ def run(s: SpeedSettings, receipt: Receipt, progress: Callable[[str], None] = la
     loaded, modes = engines(s, receipt)
     reference = None
     if s.mlx_lm:
-        why = mlx_lm_speed.unavailable(loaded.path)
+        why = mlx_lm_speed.unavailable()
         if why:
             receipt.aggregates["mlx_lm_note"] = why
             receipt.warn("mlx-lm", str(loaded.path), why)
         else:
             progress("loading mlx-lm")
-            reference = mlx_lm_speed.load(loaded.path)
+            reference = mlx_lm_speed.load(loaded)
     for name, probe in prompt_sets.probes().items():
         ids = chat_ids(loaded, probe)
         cells: dict[str, dict[str, dict]] = receipt.aggregates.setdefault(name, {})

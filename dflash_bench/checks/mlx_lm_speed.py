@@ -7,24 +7,26 @@ read), so both sides are timed at their steady state. Both pass the prompt as `g
 (all but the last token, then the last as the first step), which is why the batched loop's rows give
 `generate_step`'s greedy tokens (tests/test_engine_speed.py holds it to that).
 
-mlx-lm reads a folder of config.json and model*.safetensors (MLX-quantized or float); it cannot read a
-GGUF file, so a GGUF target (the default model) has no mlx-lm figures, and `unavailable` says why.
+mlx-lm reads a folder of config.json and model*.safetensors (MLX-quantized or float), which it loads itself.
+It cannot read a GGUF file (the default model), so for one its model is built here on the weights our engine
+loaded from the file (`from_loaded`): llama.cpp's Q/K rows put back in order and every quantized block already
+an MLX affine triple (engine/checkpoint.py), each projection quantized as its triple is (Q4_1 as 4 bits in groups
+of 32, Q8_0 as 8). The same bits for both sides, and the same arrays, so nothing is copied.
 """
 
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from dflash_bench.engine.checkpoint import LoadedTarget
+from dflash_bench.engine.tiles import Weight
 
-def unavailable(path: Path) -> str | None:
-    """Why mlx-lm cannot decode this target's files, or None when it can."""
-    if path.suffix == ".gguf":
-        return (f"mlx-lm not measured: mlx-lm's load_model reads config.json and model*.safetensors, not a GGUF "
-                f"file ({path.name})")
+
+def unavailable() -> str | None:
+    """Why mlx-lm cannot decode here, or None when it can (any target: `load`)."""
     try:
         import mlx_lm  # noqa: F401
     except ImportError:
@@ -32,12 +34,43 @@ def unavailable(path: Path) -> str | None:
     return None
 
 
-def load(path: Path) -> nn.Module:
-    """mlx-lm's model for a safetensors folder, its weights evaluated (as mlx-lm's `load` leaves them)."""
-    from mlx_lm.utils import load_model
+def load(loaded: LoadedTarget) -> nn.Module:
+    """mlx-lm's model for the target, its weights evaluated (as mlx-lm's `load` leaves them): from its own files
+    for a safetensors folder, else on the weights our engine loaded (`from_loaded`)."""
+    if loaded.path.is_dir():
+        from mlx_lm.utils import load_model
 
-    model, _ = load_model(path)
+        model, _ = load_model(loaded.path)
+    else:
+        model = from_loaded(loaded)
     mx.eval(model.parameters())
+    return model
+
+
+def mlx_lm_name(canonical: str) -> str:
+    """mlx-lm's parameter name for one of our canonical ones (checkpoint.py strips mlx-lm's `model.`)."""
+    return canonical if canonical.startswith("lm_head.") else f"model.{canonical}"
+
+
+def from_loaded(loaded: LoadedTarget) -> nn.Module:
+    """mlx-lm's model of the target's family on our loaded weights: its config from the one our loader read (for a
+    GGUF, built from the file's metadata), each packed projection quantized as its own triple (its group size and
+    bits), every other tensor as loaded."""
+    import importlib
+
+    family = importlib.import_module(f"mlx_lm.models.{loaded.config.family}")
+    model = family.Model(family.ModelArgs.from_dict(dict(loaded.config.raw)))
+    weights: dict[str, mx.array] = {}
+    quantized: dict[str, dict[str, int]] = {}
+    for name, w in loaded.weights.items():
+        if isinstance(w, Weight) and w.bits:
+            module = mlx_lm_name(name).removesuffix(".weight")
+            weights.update({f"{module}.weight": w.w, f"{module}.scales": w.scales, f"{module}.biases": w.biases})
+            quantized[module] = {"group_size": w.group_size, "bits": w.bits}
+        else:
+            weights[mlx_lm_name(name)] = w.w if isinstance(w, Weight) else w
+    nn.quantize(model, class_predicate=lambda path, _: quantized.get(path, False))
+    model.load_weights(list(weights.items()), strict=True)
     return model
 
 

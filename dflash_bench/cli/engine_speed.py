@@ -26,7 +26,7 @@ def engine_speed_cmd(
     reps: Annotated[int, typer.Option(help="Repetitions of each cell.")] = 2,
     drafter_bits: Annotated[str, typer.Option(help="Drafter precisions to measure (0 = float, 4 = 4-bit copies).")] = "0,4",
     mlx_lm: Annotated[bool, typer.Option(help="Also decode with mlx-lm from the same files (generate_step at 1 stream, "
-                                               "its batched loop at more; not for a GGUF target, which mlx-lm cannot read).")] = True,
+                                               "its batched loop at more; for a GGUF target, mlx-lm's model on the weights we load from it).")] = True,
     backend: Annotated[str, typer.Option(help="Engine mode: auto (the one serve would use here), cpu (float32) or gpu "
                                               "(packed quantized weights, bf16).")] = "auto",
     sampled: Annotated[str, typer.Option(help="Temperatures above 0 at which each mode decodes once more, untimed, at every "
