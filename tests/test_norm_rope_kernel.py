@@ -1,4 +1,4 @@
-"""targets/norm_rope_kernel.py: a drafter's q/k RMSNorm and RoPE in one launch (keys alone in another). On any CPU its CUDA
+"""drafters/norm_rope_kernel.py: a drafter's q/k RMSNorm and RoPE in one launch (keys alone in another). On any CPU its CUDA
 source runs under tests/cuda_emulator.py; on a CUDA GPU (`pytest -m gpu`) the device runs it.
 
 What it must keep: each (row, head) its own, so rows launched together equal rows launched alone, bit
@@ -15,7 +15,7 @@ from gpu import on_cuda
 
 import mlx.core as mx
 
-from dflash_bench.engine.targets import norm_rope_kernel
+from dflash_bench.engine.drafters import norm_rope_kernel
 from dflash_bench.engine.targets.base import rope_rows
 
 THETA, EPS = 1_000_000.0, 1e-6

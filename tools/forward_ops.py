@@ -16,7 +16,7 @@ counts a drafted round's drafter work instead: the fixture dflash-9b drafter's (
 of a window's 16 tap rows and its block pass for 15 drafts, a stream at a device length (as a drafted round
 queued ahead runs them, lanes.py), with `mx.fast.rms_norm` and `mx.fast.rope` as one node each, as they are on a
 GPU (on a CPU MLX composes them from several), and the drafter's CUDA launches (attention, norms and RoPE:
-targets/norm_rope_kernel.py) one node each beside the operations their Python makes; it prints those
+drafters/norm_rope_kernel.py) one node each beside the operations their Python makes; it prints those
 operations and every node, views included (each still a node for MLX to encode on a GPU). Run it at two revisions
 (PYTHONPATH=a checkout) to compare.
 """
@@ -236,7 +236,7 @@ def main() -> None:
         pass
     if args.drafter:
         attention_kernel.decode_attention = drafter_attention
-        from dflash_bench.engine.targets import norm_rope_kernel
+        from dflash_bench.engine.drafters import norm_rope_kernel
 
         # one node for a norm-and-RoPE launch: bf16 keys (heads, rows, d), and float32 queries (rows, heads, d) beside
         norm_rope_kernel.keys = keys_launch
