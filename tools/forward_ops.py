@@ -10,13 +10,14 @@ drafted round queued ahead places it), and counts those of rolling a 16-row
 window back to its first row (`keep`, and at a device length as a drafted round keeps every stream's window:
 cache.py's `keep_windows`, whose build is timed too), on any machine:
 the 9B-shaped `tiny` preset (fixture qwen3_5-9b-4bit's layer pattern, 8 layers, or `--layers 32` as the 9B) in the gpu mode,
-each of our three CUDA kernels stood in for by one node (the self-check runs first on reference
-arithmetic for them), and the fused chains compiled as they are on a GPU (engine/fused.py). `--drafter`
-counts a drafted round's drafter work instead: the fixture dflash-9b drafter's (`tiny` preset, bf16) absorbing
-of a window's 16 tap rows and its block pass for 15 drafts, a stream at a device length (as a drafted round
-queued ahead runs them, lanes.py), with `mx.fast.rms_norm` and `mx.fast.rope` as one node each, as they are on a
-GPU (on a CPU MLX composes them from several), and the drafter's CUDA launches (attention, norms and RoPE:
-drafters/norm_rope_kernel.py) one node each beside the operations their Python makes; it prints those
+each of our three CUDA kernels stood in for by one node (the attention launch with the queries' float32 cast
+it makes; the self-check runs first on reference arithmetic for them), `mx.fast.rms_norm` and `mx.fast.rope` one
+node each, as they are on a GPU (on a CPU MLX composes them from several; counts before session 50 hold those),
+and the fused chains compiled as they are on a GPU (engine/fused.py). `--drafter` counts a drafted round's
+drafter work instead: the fixture dflash-9b drafter's (`tiny` preset, bf16) absorbing of a window's 16 tap rows
+and its block pass for 15 drafts, a stream at a device length (as a drafted round queued ahead runs them,
+lanes.py), and the drafter's CUDA launches (attention, norms and RoPE: drafters/norm_rope_kernel.py) one node
+each beside the operations their Python makes; it prints those
 operations and every node, views included (each still a node for MLX to encode on a GPU). Run it at two revisions
 (PYTHONPATH=a checkout) to compare.
 """
@@ -125,10 +126,10 @@ class Launch:
         return [mx.contiguous(y[:, a:b]) for a, b in zip(starts, starts[1:])]
 
 
-def drafter_attention(segs, scale, meta=None, causal=True, window=None, block=None, queries=None) -> mx.array:
-    """attention_kernel.decode_attention's operations with its launches as one node: the segments' queries
-    (the packed `queries`, or joined where more than one) made float32 (unless they are), then the kernel, whose
-    output has K's dtype."""
+def attention_launch(segs, scale, meta=None, causal=True, window=None, block=None, queries=None) -> mx.array:
+    """attention_kernel.decode_attention's operations with its launches as one node (a target's and a drafter's):
+    the segments' queries (the packed `queries`, or joined where more than one) made float32 (unless they are),
+    then the kernel, whose output has K's dtype."""
     q = queries if queries is not None else mx.concatenate([s[0] for s in segs]) if len(segs) > 1 else segs[0][0]
     q = q.astype(mx.float32)
     return mx.depends([mx.full(q.shape, 0.0, dtype=segs[0][1].dtype)],
@@ -157,10 +158,6 @@ def drafter_ops(target, root: Path, streams: list[int], preset: str) -> None:
 
     drafter = load_drafter(write_big("dflash-9b", root / "drafter", preset), target, dtype=mx.bfloat16)
     drafter.kernel_attention = True  # as on a CUDA GPU (dense.kernel_runs_here)
-    # one node each, as on a GPU (`Depends` only ties an array offset in, and is not counted)
-    mx.fast.rms_norm = lambda x, w, eps: mx.abs(x) if w is None else x * w
-    mx.fast.rope = lambda x, dims, **kw: (mx.depends([x * 1.5], [kw["offset"]])[0] if isinstance(kw.get("offset"), mx.array)
-                                          else x * 1.5)
     taps = mx.zeros((16, len(drafter.taps) * target.config.hidden_size), dtype=mx.bfloat16)
     for n in streams:
         states = [drafter.new_state() for _ in range(n)]
@@ -219,8 +216,11 @@ def main() -> None:
                     Settings(parallel=4, context=256, chunk=32, backend="gpu")).target
     stand_in = Launch(one_node=True)
     matmul_kernel._kernel = lambda parts=0: stand_in
-    attention_kernel.decode_attention = lambda segs, scale, meta=None, queries=None: mx.abs(
-        mx.concatenate([s[0] for s in segs]) if queries is None else queries)
+    attention_kernel.decode_attention = attention_launch
+    # MLX's own norm and RoPE one node each, as on a GPU (`Depends` only ties an array offset in, and is not counted)
+    mx.fast.rms_norm = lambda x, w, eps: mx.abs(x) if w is None else x * w
+    mx.fast.rope = lambda x, dims, **kw: (mx.depends([x * 1.5], [kw["offset"]])[0] if isinstance(kw.get("offset"), mx.array)
+                                          else x * 1.5)
     # the recurrence kernel's own launches, each one node (what their Python asks for beside them is counted)
     delta_kernel.delta_packed, delta_kernel.rollback = launches
     delta_kernel._kernel = lambda *key: one_node_launch
@@ -235,7 +235,6 @@ def main() -> None:
     except ImportError:
         pass
     if args.drafter:
-        attention_kernel.decode_attention = drafter_attention
         from dflash_bench.engine.drafters import norm_rope_kernel
 
         # one node for a norm-and-RoPE launch: bf16 keys (heads, rows, d), and float32 queries (rows, heads, d) beside
