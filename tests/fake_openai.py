@@ -48,6 +48,7 @@ class Fake:
     lie_sha: bool = False
     refuse_past_window: bool = True
     drafter: str | None = "DFlash"
+    dtype: str | None = None  # the activations' dtype /health names (ours does), or none
     ignore_seed: bool = False
     die_after: int | None = None  # only in a process of its own (the script): it ends the process
     error_every: int = 0  # every n-th completion request is answered 500
@@ -123,7 +124,7 @@ def make_app(fake: Fake) -> Starlette:
         if fake.mlx_lm_like:  # mlx_lm.server names no model and lists every model in its cache
             return JSONResponse({"status": "ok"})
         return JSONResponse({"status": "ready", "model": "fake", "drafter": "DFlash", "parallel": 4,
-                             "context": fake.context})
+                             "context": fake.context, **({"dtype": fake.dtype} if fake.dtype else {})})
 
     async def models(request: Request):
         names = ["some/cached-model", "fake"] if fake.mlx_lm_like else ["fake"]

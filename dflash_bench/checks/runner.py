@@ -218,7 +218,7 @@ def run_check(spec: RunSpec, settings: dict, body: Callable[[Context], None],
         with progress, server, contextlib.ExitStack() as stack:
             receipt.server.update(server.describe())
             health = server.health or {}
-            receipt.server.update(target=health.get("model"), drafter=health.get("drafter"),
+            receipt.server.update(target=health.get("model"), drafter=health.get("drafter"), dtype=health.get("dtype"),
                                   **{k: v for k, v in health.items() if k.endswith("sha256")})  # weight hashes
             if health.get("startup_line"):
                 receipt.server["startup_line"] = health["startup_line"]

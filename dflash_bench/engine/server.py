@@ -400,6 +400,8 @@ def create_app(engine: Engine | None = None, access: Access | None = None) -> Fa
                              "parallel": s.parallel, "streams": s.parallel, "active_streams": now.active_streams,
                              "waiting_requests": now.waiting_requests, "context": s.context,
                              "prompt_cache_gib": s.prompt_cache_gib, "startup_line": e.startup_line(),
+                             # the activations' dtype: a known answer verified in float32 may flip in bf16 (exactness)
+                             "dtype": str(e.backend.dtype).removeprefix("mlx.core."),
                              # the weights served, for receipts (checks copy every *sha256 key)
                              "target_sha256": e.loaded.weights_sha256 if e.loaded else None,
                              "drafter_sha256": getattr(e.drafter, "weights_sha256", None),
