@@ -169,7 +169,7 @@ def test_the_default_models_answers_verified_in_bf16_hold_in_mlx_lms_bf16_forwar
     import mlx.core as mx
     from mlx_lm.generate import generate_step
 
-    from dflash_bench.checks import mlx_lm_speed
+    from dflash_bench.checks import engine_speed, mlx_lm_speed
     from dflash_bench.engine.checkpoint import load_target
 
     loaded = load_target("default", dtype=mx.bfloat16, packed=False)
@@ -177,9 +177,8 @@ def test_the_default_models_answers_verified_in_bf16_hold_in_mlx_lms_bf16_forwar
     marked = [p for p in prompts.known_answers() if "SmolLM2-135M-Instruct (bfloat16)" in p.verified_with]
     assert len(marked) >= 5 and "red-planet" not in {p.id for p in marked}
     for p in marked:
-        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": p.text}]))
         reply: list[int] = []
-        for token, _ in generate_step(mx.array(ids), model, max_tokens=p.max_tokens):
+        for token, _ in generate_step(mx.array(engine_speed.chat_ids(loaded, p)), model, max_tokens=p.max_tokens):
             reply.append(int(token))
             if p.expect.lower() in tok.decode(reply).lower():
                 break
