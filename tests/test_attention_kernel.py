@@ -23,7 +23,7 @@ import cuda_emulator
 from gpu import ON_CUDA, on_cuda
 import numpy as np
 import pytest
-from tiny_targets import tiny_target
+from tiny_targets import FAMILIES, canonical_weights, config_dict, reference_model, tiny_target
 
 import mlx.core as mx
 
@@ -31,7 +31,8 @@ from dflash_bench.engine import selfcheck
 from dflash_bench.engine.cache import tiles_for
 from dflash_bench.engine.engine import Engine, Settings
 from dflash_bench.engine.request import Request
-from dflash_bench.engine.targets import Segment, attention_kernel
+from dflash_bench.engine.target_config import parse_target_config
+from dflash_bench.engine.targets import Segment, attention_kernel, build_target, norm_rope_kernel
 from dflash_bench.engine.targets.attention_kernel import CHUNK, PARTITION, decode_attention, fits, geometry
 from dflash_bench.engine.targets.dense import SelfAttention, kernel_runs_here
 from dflash_bench.engine.tiles import attention, key_mask, pad_queries, query_positions
@@ -488,6 +489,56 @@ def test_segments_launched_together_equal_each_alone(heads, dtype) -> None:
         assert same(alone, decode_attention([segments[i]], scale)), f"seed {seed}: segment {i} in order {shuffled}"
         cursor += rows[i]
     assert cursor == offsets[-1]
+
+
+def bf16_layer(family: str, seed: int) -> tuple[int, SelfAttention]:
+    """A SmolLM2-sized target of `family` in bf16 (the gpu mode's activations) and its first attention layer."""
+    cfg = config_dict(family, "smol", layers=4 if family == "qwen3_5" else 1)
+    weights = {name: w.astype(mx.bfloat16) for name, w in canonical_weights(reference_model(cfg, seed)).items()}
+    target = build_target(parse_target_config(cfg), weights, dtype=mx.bfloat16)
+    return next((i, m) for i, m in enumerate(target.mixer_layers()) if isinstance(m, SelfAttention)), target
+
+
+@cuda_emulator.needs_gxx
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_bf16_layers_decode_rows_take_one_norm_and_rope_launch_and_equal_its_steps(family: str, monkeypatch) -> None:
+    """On the kernel path in bf16 (a CUDA GPU's gpu mode; here both launches' CUDA source under the emulator) a
+    layer's decode rows take their q/k norms (none for llama), RoPE (qwen3_5's partial, its gated q rows read in
+    place), the K/V stack and the queries' cast in one norm_rope_kernel.py launch: a 5-row window after 40 cached
+    positions equals its rows decoded one at a time, bit for bit, and the chain it replaced (MLX's norms and
+    RoPE, then the tile products) to bf16 accuracy; the control turns the rows one position on, which moves them."""
+    cuda_emulator.install(monkeypatch)
+    cuda_emulator.install_norm_rope(monkeypatch)
+    (i, attn), target = bf16_layer(family, seed=41)
+    attn.path = "kernel"
+    launch = norm_rope_kernel.queries_and_keys
+    turned: list[int] = []
+    monkeypatch.setattr(norm_rope_kernel, "queries_and_keys",
+                        lambda q, *a, **kw: turned.append(q.shape[0]) or launch(q, *a, **kw))
+    rows, start, d = 5, 40, attn.head_dim
+    mx.random.seed(7)
+    q = mx.random.normal((rows, attn.heads * d * (2 if attn.gated else 1))).astype(mx.bfloat16)
+    k, v = (mx.random.normal((rows, attn.kv_heads * d)).astype(mx.bfloat16) for _ in range(2))
+    prefix = mx.random.normal((2, attn.kv_heads, start, d)).astype(mx.bfloat16)
+
+    def decoded(spans: list[tuple[int, int]], shift: int = 0) -> mx.array:
+        state = target.new_state()
+        state.layers[i].write_joint(0, prefix)
+        outs = [attn.decode(q[lo:hi], k[lo:hi], v[lo:hi], [(Segment([0] * (hi - lo), start + lo + shift, state),
+                                                            (0, hi - lo))], i) for lo, hi in spans]
+        return mx.concatenate(outs)
+
+    window = decoded([(0, rows)])
+    assert turned == [rows]
+    assert same(window, decoded([(t, t + 1) for t in range(rows)])) and turned[1:] == [1] * rows
+    attn.path = "tiled"
+    chain = decoded([(0, rows)])
+    assert len(turned) == 1 + rows  # the tiled path keeps MLX's norms and RoPE
+    error = (mx.linalg.norm((window - chain).astype(mx.float32)) / mx.linalg.norm(chain.astype(mx.float32))).item()
+    assert error < 2e-2, error
+    attn.path = "kernel"
+    moved = decoded([(0, rows)], shift=1)
+    assert not mx.array_equal(moved, window).item()
 
 
 # -- on a CUDA GPU: the engine with it -----------------------------------------------------------------

@@ -203,12 +203,12 @@ def test_on_a_cuda_gpu_a_block_pass_runs_each_layers_attention_as_one_kernel_lau
     the tile products a stream at a time: a stream at a host start and one at a device start (cache.py's
     keep_at), the 9B-shaped tiny drafter in bf16, each stream's context read from its joint K/V cache, the
     streams' queries handed packed. The q and k rows' norms and RoPE take one launch a layer
-    (drafters/norm_rope_kernel.py), and an absorb's keys one a layer. Its logits are the tile
+    (targets/norm_rope_kernel.py), and an absorb's keys one a layer. Its logits are the tile
     products' to bf16 accuracy, and a control with the windows left out of the launches is not (the masks
     are what the kernel takes)."""
     from itertools import cycle
 
-    from dflash_bench.engine.drafters import norm_rope_kernel
+    from dflash_bench.engine.targets import norm_rope_kernel
     from dflash_bench.engine.drafters.dflash import load_drafter
     from dflash_bench.engine.targets import attention_kernel
     from dflash_bench.fixtures.big import write_big

@@ -233,7 +233,7 @@ import json, sys, time
 import numpy as np
 import mlx.core as mx
 from dflash_bench.engine import kernel_cache, matmul_kernel
-from dflash_bench.engine.drafters import norm_rope_kernel
+from dflash_bench.engine.targets import norm_rope_kernel
 if sys.argv[1] == "mlx":  # MLX compiles every variant itself, as before the cache
     kernel_cache.active = lambda: None
 mx.random.seed(0)

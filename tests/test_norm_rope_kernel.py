@@ -1,9 +1,12 @@
-"""drafters/norm_rope_kernel.py: a drafter's q/k RMSNorm and RoPE in one launch (keys alone in another). On any CPU its CUDA
-source runs under tests/cuda_emulator.py; on a CUDA GPU (`pytest -m gpu`) the device runs it.
+"""targets/norm_rope_kernel.py: q/k RMSNorm and RoPE in one launch (keys alone in another), a drafter's and a target's
+decode rows'. On any CPU its CUDA source runs under tests/cuda_emulator.py; on a CUDA GPU (`pytest -m gpu`) the device
+runs it.
 
 What it must keep: each (row, head) its own, so rows launched together equal rows launched alone, bit
-for bit (a drafter needs determinism, not MLX's bits); and the values of the chain it replaces
-(`mx.fast.rms_norm`, then `mx.fast.rope` at each row's position) to bf16 accuracy, keys and queries alike.
+for bit (a drafter needs determinism, not MLX's bits, and a target's windows must equal its steps); and the
+values of the chain it replaces (`mx.fast.rms_norm` where the layer has q/k norms, then `mx.fast.rope` of the
+first rope_dims values at each row's position) to bf16 accuracy, keys and queries alike; a gated layer's q rows
+read in place, their gates untouched.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from gpu import on_cuda
 
 import mlx.core as mx
 
-from dflash_bench.engine.drafters import norm_rope_kernel
+from dflash_bench.engine.targets import norm_rope_kernel
 from dflash_bench.engine.targets.base import rope_rows
 
 THETA, EPS = 1_000_000.0, 1e-6
@@ -97,3 +100,87 @@ def test_it_takes_bf16_rows_of_an_even_head_dim() -> None:
     assert norm_rope_kernel.fits(128, mx.bfloat16)
     assert not norm_rope_kernel.fits(128, mx.float32)
     assert not norm_rope_kernel.fits(63, mx.bfloat16)
+
+
+# (heads, kv heads, D, rope_dims, norms, gated): qwen3_5's full attention (partial rotary, a gate after each head's
+# queries), llama's (no q/k norms), qwen3's (norms, all of D turned)
+TARGET_LAYERS = {"qwen3_5": (4, 2, 64, 16, True, True), "llama": (3, 1, 64, 64, False, False),
+                 "qwen3": (2, 1, 32, 32, True, False)}
+
+
+def check_target_layer(heads: int, kv_heads: int, d: int, rope_dims: int, norms: bool, gated: bool) -> None:
+    """The launch as a target's attention layer takes it (dense.py): against the chain it replaces, each row alone
+    the same bits, a gated layer's q rows read in place (the same bits as its queries laid out alone), and the
+    values past rope_dims not turned (without norms, exactly the rows' own)."""
+    x, w, positions = inputs(6, heads + kv_heads, d, seed=5)
+    q, k = x[:, :heads], x[:, heads:]
+    v = (k.astype(mx.float32) * 0.5).astype(mx.bfloat16)
+    qw, kw = (w, (w * 0.75).astype(mx.bfloat16)) if norms else (None, None)
+    gate = (q.astype(mx.float32) - 1).astype(mx.bfloat16)
+    q_rows = mx.concatenate([q, gate], axis=-1) if gated else q  # each head's queries, then its gate
+    extra = dict(head_dim=d, rope_dims=rope_dims, gated=gated)
+    queries, kv = norm_rope_kernel.queries_and_keys(flat(q_rows), flat(k), flat(v), qw, kw, positions, THETA, EPS,
+                                                    **extra)
+    assert queries.dtype == mx.float32 and queries.shape == q.shape and kv.shape == (2, kv_heads, 6, d)
+    assert mx.array_equal(kv[1], v.transpose(1, 0, 2)).item()
+    for rows, weight, got in ((q, qw, queries.transpose(1, 0, 2)), (k, kw, kv[0])):
+        normed = rows.astype(mx.float32) if weight is None else mx.fast.rms_norm(
+            rows.astype(mx.float32), weight.astype(mx.float32), EPS)
+        want = rope_rows(normed, positions, rope_dims, THETA)
+        assert relative_error(got, want) < 1e-2, relative_error(got, want)
+        if weight is None:  # past rope_dims: the rows' own values (turned ones differ: the control)
+            assert mx.array_equal(got[..., rope_dims:], rows.transpose(1, 0, 2)[..., rope_dims:]).item()
+            assert not mx.array_equal(got[..., :rope_dims], rows.transpose(1, 0, 2)[..., :rope_dims]).item()
+    if gated:  # read in place: the queries of the same rows without their gates, bit for bit
+        alone, _ = norm_rope_kernel.queries_and_keys(flat(q), flat(k), flat(v), qw, kw, positions, THETA, EPS,
+                                                     head_dim=d, rope_dims=rope_dims)
+        assert mx.array_equal(alone, queries).item()
+    for r in range(6):
+        one_q, one_kv = norm_rope_kernel.queries_and_keys(flat(q_rows[r : r + 1]), flat(k[r : r + 1]),
+                                                          flat(v[r : r + 1]), qw, kw, positions[r : r + 1], THETA,
+                                                          EPS, **extra)
+        assert mx.array_equal(one_q[0], queries[r]).item() and mx.array_equal(one_kv[:, :, 0], kv[:, :, r]).item(), r
+
+
+@cuda_emulator.needs_gxx
+@pytest.mark.parametrize("layer", sorted(TARGET_LAYERS))
+def test_a_target_layers_rows_under_the_emulator(layer: str, monkeypatch) -> None:
+    cuda_emulator.install_norm_rope(monkeypatch)
+    check_target_layer(*TARGET_LAYERS[layer])
+
+
+@on_cuda
+@pytest.mark.parametrize("layer", sorted(TARGET_LAYERS))
+def test_a_target_layers_rows_on_the_gpu(layer: str) -> None:
+    check_target_layer(*TARGET_LAYERS[layer])
+
+
+def test_a_target_layers_launch_refuses_what_it_cannot_take() -> None:
+    x, w, positions = inputs(2, 2, 32)
+    for why, kwargs in (("come together", dict(qw=w, kw=None)), ("must be even", dict(qw=None, kw=None, rope_dims=5)),
+                        ("must be even", dict(qw=None, kw=None, rope_dims=64)),
+                        ("norm weights of", dict(qw=w[:16], kw=w[:16]))):
+        qw, kw = kwargs.pop("qw"), kwargs.pop("kw")
+        with pytest.raises(ValueError, match=why):
+            norm_rope_kernel.queries_and_keys(flat(x), flat(x), flat(x), qw, kw, positions, THETA, EPS, head_dim=32,
+                                              **kwargs)
+
+
+@on_cuda
+@pytest.mark.parametrize("theta, rope_dims", [(10_000.0, 64), (100_000.0, 64), (1_000_000.0, 16), (10_000_000.0, 64)])
+def test_a_layer_without_norms_turns_rows_as_mlx_rope_does_bit_for_bit(theta: float, rope_dims: int) -> None:
+    """Without q/k norms (llama) the launch's rotation is MLX's own on this GPU, bit for bit, at every position a
+    4096-token context reaches and past it: a target's decode rows keep the bits (and so the tokens) they had with
+    `mx.fast.rope`. The control turns the same rows at a theta one float32 step away: other bits."""
+    heads, kv_heads, d = 3, 1, 64
+    positions = mx.concatenate([mx.arange(0, 4096, dtype=mx.int32), mx.arange(4096, 131_072, 997, dtype=mx.int32)])
+    rows = positions.shape[0]
+    mx.random.seed(11)
+    q = (mx.random.normal((rows, heads, d)) * 3).astype(mx.bfloat16)
+    k = (mx.random.normal((rows, kv_heads, d)) * 3).astype(mx.bfloat16)
+    queries, kv = norm_rope_kernel.queries_and_keys(flat(q), flat(k), flat(k), None, None, positions, theta, EPS,
+                                                    head_dim=d, rope_dims=rope_dims)
+    assert mx.array_equal(queries.astype(mx.bfloat16).transpose(1, 0, 2), rope_rows(q, positions, rope_dims, theta)).item()
+    assert mx.array_equal(kv[0], rope_rows(k, positions, rope_dims, theta)).item()
+    nearby = float(np.nextafter(np.float32(theta), np.float32(np.inf)))
+    assert not mx.array_equal(kv[0], rope_rows(k, positions, rope_dims, nearby)).item()

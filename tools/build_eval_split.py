@@ -1,9 +1,10 @@
 """One decode step of a checkpoint, ours (gpu mode) against mlx-lm's: Python graph build, the host's
 encoding of the graph, and the wait for the device; and the operations the step asks for.
 
-usage (on the GPU machine, from the repo root): PYTHONPATH=/tmp/site:$PWD python3 tools/build_eval_split.py DIR
+usage (on the GPU machine, from the repo root): PYTHONPATH=/tmp/site:$PWD python3 tools/build_eval_split.py TARGET
 
-DIR is an mlx-lm-loadable checkpoint (`fixture qwen3_5-9b-4bit DIR`). After a 256-token prompt, each
+TARGET is any target the engine loads (`fixture qwen3_5-9b-4bit DIR`, `default`); mlx-lm's model runs on the same
+weights (checks/mlx_lm_speed.py's `load`, which builds it on the engine's for a GGUF). After a 256-token prompt, each
 engine's one-row step (1 and 4 streams) is built in Python, handed to `mx.async_eval` (which returns
 once the host has encoded every operation for the device) and then waited for, no pipelining, median
 of 5 after 3 warm steps: the forward's own cost, apart from what the engine's rounds (lanes.py) or
@@ -21,11 +22,11 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import dflash_bench  # noqa: F401  (loads the BLAS before mlx.core)
 import mlx.core as mx
 
+from dflash_bench.checks import mlx_lm_speed
 from dflash_bench.engine.engine import Engine, Settings
 from dflash_bench.engine.targets.base import Segment
 from forward_ops import VIEWS, census  # tools/, the script's own folder
@@ -61,8 +62,7 @@ def report(who: str, streams: int, step) -> None:
           f"{sum(ops.values())} operations ({top})", flush=True)
 
 
-def ours(path: str) -> None:
-    engine = Engine(path, None, Settings(parallel=4, context=4096, backend="gpu", warm=False))
+def ours(engine: Engine) -> None:
     target = engine.target
     states = [target.new_state() for _ in range(4)]
     for st in states:
@@ -77,11 +77,10 @@ def ours(path: str) -> None:
         report("ours", n, step)
 
 
-def mlx_lm(path: str) -> None:
+def mlx_lm(engine: Engine) -> None:
     from mlx_lm.models.cache import make_prompt_cache
-    from mlx_lm.utils import load_model
 
-    model, _ = load_model(Path(path))
+    model = mlx_lm_speed.load(engine.loaded)
     for n in (1, 4):
         cache = make_prompt_cache(model)
         mx.eval(model(mx.array([IDS[:256]] * n), cache=cache))
@@ -94,6 +93,7 @@ def mlx_lm(path: str) -> None:
 
 
 if __name__ == "__main__":
-    ours(sys.argv[1])
-    mlx_lm(sys.argv[1])
+    served = Engine(sys.argv[1], None, Settings(parallel=4, context=4096, backend="gpu", warm=False))
+    ours(served)
+    mlx_lm(served)
     print("done", flush=True)

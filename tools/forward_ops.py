@@ -10,14 +10,14 @@ drafted round queued ahead places it), and counts those of rolling a 16-row
 window back to its first row (`keep`, and at a device length as a drafted round keeps every stream's window:
 cache.py's `keep_windows`, whose build is timed too), on any machine:
 the 9B-shaped `tiny` preset (fixture qwen3_5-9b-4bit's layer pattern, 8 layers, or `--layers 32` as the 9B) in the gpu mode,
-each of our three CUDA kernels stood in for by one node (the attention launch with the queries' float32 cast
-it makes; the self-check runs first on reference arithmetic for them), `mx.fast.rms_norm` and `mx.fast.rope` one
-node each, as they are on a GPU (on a CPU MLX composes them from several; counts before session 50 hold those),
-and the fused chains compiled as they are on a GPU (engine/fused.py). `--drafter` counts a drafted round's
-drafter work instead: the fixture dflash-9b drafter's (`tiny` preset, bf16) absorbing of a window's 16 tap rows
-and its block pass for 15 drafts, a stream at a device length (as a drafted round queued ahead runs them,
-lanes.py), and the drafter's CUDA launches (attention, norms and RoPE: drafters/norm_rope_kernel.py) one node
-each beside the operations their Python makes; it prints those
+each of our four CUDA kernels (the row kernel, attention, the recurrence, norms and RoPE:
+targets/norm_rope_kernel.py) stood in for by one node (the self-check runs first on reference arithmetic for
+them), `mx.fast.rms_norm` and `mx.fast.rope` one node each, as they are on a GPU (on a CPU MLX composes them
+from several: counts before session 50 hold those), and the fused chains compiled as they are on a GPU
+(engine/fused.py). `--drafter` counts a drafted round's drafter work instead: the fixture dflash-9b drafter's
+(`tiny` preset, bf16) absorbing of a window's 16 tap rows and its block pass for 15 drafts, a stream at a
+device length (as a drafted round queued ahead runs them, lanes.py), its CUDA launches one node each beside
+the operations their Python makes; it prints those
 operations and every node, views included (each still a node for MLX to encode on a GPU). Run it at two revisions
 (PYTHONPATH=a checkout) to compare.
 """
@@ -40,8 +40,8 @@ import mlx.core as mx
 from dflash_bench.engine import matmul_kernel, tiles
 from dflash_bench.engine.cache import keep_windows, tiles_for
 from dflash_bench.engine.engine import Engine, Settings
-from dflash_bench.engine.targets import attention_kernel, base, delta_kernel, dense, qwen3_5
-from dflash_bench.engine.targets.base import Segment
+from dflash_bench.engine.targets import attention_kernel, base, delta_kernel, dense, norm_rope_kernel, qwen3_5
+from dflash_bench.engine.targets.base import Segment, rope_rows
 from dflash_bench.engine.tiles import attention, key_mask, pad_queries, query_positions
 from dflash_bench.fixtures.big import PRESETS, write_big
 
@@ -136,11 +136,25 @@ def attention_launch(segs, scale, meta=None, causal=True, window=None, block=Non
                       [q, meta, *(a for s in segs for a in s[1:3] if a is not None), *([] if block is None else [block])])[0]
 
 
-def joint_launch(q, k, v, qw, kw, positions, theta, eps) -> tuple[mx.array, mx.array]:
+def reference_norm_rope(q, k, v, qw, kw, positions, theta, eps, head_dim=None, rope_dims=None, gated=False):
+    """norm_rope_kernel.queries_and_keys by MLX's norms and RoPE (the self-check's arithmetic for it): float32
+    queries (rows, heads, d), and keys and values (2, heads, rows, d)."""
+    rows, d = q.shape[0], head_dim or qw.shape[0]
+    qh = q.reshape(rows, -1, 2 * d)[..., :d] if gated else q.reshape(rows, -1, d)
+    kh = k.reshape(rows, -1, d)
+    if qw is not None:
+        qh, kh = mx.fast.rms_norm(qh, qw, eps), mx.fast.rms_norm(kh, kw, eps)
+    turned = [rope_rows(x, positions, rope_dims or d, theta) for x in (qh, kh)]
+    return turned[0].transpose(1, 0, 2).astype(mx.float32), mx.stack([turned[1], v.reshape(rows, -1, d).transpose(1, 0, 2)])
+
+
+def joint_launch(q, k, v, qw, kw, positions, theta, eps, head_dim=None, rope_dims=None, gated=False):
     """norm_rope_kernel.queries_and_keys as one node: float32 queries (rows, heads, d), and keys and values
     (2, heads, rows, d) tied to it (a broadcast, a view, standing for the launch's second output)."""
-    rows, d = q.shape[0], qw.shape[0]
-    queries = mx.depends([mx.full((rows, q.size // (rows * d), d), 0.0, dtype=mx.float32)], [q, k, v, qw, kw, positions])[0]
+    rows, d = q.shape[0], head_dim or qw.shape[0]
+    per_head = 2 * d if gated else d
+    queries = mx.depends([mx.full((rows, q.size // (rows * per_head), d), 0.0, dtype=mx.float32)],
+                         [q, k, v, positions] + ([] if qw is None else [qw, kw]))[0]
     kv = mx.broadcast_to(mx.array(0, dtype=mx.bfloat16), (2, k.size // (rows * d), rows, d))
     return queries, mx.depends([kv], [queries])[0]
 
@@ -207,6 +221,7 @@ def main() -> None:
     tiles.available = lambda dtype: dtype == mx.bfloat16
     matmul_kernel._kernel = lambda parts=0: Launch(one_node=False)
     attention_kernel.decode_attention = reference_attention
+    norm_rope_kernel.queries_and_keys = reference_norm_rope  # a target's decode rows on the kernel path (dense.py)
     qwen3_5.RECURRENCES["delta_kernel"] = qwen3_5.per_window_ops
     launches = delta_kernel.delta_packed, delta_kernel.rollback
     delta_kernel.delta_packed = reference_packed
@@ -217,6 +232,7 @@ def main() -> None:
     stand_in = Launch(one_node=True)
     matmul_kernel._kernel = lambda parts=0: stand_in
     attention_kernel.decode_attention = attention_launch
+    norm_rope_kernel.queries_and_keys = joint_launch  # one node, as on a GPU
     # MLX's own norm and RoPE one node each, as on a GPU (`Depends` only ties an array offset in, and is not counted)
     mx.fast.rms_norm = lambda x, w, eps: mx.abs(x) if w is None else x * w
     mx.fast.rope = lambda x, dims, **kw: (mx.depends([x * 1.5], [kw["offset"]])[0] if isinstance(kw.get("offset"), mx.array)
@@ -235,11 +251,8 @@ def main() -> None:
     except ImportError:
         pass
     if args.drafter:
-        from dflash_bench.engine.drafters import norm_rope_kernel
-
-        # one node for a norm-and-RoPE launch: bf16 keys (heads, rows, d), and float32 queries (rows, heads, d) beside
+        # one node for a norm-and-RoPE launch of keys alone (bf16 keys and values, 2, heads, rows, d)
         norm_rope_kernel.keys = keys_launch
-        norm_rope_kernel.queries_and_keys = joint_launch
         drafter_ops(target, root, [int(s) for s in args.streams.split(",")], preset)
         return
     for streams in (int(s) for s in args.streams.split(",")):

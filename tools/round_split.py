@@ -253,7 +253,7 @@ def main() -> None:
     if args.with_mlx_lm:
         from dflash_bench.checks.mlx_lm_speed import load
 
-        held = load(engine.loaded.path)
+        held = load(engine.loaded)
     prompt = list(range(100, 356))
     split(engine, prompt, args.streams, 8, draft=args.drafter is not None)  # warm
     if args.layers:

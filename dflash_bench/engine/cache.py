@@ -156,7 +156,7 @@ class JointCache(AttentionCache):
     (drafters/dflash.py) and a target's attention layer's (targets/dense.py): every round writes each layer's
     rows, and at a device length a write is a scatter (`write`'s docstring), which a GPU round pays per launch
     (docs/gpu-round-profile.md): with both in one array it is one scatter a write, not two, where the rows come
-    joined (`write_joint`: drafters/norm_rope_kernel.py makes them so for a drafter; a target's decode joins its
+    joined (`write_joint`: targets/norm_rope_kernel.py makes them so for a drafter; a target's decode joins its
     streams' rows once and writes each stream's view), and attention_kernel.py reads both from the one array."""
 
     def __init__(self, kv_heads: int, head_dim: int, dtype: mx.Dtype = mx.float32):

@@ -28,7 +28,7 @@ import numpy as np
 from dflash_bench.engine.cache import JointCache, TargetState, write_index
 from dflash_bench.engine.checkpoint import all_finite, files_sha256, in_device_memory
 from dflash_bench.engine.draft_config import DraftConfig, read_draft_config
-from dflash_bench.engine.drafters import norm_rope_kernel
+from dflash_bench.engine.targets import norm_rope_kernel
 from dflash_bench.engine.drafters.block_masks import BlockMasks, StreamBlock
 from dflash_bench.engine.errors import CheckpointError
 from dflash_bench.engine.fused import swiglu

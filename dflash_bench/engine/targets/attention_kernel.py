@@ -486,7 +486,7 @@ def decode_attention(segments: list[Rows], scale: float, meta: mx.array | None =
     the segments' rows in order.
 
     A segment is (q, k, v, start): q (n, Hq, D) after RoPE and norms, in K's dtype or already float32 (a
-    drafter's, drafters/norm_rope_kernel.py); k and v the stream's whole cache
+    drafter's, targets/norm_rope_kernel.py); k and v the stream's whole cache
     arrays (Hkv, capacity, D), row j at position j (not slices: a slice along the positions is not row-
     contiguous, so MLX would copy it); or, with v None, k the stream's joint cache (2, Hkv, capacity, D), keys
     then values (cache.py's JointCache, a drafter's): the launch reads both from it, where two views of it would

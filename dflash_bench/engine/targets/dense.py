@@ -15,7 +15,7 @@ import mlx.core as mx
 from dflash_bench.engine.cache import AttentionCache, JointCache, TargetState
 from dflash_bench.engine.fused import sigmoid_gate
 from dflash_bench.engine.target_config import TargetConfig
-from dflash_bench.engine.targets import attention_kernel
+from dflash_bench.engine.targets import attention_kernel, norm_rope_kernel
 from dflash_bench.engine.targets.base import Segment, Target, as_weight, packed_positions, rope_rows
 from dflash_bench.engine.tiles import AttentionPath, Layout, Norm, Stacked, Weight, attention, linear, pad_queries
 from dflash_bench.engine.tree_attention import tree_attention, tree_keys
@@ -97,8 +97,12 @@ class SelfAttention:
         return q, gate, k, v.reshape(n, self.kv_heads, self.head_dim)
 
     def gate(self, o: mx.array, gate: mx.array | None) -> mx.array:
-        """(n, Hq * D) attention rows, times the sigmoid output gate where the layer has one."""
-        return o if gate is None else sigmoid_gate(o, gate.reshape(o.shape[0], -1))
+        """(n, Hq * D) attention rows, times the sigmoid output gate (n, Hq, D) where the layer has one: the gate
+        as the view of q's rows it is (flattening it would copy it first, a launch a layer), the same products."""
+        if gate is None:
+            return o
+        n = o.shape[0]
+        return sigmoid_gate(o.reshape(n, self.heads, self.head_dim), gate).reshape(n, -1)
 
     def prompt_chunk(self, q: mx.array, k: mx.array, v: mx.array, seg: Segment, layer: int) -> mx.array:
         n = len(seg.tokens)
@@ -115,26 +119,28 @@ class SelfAttention:
         """Every decode segment's rows (packed first, in order: tiles.Layout): norms, RoPE (each row at
         its own position: `rope_rows`) and the gate over all rows at once, K/V into each stream's cache,
         then attention: the tile products one segment at a time (a tree's over its rows' serial key
-        views) or, on the kernel path, one launch for all of them."""
+        views) or, on the kernel path, one launch for all of them. On the kernel path in bf16 (a CUDA GPU's
+        gpu mode) the norms, both RoPEs, the K/V stack and the queries' cast are one launch before it
+        (norm_rope_kernel.py: its own bits, each row its own, as the attention launch's)."""
         rows = decoding[-1][1][1]
-        q, gate, k, v = self.split(q[:rows], k[:rows], v[:rows])
         positions = packed_positions([seg for seg, _ in decoding])
+        if self.path == "kernel" and norm_rope_kernel.fits(self.head_dim, q.dtype):
+            # norms, RoPE, the K/V stack and the queries' float32 cast in one launch (norm_rope_kernel.py); a gated
+            # layer's gates stay in q's rows, read as a view
+            queries, kv = norm_rope_kernel.queries_and_keys(
+                q[:rows], k[:rows], v[:rows], self.q_norm, self.k_norm, positions, self.rope_theta, self.eps,
+                head_dim=self.head_dim, rope_dims=self.rope_dims, gated=self.gated)
+            gate = q[:rows].reshape(rows, self.heads, 2 * self.head_dim)[..., self.head_dim :] if self.gated else None
+            caches = self.write(decoding, kv, layer)
+            o = self.kernel_attention(decoding, caches, queries)
+            return self.gate(o, gate)
+        q, gate, k, v = self.split(q[:rows], k[:rows], v[:rows])
         q, k, v = self.rope_rows(q, positions), self.rope_rows(k, positions), v.transpose(1, 0, 2)  # (H, rows, D)
         kv = mx.stack([k, v])  # every stream's rows joined once: a write a stream (cache.py's JointCache)
-        caches = []
-        for seg, (lo, hi) in decoding:
-            cache = seg.state.layers[layer]
-            assert isinstance(cache, JointCache)
-            rows_kv = kv if len(decoding) == 1 else kv[:, :, lo:hi]  # (no view where it is all of them)
-            cache.write_joint(seg.start, rows_kv, None if seg.at is None else seg.write_index(rows_kv.shape))
-            caches.append(cache)
+        caches = self.write(decoding, kv, layer)
         if self.path == "kernel":
-            assert all(seg.tree is None for seg, _ in decoding), "trees never reach the kernel: DenseTarget.tree_refusal"
             # the rows' queries as one array: the launch makes them float32 (one copy), not joined from the segments' first
-            queries = q.transpose(1, 0, 2)
-            launch = [(queries[lo:hi], c.kv, None, seg.start) for (seg, (lo, hi)), c in zip(decoding, caches)]
-            o = attention_kernel.decode_attention(launch, self.scale, kernel_meta(decoding, launch),
-                                                  queries=queries).reshape(rows, -1)
+            o = self.kernel_attention(decoding, caches, q.transpose(1, 0, 2))
         else:
             outs = []
             for (seg, (lo, hi)), c in zip(decoding, caches):
@@ -148,6 +154,27 @@ class SelfAttention:
                 outs.append(a.transpose(1, 0, 2).reshape(n, self.heads * self.head_dim))
             o = mx.concatenate(outs) if len(outs) > 1 else outs[0]
         return self.gate(o, gate)
+
+    def write(self, decoding: list[tuple[Segment, tuple[int, int]]], kv: mx.array, layer: int) -> list[JointCache]:
+        """Every decode segment's keys and values (kv: 2, Hkv, rows, D, the segments' rows in order) into its
+        stream's cache at its start (a device one where it has one): the caches."""
+        caches = []
+        for seg, (lo, hi) in decoding:
+            cache = seg.state.layers[layer]
+            assert isinstance(cache, JointCache)
+            rows_kv = kv if len(decoding) == 1 else kv[:, :, lo:hi]  # (no view where it is all of them)
+            cache.write_joint(seg.start, rows_kv, None if seg.at is None else seg.write_index(rows_kv.shape))
+            caches.append(cache)
+        return caches
+
+    def kernel_attention(self, decoding: list[tuple[Segment, tuple[int, int]]], caches: list[JointCache],
+                         queries: mx.array) -> mx.array:
+        """Every decode segment's rows over its cache in attention_kernel.py's launch, from the packed queries
+        (rows, Hq, D): (rows, Hq * D)."""
+        assert all(seg.tree is None for seg, _ in decoding), "trees never reach the kernel: DenseTarget.tree_refusal"
+        launch = [(queries[lo:hi], c.kv, None, seg.start) for (seg, (lo, hi)), c in zip(decoding, caches)]
+        o = attention_kernel.decode_attention(launch, self.scale, kernel_meta(decoding, launch), queries=queries)
+        return o.reshape(queries.shape[0], -1)
 
     def prefill_attention(self, q: mx.array, cache: AttentionCache, length: int) -> mx.array:
         """A prompt chunk's rows over the keys [0, length) in one call: (Hq, n, d) -> (Hq, n, d).
