@@ -209,6 +209,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--streams", default="1,4")
     parser.add_argument("--drafter", action="store_true", help="count the drafter's absorb and block pass")
+    parser.add_argument("--target", default="tiny", help="`tiny` (the 9B's pattern, --layers of it) or any target the "
+                        "engine loads, e.g. `default` (the default model)")
     parser.add_argument("--layers", type=int, default=8,
                         help="the target's layers: the 9B's pattern (3 GatedDeltaNet, 1 attention) repeated; the 9B has 32")
     args = parser.parse_args()
@@ -227,8 +229,8 @@ def main() -> None:
     delta_kernel.delta_packed = reference_packed
     delta_kernel.rollback = reference_rollback  # a rollback to device lengths (qwen3_5.py's redo_fn, PackedRedo)
     root = Path(tempfile.mkdtemp())
-    target = Engine(write_big("qwen3_5-9b-4bit", root / "target", preset), None,
-                    Settings(parallel=4, context=256, chunk=32, backend="gpu")).target
+    path = write_big("qwen3_5-9b-4bit", root / "target", preset) if args.target == "tiny" else args.target
+    target = Engine(path, None, Settings(parallel=4, context=256, chunk=32, backend="gpu")).target
     stand_in = Launch(one_node=True)
     matmul_kernel._kernel = lambda parts=0: stand_in
     attention_kernel.decode_attention = attention_launch

@@ -14,12 +14,13 @@ itself without a norm; then the half-split rotation of the first R values at the
 (`mx.fast.rope` with dims R, traditional=False, scale 1), rounded to bf16 again; values from R on (qwen3_5's
 partial rotary) pass as normed. The rotation is the arithmetic of MLX's CUDA RoPE kernel (MLX 0.32), written as
 that kernel writes it: inv_freq = exp2(-(j / (R/2)) * log2(theta)) on the device, with log2(theta)
-the host's `log2f` as MLX takes it, the angle p * inv_freq, and x1 * cos - x2 * sin, x1 * sin + x2 * cos left for
-the compiler to contract as MLX's own build does; so a layer without q/k norms (llama) gives `mx.fast.rope`'s
-bits, and a target's decode rows keep the tokens they had before this launch (tests/test_norm_rope_kernel.py's GPU
-test holds the rotation to MLX's bit for bit). The sum of squares is each lane's ascending fmas over its
-elements, then an xor butterfly (the same bits in every lane): a norm's bits are this kernel's, not
-`mx.fast.rms_norm`'s. A row's bits depend on its own values and position alone, so rows launched
+the host's `log2f` as MLX takes it, the angle p * inv_freq, then x1 * cos - x2 * sin and x1 * sin + x2 * cos with
+each first product fused into an fma, as MLX's build contracts them (written as intrinsics, so no compiler can
+contract them otherwise: left to NVRTC, 2 of 270,336 elements differed on an H100); so a layer without q/k norms
+(llama) gives `mx.fast.rope`'s bits, and a target's decode rows keep the tokens they had before this launch
+(tests/test_norm_rope_kernel.py's GPU test holds the rotation to MLX's bit for bit). The sum of squares is each
+lane's ascending fmas over its elements, then an xor butterfly (the same bits in every lane): a norm's bits are
+this kernel's, not `mx.fast.rms_norm`'s. A row's bits depend on its own values and position alone, so rows launched
 together equal rows launched alone: what a drafter needs (determinism; the target decides every token), and
 what a target's decode rows need (a window's rows equal single steps, base.py), where a prompt chunk's rows
 keep MLX's own norm and RoPE (a prompt row is always computed in a chunk: lanes.py).
@@ -86,8 +87,9 @@ __device__ __forceinline__ void nr_turn(const __nv_bfloat16* row, const __nv_bfl
     const float inv_freq = exp2f(-d * log2_theta);
     const float theta = p * inv_freq;
     const float costheta = cosf(theta), sintheta = sinf(theta);
-    const float rx1 = x1 * costheta - x2 * sintheta;
-    const float rx2 = x1 * sintheta + x2 * costheta;
+    // x1 * cos - x2 * sin and x1 * sin + x2 * cos as MLX's build contracts them: each first product fused
+    const float rx1 = __fmaf_rn(x1, costheta, -__fmul_rn(x2, sintheta));
+    const float rx2 = __fmaf_rn(x1, sintheta, __fmul_rn(x2, costheta));
     nr_store(out + j, rx1);
     nr_store(out + j + RH, rx2);
   }
