@@ -2,6 +2,7 @@
 encoding of the graph, and the wait for the device; and the operations the step asks for.
 
 usage (on the GPU machine, from the repo root): PYTHONPATH=/tmp/site:$PWD python3 tools/build_eval_split.py TARGET
+       [--profile]
 
 TARGET is any target the engine loads (`fixture qwen3_5-9b-4bit DIR`, `default`); mlx-lm's model runs on the same
 weights (checks/mlx_lm_speed.py's `load`, which builds it on the engine's for a GGUF). After a 256-token prompt, each
@@ -14,11 +15,19 @@ build + encode is the floor of a step on a host-bound machine. Then the step's o
 primitive (`mx.export_to_dot` of the same graph; views left out, as in tools/forward_ops.py).
 
 The H200's output is docs/profiles/build-eval-split-h200.txt (its first run split only build and
-evaluation).
+evaluation). On an H100 in session 51 the default model's one-row step built in 6.98 ms against mlx-lm's 1.58,
+with 278 operations against 516 (211 of ours `mx.fast.cuda_kernel` launches), where a CPU builds the same forward
+in 0.9 ms with every launch a ready array: `--profile` then splits our build: Python's profile of 20 builds (a
+`cuda_kernel` call is a nanobind function, not a C function to cProfile, so its time is its caller's own), and each
+launch of one step replayed 200 times as the engine makes it (`BakedKernel.__call__`) and as MLX's kernel object
+alone, beside `mx.quantized_matmul` and an add on the same rows (what mlx-lm's layers call instead).
 """
 
 from __future__ import annotations
 
+import cProfile
+import collections
+import pstats
 import statistics
 import sys
 import time
@@ -27,6 +36,7 @@ import dflash_bench  # noqa: F401  (loads the BLAS before mlx.core)
 import mlx.core as mx
 
 from dflash_bench.checks import mlx_lm_speed
+from dflash_bench.engine.baked_kernel import BakedKernel
 from dflash_bench.engine.engine import Engine, Settings
 from dflash_bench.engine.targets.base import Segment
 from forward_ops import VIEWS, census  # tools/, the script's own folder
@@ -92,8 +102,81 @@ def mlx_lm(engine: Engine) -> None:
         report("mlx-lm", n, step)
 
 
+def per_call_us(call, reps: int = 200) -> float:
+    """Median over 5 runs of `reps` calls of `call` (its arrays built, never evaluated), in us a call."""
+    runs = []
+    for _ in range(5):
+        a = time.perf_counter()
+        for _ in range(reps):
+            call()
+        runs.append((time.perf_counter() - a) / reps)
+    return 1e6 * statistics.median(runs)
+
+
+def profile(engine: Engine) -> None:
+    """Where our step's build goes (module docstring): Python's own profile, then each launch replayed."""
+    target = engine.target
+    state = target.new_state()
+    out = target.forward([Segment(IDS[:256], 0, state, [255], prefill=True)])
+    mx.eval(out[0].logits, state.arrays())
+    state.keep(256)
+
+    def step():
+        outs = target.forward([Segment([7], state.length, state, [0])])
+        return outs
+
+    def finish(outs):
+        mx.eval([o.logits for o in outs], state.arrays())
+        state.keep(state.length)
+
+    for _ in range(3):
+        finish(step())
+    prof = cProfile.Profile()
+    for _ in range(20):
+        prof.enable()
+        outs = step()
+        prof.disable()
+        finish(outs)
+    print("our step's build, 20 builds under cProfile (tottime: a function's own time, its nanobind calls included):")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(20)
+    calls = []
+    original = BakedKernel.__call__
+
+    def recording(self, inputs, template, **launch):
+        calls.append((self, list(inputs), tuple(template), launch))
+        return original(self, inputs, template, **launch)
+
+    BakedKernel.__call__ = recording
+    try:
+        finish(step())
+    finally:
+        BakedKernel.__call__ = original
+    kinds = collections.Counter(baked.name for baked, _, _, _ in calls)
+    print(f"{len(calls)} launches a step: " + ", ".join(f"{k} {n}" for k, n in kinds.most_common()))
+    seen = set()
+    for baked, inputs, template, launch in calls:
+        key = (baked.name, template)
+        if key in seen:
+            continue
+        seen.add(key)
+        made = baked.kernel(template)
+        engine_us = per_call_us(lambda: baked(inputs, template, **launch))
+        mlx_us = per_call_us(lambda: made(inputs=inputs, **launch))
+        print(f"  {baked.name}{''.join(f'_{v}' for _, v in template)[:60]}: {len(inputs)} inputs, "
+              f"{len(baked.header) + len(baked.source)} bytes of source; a call {engine_us:.1f} us as the engine "
+              f"makes it, {mlx_us:.1f} us MLX's kernel object alone", flush=True)
+    x = mx.zeros((1, 576), dtype=mx.bfloat16)
+    w, scales, biases = mx.quantize(mx.zeros((576, 576), dtype=mx.bfloat16), group_size=32, bits=4)
+    mx.eval(x, w, scales, biases)
+    qmm = per_call_us(lambda: mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=32, bits=4))
+    add = per_call_us(lambda: x + x)
+    print(f"  mx.quantized_matmul (1 x 576 by 576 x 576, 4-bit): {qmm:.1f} us a call; an add: {add:.1f} us", flush=True)
+
+
 if __name__ == "__main__":
     served = Engine(sys.argv[1], None, Settings(parallel=4, context=4096, backend="gpu", warm=False))
     ours(served)
     mlx_lm(served)
+    if "--profile" in sys.argv[2:]:
+        profile(served)
     print("done", flush=True)
