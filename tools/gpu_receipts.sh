@@ -183,6 +183,12 @@ if [ -f "$gguf" ]; then
   step round-timeline-default-4 240 python3 tools/round_timeline.py default \
     --drafter dflash_bench/drafters/smollm2-135m-dflash --streams 4 --out /root/f9/timeline-default-4
 fi
+# where the default model's one-row step spends its build against mlx-lm's (session 51's H100: 6.98 ms against 1.58,
+# 278 operations against 516): Python's profile, and each of our launches replayed as the engine makes it and as MLX's
+# kernel object alone (tools/build_eval_split.py --profile)
+if [ -f "$gguf" ]; then
+  step build-eval-default 300 python3 tools/build_eval_split.py default --profile
+fi
 # Then the timed runs, one at a time and alone on the machine, the receipts the README quotes first.
 # the drafter in bf16 and as 4-bit copies: its bf16 products were ~1.9 ms of a 9B drafted round's device time
 # (docs/gpu-round-profile.md), so a 4-bit drafter is the serving choice to weigh against the bar (job A's pair decided nothing)

@@ -176,8 +176,9 @@ def log2_theta(theta: float) -> float:
     return float(fn(base)) if fn is not None else float(np.float32(math.log2(base)))
 
 
+@lru_cache(maxsize=16)
 def _log2_theta(theta: float) -> mx.array:
-    """`log2_theta` in device memory (device_values.constant)."""
+    """`log2_theta` in device memory (device_values.constant), worked out once a theta (each layer's launch asks)."""
     return constant((log2_theta(theta),), mx.float32)
 
 
