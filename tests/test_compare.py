@@ -211,3 +211,58 @@ def test_cli_refuses_receipts_with_nothing_to_compare_in_one_line(tmp_path):
     res = CliRunner().invoke(app, ["compare", str(b), str(a)])
     line = res.output.strip()
     assert res.exit_code == 1 and "\n" not in line and "BEFORE holds exactness and AFTER engine-speed" in line
+
+
+def runner_receipt(kind: str, shas: dict[str, str], failed_request: str | None = None) -> Receipt:
+    """A runner receipt (exactness, concurrent) whose records are one plain and one drafted request a prompt with
+    these token hashes (`plain:` / `drafted:` prefixes pick the request), the drafted one a repeated seed."""
+    r = Receipt.new(kind, ["dflash-bench", kind], {})
+    for prompt, sha in ((p, sha) for p, sha in shas.items() if ":" not in p):
+        for draft in (False, True):
+            name = f"{'drafted' if draft else 'plain'}:{prompt}"
+            r.records.append({"prompt_id": prompt, "endpoint": "/v1/completions", "draft": draft, "temperature": 0.0,
+                              "seed": 7, "max_tokens": 64, "labels": {"mode": "drafted" if draft else "plain"},
+                              "status": "error" if name == failed_request else "ok",
+                              "token_sha": shas.get(name, sha), "elapsed": 0.1 + draft})
+    r.finish(True)
+    return r
+
+
+def test_requests_pair_by_what_they_asked_and_changed_tokens_show(tmp_path):
+    """Each request both sides ran is the same tokens or changed (whatever it took: elapsed differs), a failed one is
+    left out; changed tokens fail only with --same-tokens, and receipts without speed cells compare by them alone."""
+    b = write(tmp_path, "b.json", runner_receipt("exactness", {"red-planet": "aaa", "sky": "bbb", "gone": "ccc"}))
+    same = write(tmp_path, "s.json", runner_receipt("exactness", {"red-planet": "aaa", "sky": "bbb"}))
+    result = compare(b, same, same_tokens=True)
+    assert not result.cells and result.exit_code == 0 and not result.changed_tokens
+    assert [(r.before, r.after) for r in result.tokens if "gone" in r.request] == [("ccc", None), ("ccc", None)]
+    from dflash_bench.checks.tokens import summary_line
+
+    assert summary_line(result.tokens) == "tokens: 4 of 4 requests the same, 0 changed, 2 run on one side only"
+    moved = write(tmp_path, "m.json", runner_receipt("exactness", {"red-planet": "aaa", "sky": "bbb",
+                                                                   "plain:sky": "ddd", "drafted:sky": "ddd"},
+                                                     failed_request="plain:red-planet"))
+    result = compare(b, moved)
+    changed = [r.request for r in result.changed_tokens]
+    assert changed == ["prompt_id=sky endpoint=/v1/completions draft=False temperature=0.0 seed=7 max_tokens=64 "
+                       "mode=plain", "prompt_id=sky endpoint=/v1/completions draft=True temperature=0.0 seed=7 "
+                       "max_tokens=64 mode=drafted"]
+    assert [r.after for r in result.tokens if "red-planet" in r.request] == [None, "aaa"]  # the failed one left out
+    assert result.exit_code == 0 and compare(b, moved, same_tokens=True).exit_code == 1
+    res = CliRunner().invoke(app, ["compare", str(b), str(moved), "--same-tokens", "--json"])
+    data = json.loads(res.stdout)
+    assert res.exit_code == 1 and data["same_tokens"] and data["tokens_changed"] == [f"exactness {c}" for c in changed]
+    res = CliRunner().invoke(app, ["compare", str(b), str(moved), "--markdown"])
+    assert res.exit_code == 0 and "tokens: 1 of 3 requests the same, 2 changed, 3 run on one side only" in res.output
+    assert "changed: exactness prompt_id=sky" in res.output and "bbb -> ddd" in res.output
+
+
+def test_a_comparison_keeps_its_tokens_through_out_and_show(tmp_path):
+    b = write(tmp_path, "b.json", runner_receipt("concurrent", {"p": "aaa"}))
+    a = write(tmp_path, "a.json", runner_receipt("concurrent", {"p": "aaa", "drafted:p": "eee"}))
+    res = CliRunner().invoke(app, ["compare", str(b), str(a), "--same-tokens", "--out", str(tmp_path / "c.json")],
+                             env={"COLUMNS": "250"})
+    assert res.exit_code == 1 and "requests whose tokens changed" in res.output and "aaa" in res.output
+    shown = CliRunner().invoke(app, ["show", str(tmp_path / "c.json")], env={"COLUMNS": "250"})
+    assert shown.exit_code == 0 and "tokens: 1 of 2 requests the same, 1 changed" in shown.output
+    assert "eee" in shown.output

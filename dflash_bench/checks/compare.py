@@ -9,8 +9,11 @@ The rule (also in `dflash-bench compare --help`):
 - tokens per round, peak footprint, engine-speed's round over a plain round and mlx-lm's tok/s (the same
   weights through another engine on each side's machine: how far the machine moved) are shown with ratios
   but never fail;
-- any verdict failure in AFTER's receipts (drafted != plain, concurrent != solo, ...) fails the comparison.
-Exit codes: 1 on a drop or a failure in AFTER, 2 if a receipt on either side is incomplete, else 0.
+- any verdict failure in AFTER's receipts (drafted != plain, concurrent != solo, ...) fails the comparison;
+- every request both sides ran is paired by what it asked, and its tokens are the same or changed (checks/tokens.py:
+  exactness, concurrent, decode and engine-speed receipts alike); with --same-tokens a changed one fails.
+Exit codes: 1 on a drop, a failure in AFTER or (--same-tokens) a request whose tokens changed, 2 if a receipt on
+either side is incomplete, else 0.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from dflash_bench.checks import aggregates as agg
+from dflash_bench.checks import tokens as token_ids
 from dflash_bench.checks.receipt import BadReceipt, Receipt, summary
 from dflash_bench.checks.schema import COMPARE_SCHEMA, CompareDoc
 
@@ -51,14 +55,20 @@ class CompareResult:
     cells: list[Cell] = field(default_factory=list)
     failures: list[dict] = field(default_factory=list)
     incomplete: list[str] = field(default_factory=list)
+    tokens: list[token_ids.TokenRow] = field(default_factory=list)
+    same_tokens: bool = False  # a request whose tokens changed fails the comparison
 
     @property
     def drops(self) -> list[Cell]:
         return [c for c in self.cells if c.drop]
 
     @property
+    def changed_tokens(self) -> list[token_ids.TokenRow]:
+        return [r for r in self.tokens if r.changed]
+
+    @property
     def exit_code(self) -> int:
-        if self.failures or self.drops:
+        if self.failures or self.drops or (self.same_tokens and self.changed_tokens):
             return 1
         return 2 if self.incomplete else 0
 
@@ -66,13 +76,16 @@ class CompareResult:
         return {"schema": COMPARE_SCHEMA, "schema_version": 1, "before": self.before, "after": self.after,
                 "noise": self.noise, "cells": [c.to_dict() for c in self.cells], "failures": self.failures,
                 "drops": [f"{c.section} {c.row} {c.mode}" for c in self.drops],
-                "incomplete": self.incomplete, "exit_code": self.exit_code}
+                "incomplete": self.incomplete, "tokens": [r.to_dict() for r in self.tokens],
+                "tokens_changed": [f"{r.kind} {r.request}" for r in self.changed_tokens],
+                "same_tokens": self.same_tokens, "exit_code": self.exit_code}
 
     @classmethod
     def from_doc(cls, doc: CompareDoc) -> CompareResult:
         """A comparison written earlier (`compare --out`), to show again."""
         cells = [Cell(**{f.name: getattr(c, f.name) for f in fields(Cell)}) for c in doc.cells]
-        return cls(doc.before, doc.after, doc.noise, cells, doc.failures, doc.incomplete)
+        rows = [token_ids.TokenRow(r.kind, r.request, r.before, r.after) for r in doc.tokens]
+        return cls(doc.before, doc.after, doc.noise, cells, doc.failures, doc.incomplete, rows, doc.same_tokens)
 
 
 def load_side(path: Path, label: str) -> dict[str, tuple[Path, Receipt]]:
@@ -219,14 +232,18 @@ def judge(cell: Cell, noise: float) -> None:
         cell.note = "; ".join(filter(None, [cell.note, f"drop beyond the runs' spread ({allowed:.4g})"]))
 
 
-def compare(before_path: Path, after_path: Path, noise: float = 0.10) -> CompareResult:
+def compare(before_path: Path, after_path: Path, noise: float = 0.10, same_tokens: bool = False) -> CompareResult:
     before = load_side(before_path, "BEFORE")
     after = load_side(after_path, "AFTER")
-    result = CompareResult([str(p) for p, _ in before.values()], [str(p) for p, _ in after.values()], noise)
+    result = CompareResult([str(p) for p, _ in before.values()], [str(p) for p, _ in after.values()], noise,
+                           same_tokens=same_tokens)
     shared = [kind for kind in CELLS if kind in before and kind in after]
-    if not shared:
+    for kind in [k for k in before if k in after]:
+        result.tokens += token_ids.rows(kind, before[kind][1], after[kind][1])
+    if not shared and not result.tokens:
         raise BadReceipt(f"nothing to compare: BEFORE holds {', '.join(sorted(before))} and AFTER "
-                         f"{', '.join(sorted(after))}; compare takes two of one kind of {', '.join(CELLS)}")
+                         f"{', '.join(sorted(after))}; compare takes two of one kind, {', '.join(CELLS)} for speed "
+                         "or any with token hashes")
     for kind in shared:
         result.cells += CELLS[kind](before[kind][1], after[kind][1])
     for cell in result.cells:
@@ -241,7 +258,7 @@ def compare(before_path: Path, after_path: Path, noise: float = 0.10) -> Compare
 
 
 VERDICT = {0: "no drop beyond the runs' spread; AFTER has no failures",
-           1: "FAILED: a drop beyond the runs' spread or a failure in AFTER",
+           1: "FAILED: a drop beyond the runs' spread, a failure in AFTER or (--same-tokens) changed tokens",
            2: "incomplete receipts: see above"}
 
 
@@ -261,12 +278,15 @@ def _fmt(s: agg.Summary | None, section: str) -> str:
 
 def markdown(result: CompareResult) -> str:
     """The before/after table and the verdict as Markdown, for a pull request comment or a CI job summary."""
-    lines = ["| metric | row | mode | before | after | ratio | note |", "|---|---|---|---|---|---|---|"]
+    lines = ["| metric | row | mode | before | after | ratio | note |", "|---|---|---|---|---|---|---|"] if result.cells else []
     for c in result.cells:
         mark = "\\*" if c.noisy else ""
         ratio = "—" if c.ratio is None else f"**{c.ratio:.2f}x**" if c.drop else f"{c.ratio:.2f}x"
         lines.append(f"| {c.section} | {c.row} | {c.mode} | {_fmt(c.before, c.section)}{mark} | "
                      f"{_fmt(c.after, c.section)}{mark} | {ratio} | {c.note} |")
+    if result.tokens:
+        lines += ["", f"- {token_ids.summary_line(result.tokens)}",
+                  *[f"  - changed: {r.kind} {r.request}: {r.before} -> {r.after}" for r in result.changed_tokens]]
     lines += ["", *[f"- AFTER failed: {f['receipt']}: {f['message']}" for f in result.failures],
               *[f"- incomplete: {line}" for line in result.incomplete], "", f"**{VERDICT[result.exit_code]}**"]
     return "\n".join(lines)

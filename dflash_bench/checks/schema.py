@@ -176,6 +176,15 @@ class CompareCell(agg.Loose):
     note: str = ""
 
 
+class CompareTokens(Strict):
+    """One request's token hash on each side (checks/tokens.py's TokenRow); None where that side did not run it."""
+
+    kind: str
+    request: str
+    before: Optional[str] = None
+    after: Optional[str] = None
+
+
 class CompareDoc(Strict):
     """What `compare --out` writes (checks/compare.py's CompareResult.to_dict)."""
 
@@ -188,6 +197,9 @@ class CompareDoc(Strict):
     failures: list[dict[str, Any]] = Field(default_factory=list)
     drops: list[str] = Field(default_factory=list)
     incomplete: list[str] = Field(default_factory=list)
+    tokens: list[CompareTokens] = Field(default_factory=list)
+    tokens_changed: list[str] = Field(default_factory=list)
+    same_tokens: bool = False
     exit_code: int
 
 

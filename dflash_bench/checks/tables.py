@@ -12,6 +12,7 @@ from dflash_bench.checks import aggregates as agg
 from dflash_bench.checks.compare import VERDICT, CompareResult, digits
 from dflash_bench.checks.receipt import BadReceipt, Receipt
 from dflash_bench.checks.schema import TrainingReceipt
+from dflash_bench.checks.tokens import summary_line as token_summary
 
 MARK = {True: Text("equal", style="green"), False: Text("DIFFER", style="bold red"),
         None: Text("unverified", style="yellow")}
@@ -365,7 +366,17 @@ def compare_table(result: CompareResult) -> Group:
             before, after = before + "*", after + "*"
         ratio = Text(f"{c.ratio:.2f}x", style="bold red" if c.drop else "") if c.ratio is not None else Text("—")
         t.add_row(c.section, c.row, c.mode, before, after, ratio, c.note)
-    lines = [t]
+    lines = [t] if result.cells else []
+    if result.tokens:
+        changed = result.changed_tokens
+        lines.append(Text(token_summary(result.tokens), style="bold red" if changed and result.same_tokens else ""))
+        if changed:
+            tt = Table(title="requests whose tokens changed (token_sha before -> after)")
+            for col in ("receipt", "request", "before", "after"):
+                tt.add_column(col)
+            for r in changed:
+                tt.add_row(r.kind, r.request, r.before, r.after)
+            lines.append(tt)
     lines += [Text(f"AFTER failed: {f['receipt']}: {f['message']}", style="red") for f in result.failures]
     lines += [Text(f"incomplete: {line}", style="yellow") for line in result.incomplete]
     style = {0: "green", 1: "bold red", 2: "yellow"}[result.exit_code]

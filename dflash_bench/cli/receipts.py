@@ -49,6 +49,10 @@ def compare(receipts: Annotated[list[Path], typer.Argument(
                                                                 "tokens a round).")] = None,
             markdown: Annotated[bool, typer.Option("--markdown", help="Print a Markdown table (a pull request "
                                                    "comment, a CI job summary).")] = False,
+            same_tokens: Annotated[bool, typer.Option("--same-tokens", help="Fail (exit 1) when a request both "
+                                                      "sides ran came back with other tokens: for a change meant "
+                                                      "to keep the bits (a kernel's fusion, a launch rewritten).")]
+            = False,
             json_out: Json = False,
             out: Annotated[Optional[Path], typer.Option(help="Also write the comparison as JSON here.")] = None):
     """Before/after tables with ratios (decode tok/s per probe and level, tokens a round, footprint, prefill; engine-speed's modes per probe and level, a drafted round over a plain one, and mlx-lm's tok/s on each side's machine, never judged); or a metric's trend over a series of receipts.
@@ -57,7 +61,9 @@ def compare(receipts: Annotated[list[Path], typer.Argument(
 
     Drop: a tok/s cell whose AFTER median is below BEFORE's by more than the larger of the two runs' own spreads (max - min); a cell with one rep on a side has no spread and is never called a drop. Tokens a round, footprint, a round over a plain one and mlx-lm's tok/s never fail; a pair with no kind in common is an error.
 
-    Exit 1 on a drop or on any verdict failure in AFTER's receipts (drafted != plain, concurrent != solo, ...), 2 if a receipt on either side is incomplete, else 0. A trend only reports: exit 0.
+    Tokens: every request both sides ran (exactness, concurrent, decode, engine-speed receipts), paired by what it asked, is the same tokens or changed (its token hashes); receipts with token hashes and no speed cells compare by them alone.
+
+    Exit 1 on a drop, on any verdict failure in AFTER's receipts (drafted != plain, concurrent != solo, ...) or, with --same-tokens, on a request whose tokens changed; 2 if a receipt on either side is incomplete, else 0. A trend only reports: exit 0.
     """
     if trend or len(receipts) > 2:
         from dflash_bench.checks import frames  # pandas: imported only by the commands that use it
@@ -76,7 +82,7 @@ def compare(receipts: Annotated[list[Path], typer.Argument(
     if len(receipts) != 2:
         raise typer.BadParameter("give BEFORE and AFTER, or a series with --trend")
     try:
-        result = compare_mod.compare(receipts[0], receipts[1], noise)
+        result = compare_mod.compare(receipts[0], receipts[1], noise, same_tokens)
     except DFlashBenchError as err:
         raise _fail(err) from None
     if out:
