@@ -38,7 +38,7 @@ out=${1:?usage: gpu_receipts.sh OUT_DIR}
 # STEPS=bars: the steps whose receipts issue 15's bars name (the 9B's and the default model's engine-speed, the default
 # model's exactness and concurrent), with the kernel cache's test and the fixtures they need
 if [ "${STEPS:-}" = bars ]; then
-  STEPS=kernel-cache,fixture-9b,fixture-9b-drafter,exactness-default,concurrent-default,engine-speed-9b,engine-speed-default
+  STEPS=kernel-cache,fixture-9b,fixture-9b-drafter,exactness-default,concurrent-default,tokens-exactness-default,tokens-concurrent-default,engine-speed-9b,engine-speed-default
 fi
 cd "$(dirname "$0")/.."
 export PYTHONPATH=/tmp/site:$PWD
@@ -128,6 +128,14 @@ if [ -f "$gguf" ]; then
     --out "$out/concurrent-default-gpu-$dev.json" &
 fi
 wait
+# whether the default model's tokens are the committed receipts' (a change meant to keep the bits; exit 1 in the progress
+# line where a request's tokens changed, the changed ones in the log): `compare --same-tokens`
+for check in exactness concurrent; do
+  if [ -f "receipts/$check-default-gpu-$dev.json" ] && [ -f "$out/$check-default-gpu-$dev.json" ]; then
+    run "tokens-$check-default" 60 compare "receipts/$check-default-gpu-$dev.json" "$out/$check-default-gpu-$dev.json" \
+      --same-tokens --markdown
+  fi
+done
 # First, what the device does in a round as the engine runs it: busy and idle time a round, plain and drafted, with
 # each kernel kind's share, from CUPTI's records through PyTorch's profiler (docs/profiles/round-timeline-h200.txt:
 # in job M the device was busy 11.25 ms of a 20.58 ms drafted round, waiting for the host the rest); the 9B's
