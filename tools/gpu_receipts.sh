@@ -19,7 +19,7 @@
 # timed steps: the steps run in the order the open bars need them.
 # STEPS=a,b,c (step names, as OUT_DIR/progress shows them) runs only those steps, in the script's order: a session
 # whose device time covers a few steps names the bars' (`STEPS=bars`: kernel-cache,fixture-9b,fixture-9b-drafter,
-# exactness-default,concurrent-default,engine-speed-9b,engine-speed-default; as written, with 3 reps and both drafter
+# exactness-default,concurrent-default,tokens-exactness-default,tokens-concurrent-default,engine-speed-9b,engine-speed-default; as written, with 3 reps and both drafter
 # precisions, the 9B's step alone may take its whole 1,500 s limit on a slow host, more than a session's device time
 # leaves after the uploads: SPEED_9B_ARGS="--reps 2 --drafter-bits 0" (options given again win) made session 41's
 # shorter run, and session 48's H100 ran 2 reps of one drafter precision in about 2 minutes; exactness-default and
