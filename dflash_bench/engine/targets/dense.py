@@ -121,7 +121,8 @@ class SelfAttention:
         then attention: the tile products one segment at a time (a tree's over its rows' serial key
         views) or, on the kernel path, one launch for all of them. On the kernel path in bf16 (a CUDA GPU's
         gpu mode) the norms, both RoPEs, the K/V stack and the queries' cast are one launch before it
-        (norm_rope_kernel.py: its own bits, each row its own, as the attention launch's)."""
+        (norm_rope_kernel.py: the rotation MLX's bit for bit, a q/k norm the launch's own; each row its own, as
+        the attention launch's)."""
         rows = decoding[-1][1][1]
         positions = packed_positions([seg for seg, _ in decoding])
         if self.path == "kernel" and norm_rope_kernel.fits(self.head_dim, q.dtype):
