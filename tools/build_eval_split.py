@@ -19,8 +19,9 @@ evaluation). On an H100 in session 51 the default model's one-row step built in 
 with 278 operations against 516 (211 of ours `mx.fast.cuda_kernel` launches), where a CPU builds the same forward
 in 0.9 ms with every launch a ready array: `--profile` then splits our build: Python's profile of 20 builds (a
 `cuda_kernel` call is a nanobind function, not a C function to cProfile, so its time is its caller's own), and each
-launch of one step replayed 200 times as the engine makes it (`BakedKernel.__call__`) and as MLX's kernel object
-alone, beside `mx.quantized_matmul` and an add on the same rows (what mlx-lm's layers call instead).
+launch of one step replayed 200 times as the engine makes it (`BakedKernel.__call__`), as MLX's kernel object
+alone and as a kernel object of an empty body on the same arrays (the call apart from its source's size), beside
+`mx.quantized_matmul` and an add on the same rows (what mlx-lm's layers call instead).
 """
 
 from __future__ import annotations
@@ -160,11 +161,17 @@ def profile(engine: Engine) -> None:
             continue
         seen.add(key)
         made = baked.kernel(template)
+        # the same inputs and outputs through a kernel object of an empty body (never evaluated, so never compiled):
+        # what the call costs apart from its source's size
+        empty = mx.fast.cuda_kernel(name=f"probe_empty_{len(seen)}", input_names=baked.input_names,
+                                    output_names=baked.output_names, source="")
         engine_us = per_call_us(lambda: baked(inputs, template, **launch))
         mlx_us = per_call_us(lambda: made(inputs=inputs, **launch))
+        empty_us = per_call_us(lambda: empty(inputs=inputs, **launch))
         print(f"  {baked.name}{''.join(f'_{v}' for _, v in template)[:60]}: {len(inputs)} inputs, "
               f"{len(baked.header) + len(baked.source)} bytes of source; a call {engine_us:.1f} us as the engine "
-              f"makes it, {mlx_us:.1f} us MLX's kernel object alone", flush=True)
+              f"makes it, {mlx_us:.1f} us MLX's kernel object alone, {empty_us:.1f} us with an empty body",
+              flush=True)
     x = mx.zeros((1, 576), dtype=mx.bfloat16)
     w, scales, biases = mx.quantize(mx.zeros((576, 576), dtype=mx.bfloat16), group_size=32, bits=4)
     mx.eval(x, w, scales, biases)
