@@ -278,7 +278,8 @@ def _fmt(s: agg.Summary | None, section: str) -> str:
 
 def markdown(result: CompareResult) -> str:
     """The before/after table and the verdict as Markdown, for a pull request comment or a CI job summary."""
-    lines = ["| metric | row | mode | before | after | ratio | note |", "|---|---|---|---|---|---|---|"] if result.cells else []
+    header = ["| metric | row | mode | before | after | ratio | note |", "|---|---|---|---|---|---|---|"]
+    lines = header if result.cells else []  # (token hashes alone: no speed table)
     for c in result.cells:
         mark = "\\*" if c.noisy else ""
         ratio = "—" if c.ratio is None else f"**{c.ratio:.2f}x**" if c.drop else f"{c.ratio:.2f}x"
