@@ -21,7 +21,8 @@ in 0.9 ms with every launch a ready array: `--profile` then splits our build: Py
 `cuda_kernel` call is a nanobind function, not a C function to cProfile, so its time is its caller's own), and each
 launch of one step replayed 200 times as the engine makes it (`BakedKernel.__call__`), as MLX's kernel object
 alone and as a kernel object of an empty body on the same arrays (the call apart from its source's size), beside
-`mx.quantized_matmul` and an add on the same rows (what mlx-lm's layers call instead).
+`mx.quantized_matmul` and an add on the same rows (what mlx-lm's layers call instead); then an empty kernel's
+call and evaluation by its source's size (`source_sweep`).
 """
 
 from __future__ import annotations
@@ -178,6 +179,41 @@ def profile(engine: Engine) -> None:
     qmm = per_call_us(lambda: mx.quantized_matmul(x, w, scales, biases, transpose=True, group_size=32, bits=4))
     add = per_call_us(lambda: x + x)
     print(f"  mx.quantized_matmul (1 x 576 by 576 x 576, 4-bit): {qmm:.1f} us a call; an add: {add:.1f} us", flush=True)
+    source_sweep()
+
+
+def source_sweep() -> None:
+    """What a launch costs by its source's size alone: a kernel of an empty body whose header is that many bytes of
+    comment, its call (build) and its share of 200 such launches evaluated at once (encode and the device), beside
+    200 adds: MLX builds a launch's whole source at each call and hashes it at each evaluation
+    (mlx/backend/cuda/custom_kernel.cpp upstream), so a long source could cost at both."""
+    x = mx.zeros((16,), dtype=mx.float32)
+    mx.eval(x)
+
+    def evaluated_us(call) -> float:
+        runs = []
+        for _ in range(5):
+            outs = [call() for _ in range(200)]
+            a = time.perf_counter()
+            mx.eval(outs)
+            runs.append((time.perf_counter() - a) / 200)
+        return 1e6 * statistics.median(runs)
+
+    add = lambda: x + 1.0  # noqa: E731
+    mx.eval(add())
+    print(f"  200 adds: {per_call_us(add):.1f} us a call, {evaluated_us(add):.1f} us each evaluated", flush=True)
+    for size in (0, 4096, 16384, 65536):
+        header = ("// " + "x" * 76 + "\n") * (size // 80)
+        kernel = mx.fast.cuda_kernel(name=f"probe_size_{size}", input_names=["x"], output_names=["y"], source="",
+                                     header=header)
+
+        def call(kernel=kernel):
+            return kernel(inputs=[x], output_shapes=[(16,)], output_dtypes=[mx.float32], grid=(16, 1, 1),
+                          threadgroup=(16, 1, 1))[0]
+
+        mx.eval(call())  # compiled once, before timing
+        print(f"  an empty body with {len(header)} bytes of header: {per_call_us(call):.1f} us a call, "
+              f"{evaluated_us(call):.1f} us each of 200 evaluated", flush=True)
 
 
 if __name__ == "__main__":
