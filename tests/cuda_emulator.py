@@ -226,9 +226,35 @@ inline void mm_mma(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
 """
 
 
+# MLX's device functors a kernel header includes (matmul_kernel.py's `mm_glu`: Sigmoid and Multiply on bf16), for the
+# emulator: each step's exact result rounded to bf16 once, the exponential the host's. The device's own exp is MLX's
+# (tests/test_matmul_kernel.py's GPU test compares the launch with MLX's compiled SwiGLU there).
+EMULATED_MLX_OPS = r"""
+namespace mlx::core::cu {
+struct Sigmoid {
+  __nv_bfloat16 operator()(__nv_bfloat16 x) const {
+    const __nv_bfloat16 e = bf16_once(std::exp(std::fabs(double(float(x)))));
+    const __nv_bfloat16 y = bf16_once(1.0 / bf16_once(1.0 + float(e)));
+    return float(x) < 0 ? y : bf16_once(1.0 - float(y));
+  }
+};
+struct Multiply {
+  __nv_bfloat16 operator()(__nv_bfloat16 a, __nv_bfloat16 b) const { return bf16_once(double(float(a)) * float(b)); }
+};
+}
+"""
+MLX_OPS_INCLUDES = ('#include "mlx/backend/cuda/device/binary_ops.cuh"\n',
+                    '#include "mlx/backend/cuda/device/unary_ops.cuh"\n')
+
+
 def emulated(header: str) -> str:
-    """A kernel's header as the emulator compiles it: matmul_kernel.py's inline-PTX MMA (its last
-    definition) replaced by EMULATED_MMA; any other header as it is."""
+    """A kernel's header as the emulator compiles it: MLX's device functors' includes replaced by
+    EMULATED_MLX_OPS, and matmul_kernel.py's inline-PTX MMA (its last definition) by EMULATED_MMA; any other
+    header as it is."""
+    if all(line in header for line in MLX_OPS_INCLUDES):
+        for line in MLX_OPS_INCLUDES:
+            header = header.replace(line, "")
+        header = EMULATED_MLX_OPS + header
     at = header.find("__device__ __forceinline__ void mm_mma")
     return header if at < 0 else header[:at] + EMULATED_MMA
 

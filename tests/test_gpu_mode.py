@@ -51,12 +51,14 @@ def prompts(n: int, seed: int) -> list[list[int]]:
 
 def test_the_gpu_mode_stacks_the_projections_that_share_their_input(engine: Engine) -> None:
     """qwen3_5's in_proj qkv/z/b/a, gated attention's q/k/v and each MLP's gate/up are one weight and
-    one matmul call each in the gpu mode, and the stacked product's columns are each part's product."""
+    one matmul call each in the gpu mode (gate/up interleaved: tiles.SwiGLU), and the stacked product's columns
+    are each part's product."""
     target = engine.target
     linear_attn, attn = target.mixers[0], target.mixers[3]
     gate_up, _ = target.mlps[0]
-    for stacked in (linear_attn.in_proj, attn.qkv, gate_up):
+    for stacked in (linear_attn.in_proj, attn.qkv):
         assert len(stacked.weights) == 1 and stacked.weights[0].out_features == sum(stacked.widths)
+    assert len(gate_up.weights) == 1 and gate_up.weights[0].out_features == 2 * target.config.intermediate_size
     assert len(target.projections()) == len({id(w) for w in target.projections()})
     x = (mx.random.normal((16, target.config.hidden_size), key=mx.random.key(3))).astype(mx.bfloat16)
     parts = linear_attn.in_proj(x)

@@ -388,14 +388,15 @@ def test_a_forward_on_the_kernels_parts_equals_one_on_column_slices(monkeypatch,
     """The 9B-shaped tiny target in gpu mode with every projection on the row kernel (its CUDA source
     run by tests/cuda_emulator.py): a decode step of one stream and a 5-row window of another, through
     the stacked weights' parts (qwen3_5's in_proj qkv/z/b/a, gated attention's q/k/v, each MLP's
-    gate/up), give the logits and taps of the same forward on one product's column slices, bit for bit."""
+    gate/up), give the logits and taps of the same forward on one product's column slices, bit for bit. Each
+    MLP's gate/up is one launch of their SwiGLU (tests/test_matmul_glu.py), in both forwards."""
     from dflash_bench.engine import tiles
     from dflash_bench.engine.targets import Segment
 
     target, base = emulated_target(monkeypatch, tmp_path)
     widths = []
     parts = matmul_kernel.rows_matmul
-    monkeypatch.setattr(tiles, "rows_matmul", lambda *a, **kw: widths.append(a[-1]) or parts(*a, **kw))
+    monkeypatch.setattr(tiles, "rows_matmul", lambda *a, **kw: widths.append("glu" if kw["glu"] else a[-1]) or parts(*a, **kw))
 
     def run() -> list[mx.array]:
         segs = [Segment([7], 32, base.snapshot(32), [0], want_taps=True),
@@ -403,6 +404,7 @@ def test_a_forward_on_the_kernels_parts_equals_one_on_column_slices(monkeypatch,
         return [a.astype(mx.float32) for o in target.forward(segs, (1, 5)) for a in (o.logits, o.taps)]
 
     on_parts = run()
-    assert len([w for w in widths if w]) == 2 * target.config.num_layers  # a mixer's and an MLP's a layer
+    assert len([w for w in widths if w and w != "glu"]) == target.config.num_layers  # a mixer's a layer
+    assert widths.count("glu") == target.config.num_layers  # an MLP's a layer
     monkeypatch.setattr(tiles, "splits_output", lambda widths: False)
     assert all(mx.array_equal(a, b).item() for a, b in zip(on_parts, run()))

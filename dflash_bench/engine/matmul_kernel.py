@@ -70,6 +70,9 @@ MAX_PARTS = 4  # separate outputs a launch can write (qwen3_5's in_proj: qkv, z,
 TARGET_WARPS = 2048  # enough warps in flight to keep the H200's memory busy (132 SMs)
 
 _HEADER = r"""
+#include "mlx/backend/cuda/device/binary_ops.cuh"
+#include "mlx/backend/cuda/device/unary_ops.cuh"
+
 __device__ __forceinline__ uint32_t mm_pack(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&v);
@@ -95,6 +98,17 @@ __device__ __forceinline__ __nv_bfloat162 mm_out(float a, float b, const __nv_bf
     y = __floats2bfloat162_rn(__bfloat162float(x.x) + __bfloat162float(y.x), __bfloat162float(x.y) + __bfloat162float(y.y));
   }
   return y;
+}
+
+// With GLU, columns 2j and 2j + 1 are an MLP's gate j and up j (tiles.SwiGLU interleaves their weight rows): each
+// rounded to bf16 as a product is, then engine/fused.py's `sigmoid(gate) * gate * up` as MLX's compiled kernel runs
+// it on GPU, MLX's own functors each rounding to bf16 (mlx/backend/cuda/device/*_ops.cuh), so the one output has the
+// bits of the two products and the fused SwiGLU after them.
+__device__ __forceinline__ __nv_bfloat16 mm_glu(float g, float u) {
+  const __nv_bfloat16 gate = __float2bfloat16_rn(g), up = __float2bfloat16_rn(u);
+  const __nv_bfloat16 s = mlx::core::cu::Sigmoid{}(gate);
+  const __nv_bfloat16 sg = mlx::core::cu::Multiply{}(s, gate);
+  return mlx::core::cu::Multiply{}(sg, up);
 }
 
 // A row's squares, added in the order of its values (x's eight bf16 values of a 16-byte load, low half first).
@@ -135,8 +149,9 @@ __device__ __forceinline__ void mm_mma(float* d, uint32_t a0, uint32_t a1, uint3
 # MT (16-row tiles a block), PIPE (iterations whose weight loads are issued before their math), P1 <=
 # P2 <= P3 (where the output's parts start: `rows_matmul`'s `parts`, N where there are fewer), RESID
 # (1: the input `residual`, (M, N), is added to the output: `rows_matmul`'s `residual`), NORM (1: the rows are
-# RMS-normed with the input `norm`'s (K,) weights and epsilon EPS, a float's bits: `rows_matmul`'s `norm`). The
-# source avoids `_shape`, `_strides` and `_ndim` (MLX would add them).
+# RMS-normed with the input `norm`'s (K,) weights and epsilon EPS, a float's bits: `rows_matmul`'s `norm`), GLU (1:
+# the output is (M, N / 2), the SwiGLU of each column pair: `rows_matmul`'s `glu`). The source avoids `_shape`,
+# `_strides` and `_ndim` (MLX would add them).
 _SOURCE = r"""
   constexpr int PER_WORD = BITS == 16 ? 2 : 32 / BITS;   // values in a uint32
   constexpr int VPT = 4 * PER_WORD;                       // values in a 16-byte chunk
@@ -308,9 +323,15 @@ _SOURCE = r"""
               v[2] = __fmul_rn(v[2], inv[i][1]);
               v[3] = __fmul_rn(v[3], inv[i][1]);
             }
+            const int col = n0 + j * 8 + 2 * t;
+            if constexpr (GLU != 0) {  // columns col, col + 1 (a gate and its up) as one value, at column col / 2
+              const int r0 = m0 + i * 16 + grp;
+              if (r0 < M) {glu_out}[(size_t)r0 * (N / 2) + col / 2] = mm_glu(v[0], v[1]);
+              if (r0 + 8 < M) {glu_out}[(size_t)(r0 + 8) * (N / 2) + col / 2] = mm_glu(v[2], v[3]);
+              continue;
+            }
             // column col of its part (columns [lo, hi): P1..P3 split N) at row r: that part's output, row-contiguous,
             // at r * (hi - lo) + col - lo (`source` puts in the part's own output, or y + M * lo where one holds all)
-            const int col = n0 + j * 8 + 2 * t;
             const int lo = col < P1 ? 0 : col < P2 ? P1 : col < P3 ? P2 : P3;
             const int hi = col < P1 ? P1 : col < P2 ? P2 : col < P3 ? P3 : N;
             __nv_bfloat16* part = {part} + (col - lo);
@@ -396,14 +417,16 @@ def outputs(parts: int) -> list[str]:
 
 
 def source(parts: int) -> str:
-    """The kernel body writing one output, or `parts` outputs (a column's part picked by P1..P3)."""
-    if not parts:
-        return _SOURCE.replace("{part}", "y + (size_t)M * lo")
+    """The kernel body writing one output, or `parts` outputs (a column's part picked by P1..P3). GLU's store
+    names the first output, which a launch of parts never takes (GLU is 0 there) but must still compile."""
     names = outputs(parts)
+    body = _SOURCE.replace("{glu_out}", names[0])
+    if not parts:
+        return body.replace("{part}", "y + (size_t)M * lo")
     pick = names[-1]
     for bound, name in reversed(list(zip(("P1", "P2", "P3"), names[:-1]))):
         pick = f"col < {bound} ? {name} : {pick}"
-    return _SOURCE.replace("{part}", f"({pick})")
+    return body.replace("{part}", f"({pick})")
 
 
 @lru_cache(maxsize=None)
@@ -463,9 +486,9 @@ def float_bits(value: float) -> int:
 
 @lru_cache(maxsize=4096)
 def launch(m: int, k: int, n: int, bits: int, group_size: int, parts: tuple[int, ...], residual: bool = False,
-           eps: float | None = None) -> KernelCall:
-    """The launch of `rows_matmul` for m rows of a (n, k) weight (rows RMS-normed first where `eps` is given):
-    a function of the shapes alone."""
+           eps: float | None = None, glu: bool = False) -> KernelCall:
+    """The launch of `rows_matmul` for m rows of a (n, k) weight (rows RMS-normed first where `eps` is given; the
+    SwiGLU of its column pairs out where `glu`): a function of the shapes alone."""
     g = geometry(k, n, bits)
     normed = eps is not None
     nt = tiles_a_warp(m, k, n, bits, normed)
@@ -474,16 +497,17 @@ def launch(m: int, k: int, n: int, bits: int, group_size: int, parts: tuple[int,
     template = (("K", k), ("N", n), ("BITS", bits), ("G", group_size if bits != 16 else 1),
                 ("NT", nt), ("SPLITK", g.split_k), ("MT", tiles), ("PIPE", look_ahead(k, bits, g.split_k, tiles, nt, normed)),
                 *zip(("P1", "P2", "P3"), starts + [n] * (MAX_PARTS - 1 - len(starts))), ("RESID", int(residual)),
-                ("NORM", int(normed)), ("EPS", float_bits(eps) if normed else 0))
+                ("NORM", int(normed)), ("EPS", float_bits(eps) if normed else 0), ("GLU", int(glu)))
     options = dict(template=template, grid=(n // (8 * nt) * 32 * g.split_k, -(-m // (MMA_ROWS * tiles)), 1),
-                   threadgroup=(32 * g.split_k, 1, 1), output_shapes=[(m, width) for width in parts] or [(m, n)],
+                   threadgroup=(32 * g.split_k, 1, 1),
+                   output_shapes=[(m, width) for width in parts] or [(m, n // 2 if glu else n)],
                    output_dtypes=[mx.bfloat16] * max(1, len(parts)))
     return KernelCall(constant((m,)), options)
 
 
 def rows_matmul(x: mx.array, w: mx.array, scales: mx.array | None, biases: mx.array | None, bits: int,
                 group_size: int, parts: tuple[int, ...] = (), residual: mx.array | None = None,
-                norm: tuple[mx.array, float] | None = None) -> mx.array | list[mx.array]:
+                norm: tuple[mx.array, float] | None = None, glu: bool = False) -> mx.array | list[mx.array]:
     """`x @ W.T` for bf16 rows x (M, K): W packed (N, K * bits / 32) uint32 with bf16 scales and
     biases (N, K / group_size), or a bf16 (N, K) matrix with `bits` 16. Returns (M, N) bf16, or with
     `parts` (column widths summing to N, `splits_output`) one row-contiguous (M, width) array a part, each
@@ -500,11 +524,18 @@ def rows_matmul(x: mx.array, w: mx.array, scales: mx.array | None, biases: mx.ar
     weights (each product rounded to bf16) goes into the product, and its float32 sums are scaled by
     1 / sqrt(mean(x^2) + eps), the row's squares summed as the launch loads them (`mm_squares`) in an order
     set by the weight's shape. So a layer's norm before its projection is no launch of its own; the values
-    are the norm-then-product's to bf16 accuracy, not its bits, and a row's bits are its own as before."""
+    are the norm-then-product's to bf16 accuracy, not its bits, and a row's bits are its own as before.
+
+    With `glu`, W's rows alternate an MLP's gate and up rows (tiles.SwiGLU) and the launch returns (M, N / 2): each
+    pair's two products rounded to bf16, then engine/fused.py's `swiglu` of them with MLX's own functors (`mm_glu`),
+    the bits of the products and MLX's compiled SwiGLU after them, one launch where there were two."""
     m, k = x.shape
     if residual is not None and parts:
         raise ValueError("rows_matmul adds a residual to a whole output, not to parts")
-    call = launch(m, k, w.shape[0], bits, group_size, parts, residual is not None, None if norm is None else norm[1])
+    if glu and (parts or residual is not None):
+        raise ValueError("rows_matmul's glu writes one output and adds no residual")
+    call = launch(m, k, w.shape[0], bits, group_size, parts, residual is not None, None if norm is None else norm[1],
+                  glu)
     if bits == 16:
         scales = biases = w  # unread: the launch still takes four arrays (w itself: a slice would be an operation)
     resid = x if residual is None else residual  # unread where RESID is 0

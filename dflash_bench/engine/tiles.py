@@ -40,6 +40,7 @@ from typing import Literal
 import mlx.core as mx
 
 from dflash_bench.engine.backend import on_cuda
+from dflash_bench.engine.fused import swiglu
 from dflash_bench.engine.matmul_kernel import available, fits, rows_matmul, splits_output
 from dflash_bench.engine.row_ids import row_ids
 
@@ -113,6 +114,18 @@ class Weight:
         return Weight.packed(mx.concatenate([p.w for p in parts]), mx.concatenate([p.scales for p in parts]),
                              mx.concatenate([p.biases for p in parts]), first.group_size, first.bits)
 
+    @classmethod
+    def interleaved(cls, gate: "Weight", up: "Weight") -> "Weight":
+        """An MLP's gate and up projections as one weight whose output rows alternate them (gate 0, up 0, gate 1,
+        ..): the row kernel's SwiGLU launch finds each pair's two columns in one thread (`SwiGLU`)."""
+        def alternate(a: mx.array, b: mx.array) -> mx.array:
+            return mx.stack([a, b], axis=1).reshape(2 * a.shape[0], *a.shape[1:])
+
+        if not gate.bits:
+            return Weight(alternate(gate.w, up.w))
+        return Weight.packed(alternate(gate.w, up.w), alternate(gate.scales, up.scales),
+                             alternate(gate.biases, up.biases), gate.group_size, gate.bits)
+
     def leading(self, rows: int) -> "Weight":
         """Its first `rows` output rows, as views of its arrays (rows from the first are row-contiguous, so
         a kernel launch takes them as they are): what a stacked weight's leading parts alone multiply by."""
@@ -157,13 +170,14 @@ class Weight:
                 and fits(self.in_features, self.out_features, self.bits or 16, self.group_size))
 
     def kernel_product(self, x: mx.array, parts: tuple[int, ...] = (), residual: mx.array | None = None,
-                       norm: Norm | None = None) -> mx.array | list[mx.array]:
+                       norm: Norm | None = None, glu: bool = False) -> mx.array | list[mx.array]:
         """`x @ W.T` for any number of bf16 rows in one call of the row-independent kernel; with `parts`
         (column widths), one row-contiguous array a part; with `residual`, `residual + x @ W.T` in the
         same launch, the bits of the product then the add; with `norm`, the product of x RMS-normed, the
-        norm in the same launch (matmul_kernel.rows_matmul)."""
+        norm in the same launch; with `glu` (an `interleaved` weight), the SwiGLU of each gate and up
+        (matmul_kernel.rows_matmul)."""
         return rows_matmul(x, self.w, self.scales, self.biases, self.bits or 16, self.group_size, parts,
-                           residual=residual, norm=norm)
+                           residual=residual, norm=norm, glu=glu)
 
     def arrays(self) -> list[mx.array]:
         return [a for a in (self.w, self.scales, self.biases) if a is not None]
@@ -232,6 +246,48 @@ class Stacked:
         if norm is not None and len(self.weights) > 1:  # the parts share one norm of x
             x, norm = mx.fast.rms_norm(x, *norm), None
         return [linear(x, w, layout, norm=norm) for w in self.weights]
+
+
+class SwiGLU:
+    """An MLP's gate and up projections and the SwiGLU of their products (engine/fused.py's `swiglu`).
+
+    Where `stack` asks for one weight (the gpu mode), gate and up are one weight whose rows alternate them
+    (`Weight.interleaved`), and decode rows on the row kernel take one launch that writes the SwiGLU of each pair
+    (matmul_kernel.rows_matmul's `glu`) where the products and the SwiGLU were two launches a layer
+    (docs/gpu-round-profile.md: a decode forward pays per launch). A column's sum depends on the weight's shape
+    alone (matmul_kernel.geometry), which interleaving keeps, so the products have the stacked weight's bits, and
+    the launch's SwiGLU is MLX's compiled one. Prompt chunks, and a weight off the kernel, take the product of the
+    same weight, its even and odd columns, and the fused SwiGLU."""
+
+    def __init__(self, gate: Weight, up: Weight, stack: bool):
+        joined = stack and gate.stacks_with(up) and gate.out_features == up.out_features
+        self.weights = (Weight.interleaved(gate, up),) if joined else (gate, up)
+
+    def __call__(self, x: mx.array, layout: Layout | None = None, norm: Norm | None = None) -> mx.array:
+        """swiglu(x @ gate.T, x @ up.T) for `x` RMS-normed first with `norm` (`linear`), in `layout`'s calls."""
+        if len(self.weights) == 2:
+            if norm is not None:  # the two products share one norm of x
+                x, norm = mx.fast.rms_norm(x, *norm), None
+            return swiglu(*(linear(x, w, layout) for w in self.weights))
+        weight = self.weights[0]
+        if not weight.kernel:
+            return pairs(linear(x, weight, layout, norm=norm))
+        if layout is None or not layout.blocks:
+            rows = x if layout is None or layout.decode_rows == x.shape[0] else x[: layout.decode_rows]
+            return weight.kernel_product(rows, norm=norm, glu=True)
+        outs = [weight.kernel_product(x[: layout.decode_rows], norm=norm, glu=True)] if layout.decode_rows else []
+        outs += [pairs(chunk_product(x[a:b], weight, norm)) for a, b in layout.blocks]
+        return mx.concatenate(outs) if len(outs) > 1 else outs[0]
+
+
+def pairs(y: mx.array) -> mx.array:
+    """The SwiGLU of an interleaved gate and up product's column pairs (`SwiGLU`): even columns gate, odd up."""
+    return swiglu(y[:, 0::2], y[:, 1::2])
+
+
+def chunk_product(x: mx.array, weight: Weight, norm: Norm | None) -> mx.array:
+    """A prompt chunk's block through MLX's norm and product (a kernel weight's blocks: `linear`)."""
+    return weight.tile(x if norm is None else mx.fast.rms_norm(x, *norm))
 
 
 def row_tile(in_features: int, out_features: int) -> int:
@@ -320,7 +376,7 @@ def linear(x: mx.array, weight: Weight | mx.array, layout: Layout | None = None,
             return weight.kernel_product(x[a:b], residual=None if residual is None else residual[a:b], norm=norm)
 
         def block(a: int, b: int) -> mx.array:  # a prompt chunk's block: MLX's norm and product, then the add
-            y = weight.tile(x[a:b] if norm is None else mx.fast.rms_norm(x[a:b], *norm))
+            y = chunk_product(x[a:b], weight, norm)
             return y if residual is None else residual[a:b] + y
 
         if layout is None:

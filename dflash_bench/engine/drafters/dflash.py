@@ -31,14 +31,13 @@ from dflash_bench.engine.draft_config import DraftConfig, read_draft_config
 from dflash_bench.engine.targets import norm_rope_kernel
 from dflash_bench.engine.drafters.block_masks import BlockMasks, StreamBlock
 from dflash_bench.engine.errors import CheckpointError
-from dflash_bench.engine.fused import swiglu
 from dflash_bench.engine.quantize import dequantize_packed
 from dflash_bench.engine.row_ids import row_ids
 from dflash_bench.engine.sampling import SamplingParams, choose, filtered, gumbel
 from dflash_bench.engine.targets import attention_kernel
 from dflash_bench.engine.targets.base import Target, repack, rope_rows
 from dflash_bench.engine.targets.dense import kernel_runs_here
-from dflash_bench.engine.tiles import KEY_TILE, Stacked, Weight, attention, key_mask, linear, pad_queries, pad_rows, query_positions
+from dflash_bench.engine.tiles import KEY_TILE, Stacked, SwiGLU, Weight, attention, key_mask, linear, pad_queries, pad_rows, query_positions
 from dflash_bench.engine.tree import Lattice, Tree, build
 from dflash_bench.engine.validate import check_drafter
 
@@ -156,6 +155,14 @@ class DFlashDrafter:
                 weight.kernel = weight.fits_kernel(self.dtype)
             return joined
 
+        def gate_up(prefix: str) -> SwiGLU:
+            """An MLP's gate and up and their SwiGLU: on the row kernel one launch (tiles.SwiGLU)."""
+            gate, up = w(f"{prefix}.gate_proj.weight"), w(f"{prefix}.up_proj.weight")
+            pair = SwiGLU(gate, up, stack=gate.kernel and up.kernel)
+            for weight in pair.weights:
+                weight.kernel = weight.fits_kernel(self.dtype)
+            return pair
+
         self.fc = w("fc.weight")
         self.hidden_norm = weights["hidden_norm.weight"]
         self.norm = weights["norm.weight"]
@@ -174,7 +181,7 @@ class DFlashDrafter:
                     k_norm=weights[f"{p}.self_attn.k_norm.weight"],
                     pre=weights[f"{p}.input_layernorm.weight"],
                     post=weights[f"{p}.post_attention_layernorm.weight"],
-                    gate_up=stacked(f"{p}.mlp.gate_proj.weight", f"{p}.mlp.up_proj.weight"),
+                    gate_up=gate_up(f"{p}.mlp"),
                     down=w(f"{p}.mlp.down_proj.weight"),
                     window=c.sliding_window if c.layer_types[i] == "sliding_attention" else None,
                     causal=c.causal[i],
@@ -184,7 +191,7 @@ class DFlashDrafter:
         # kernel, on a CUDA GPU): then its rows are not padded to whole ROW_TILEs, a zero block and a
         # concatenation the host would build and encode for each layer's attention and the pass's embedding
         weights = [self.fc] + [w for layer in self.layers for v in layer.values()
-                               for w in (v.weights if isinstance(v, Stacked) else (v,) if isinstance(v, Weight) else ())]
+                               for w in (v.weights if isinstance(v, (Stacked, SwiGLU)) else (v,) if isinstance(v, Weight) else ())]
         self.any_rows = self.kernel_attention and all(w.kernel for w in weights)
         mx.eval(self.parameters())  # materialize now: later memory readings must not see lazy weights land
         self.nbytes = sum(a.nbytes for a in self.parameters())
@@ -202,7 +209,7 @@ class DFlashDrafter:
                     continue
                 if isinstance(value, Weight):
                     out += value.arrays()
-                elif isinstance(value, Stacked):
+                elif isinstance(value, (Stacked, SwiGLU)):
                     out += [a for w in value.weights for a in w.arrays()]
                 elif isinstance(value, mx.array):
                     out.append(value)
@@ -344,7 +351,7 @@ class DFlashDrafter:
     def mlp(self, layer: dict, x: mx.array, residual: mx.array | None = None, norm: mx.array | None = None) -> mx.array:
         """The SwiGLU MLP of `x` (RMS-normed with `norm`'s weights first where given, as `attention`), plus
         `residual` where given."""
-        return linear(swiglu(*layer["gate_up"](x, norm=None if norm is None else (norm, self.eps))), layer["down"],
+        return linear(layer["gate_up"](x, norm=None if norm is None else (norm, self.eps)), layer["down"],
                       residual=residual)
 
     def drafts(self, h: mx.array, logits: mx.array, items: list[Proposal]) -> list[mx.array]:

@@ -23,10 +23,9 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from dflash_bench.engine.cache import TargetState, write_index
-from dflash_bench.engine.fused import swiglu
 from dflash_bench.engine.row_ids import row_ids
 from dflash_bench.engine.target_config import TargetConfig
-from dflash_bench.engine.tiles import ROW_TILE, Layout, Norm, Stacked, Weight, key_mask, linear, pad_rows, query_positions
+from dflash_bench.engine.tiles import ROW_TILE, Layout, Norm, SwiGLU, Weight, key_mask, linear, pad_rows, query_positions
 from dflash_bench.engine.tree import Tree
 from dflash_bench.engine.tree_attention import tail_index
 
@@ -144,7 +143,7 @@ class Target:
     """
 
     config: TargetConfig
-    mlps: list[tuple[Stacked, Weight]]  # each layer's gate and up projections, and its down projection
+    mlps: list[tuple[SwiGLU, Weight]]  # each layer's gate and up projections, and its down projection
 
     def __init__(self, config: TargetConfig, weights: dict[str, mx.array | Weight], dtype: mx.Dtype = mx.float32):
         self.config = config
@@ -158,9 +157,10 @@ class Target:
         self.stacks = dtype == mx.bfloat16
         self._projections: list[Weight] | None = None  # `projections()`, read once by `row_tile`
 
-    def mlp_weights(self, weights: dict, prefix: str) -> tuple[Stacked, Weight]:
-        """An MLP's gate and up projections (stacked where `stacks`) and its down projection."""
-        gate_up = Stacked([as_weight(weights[f"{prefix}.{n}_proj.weight"]) for n in ("gate", "up")], self.stacks)
+    def mlp_weights(self, weights: dict, prefix: str) -> tuple[SwiGLU, Weight]:
+        """An MLP's gate and up projections (one interleaved weight where `stacks`: tiles.SwiGLU) and its down
+        projection."""
+        gate_up = SwiGLU(*(as_weight(weights[f"{prefix}.{n}_proj.weight"]) for n in ("gate", "up")), self.stacks)
         return gate_up, as_weight(weights[f"{prefix}.down_proj.weight"])
 
     def new_state(self) -> TargetState:
@@ -282,10 +282,10 @@ class Target:
         h = pad_rows(picked, self.row_tile)
         return linear(h, self.lm_head, norm=(self.norm, self.eps))[: len(rows)].astype(mx.float32)
 
-    def mlp(self, x: mx.array, layout: Layout, gate_up: Stacked, down: Weight, residual: mx.array, norm: Norm) -> mx.array:
-        """`residual` plus the SwiGLU MLP of x RMS-normed by `norm`: the norm in the gate/up launch and the add
-        in the down projection's where they run the row kernel (tiles.linear)."""
-        return linear(swiglu(*gate_up(x, layout, norm)), down, layout, residual)
+    def mlp(self, x: mx.array, layout: Layout, gate_up: SwiGLU, down: Weight, residual: mx.array, norm: Norm) -> mx.array:
+        """`residual` plus the SwiGLU MLP of x RMS-normed by `norm`: the norm and the SwiGLU in the gate/up launch
+        and the add in the down projection's where they run the row kernel (tiles.SwiGLU, tiles.linear)."""
+        return linear(gate_up(x, layout, norm), down, layout, residual)
 
 
 def repack(parts: list[mx.array], rows: int) -> mx.array:
