@@ -264,8 +264,9 @@ def install_matmul(monkeypatch) -> None:
     as MLX's `cuda_kernel` takes them."""
     from dflash_bench.engine import matmul_kernel as mk
 
-    monkeypatch.setattr(mk, "_kernel", lambda parts=0: Emu(f"dflash_rows_matmul_{parts}", mk.INPUTS, mk.outputs(parts),
-                                                           mk.source(parts), emulated(mk._HEADER)))
+    monkeypatch.setattr(mk, "_kernel", lambda parts=0, rope=False: Emu(
+        f"dflash_rows_matmul_{parts}{'_rope' if rope else ''}", mk.ROPE_INPUTS if rope else mk.INPUTS,
+        mk.outputs(parts, rope), mk.source(parts, rope), emulated((mk._ROPE_HEADER if rope else "") + mk._HEADER)))
 
 
 def install_cuda_kernel(monkeypatch) -> None:

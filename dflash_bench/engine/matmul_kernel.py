@@ -62,6 +62,7 @@ import mlx.core as mx
 
 from dflash_bench.engine.backend import on_cuda
 from dflash_bench.engine.baked_kernel import BakedKernel
+from dflash_bench.engine.cuda_source import ROTATION
 from dflash_bench.engine.device_values import constant
 
 MMA_ROWS = 16  # rows of one tensor-core tile
@@ -144,14 +145,51 @@ __device__ __forceinline__ void mm_mma(float* d, uint32_t a0, uint32_t a1, uint3
 }
 """
 
+# With `rope` (`rows_matmul`): the launch's header starts with ROTATION and `mm_head_pair`, and its store writes a layer's
+# q, k and v columns (P1, P2 split N) as the attention takes them (q_out (M, HQ, D) float32, kv_out (2, HKV, M, D)
+# bf16), each q and k column pair turned at its row's position (`rope_order`).
+_ROPE_HEADER = ROTATION + r"""
+// A column pair (c, c + 1) of one row's head, rounded to bf16 as a product is, into its place: turned where c < R
+// (the pair holds the head's values c / 2 and c / 2 + R / 2: `rope_order`), as they are from R on (a value's head:
+// R 0). O is float for queries (the bf16 value widened), bf16 for keys and values.
+template <int R, typename O>
+__device__ __forceinline__ void mm_head_pair(O* head, int c, float a, float b, float p, float log2_theta) {
+  const float x1 = __bfloat162float(__float2bfloat16_rn(a)), x2 = __bfloat162float(__float2bfloat16_rn(b));
+  if (c < R) {
+    nr_rotate<R / 2>(c / 2, x1, x2, p, log2_theta, head + c / 2, head + c / 2 + R / 2);
+  } else {
+    nr_store(head + c, x1);
+    nr_store(head + c + 1, x2);
+  }
+}
+"""
+
+_ROPE_STORE = r"""
+            {  // rope: column col of q, k or v (P1, P2 split N) at rows r0 and r0 + 8, into q_out or kv_out
+              const int which = col < P1 ? 0 : col < P2 ? 1 : 2;
+              const int at = col - (which == 0 ? 0 : which == 1 ? P1 : P2);
+              const int h = at / D, c = at % D;
+#pragma unroll
+              for (int e = 0; e < 2; ++e) {
+                const int r = m0 + i * 16 + grp + 8 * e;
+                if (r >= M) continue;
+                const float p = float(positions[r]);
+                if (which == 0) mm_head_pair<R>(q_out + ((size_t)r * HQ + h) * D, c, v[2 * e], v[2 * e + 1], p, log2_theta[0]);
+                else if (which == 1) mm_head_pair<R>(kv_out + ((size_t)h * M + r) * D, c, v[2 * e], v[2 * e + 1], p, log2_theta[0]);
+                else mm_head_pair<0>(kv_out + ((size_t)(HKV + h) * M + r) * D, c, v[2 * e], v[2 * e + 1], p, log2_theta[0]);
+              }
+              continue;
+            }"""
+
 # Template constants: K, N (the weight's in and out widths), BITS (4, 8, or 16 for bf16 weights),
 # G (group size; unused at 16), NT (8-column MMA tiles a warp), SPLITK (warps a block, splitting K),
 # MT (16-row tiles a block), PIPE (iterations whose weight loads are issued before their math), P1 <=
 # P2 <= P3 (where the output's parts start: `rows_matmul`'s `parts`, N where there are fewer), RESID
 # (1: the input `residual`, (M, N), is added to the output: `rows_matmul`'s `residual`), NORM (1: the rows are
 # RMS-normed with the input `norm`'s (K,) weights and epsilon EPS, a float's bits: `rows_matmul`'s `norm`), GLU (1:
-# the output is (M, N / 2), the SwiGLU of each column pair: `rows_matmul`'s `glu`). The source avoids `_shape`,
-# `_strides` and `_ndim` (MLX would add them).
+# the output is (M, N / 2), the SwiGLU of each column pair: `rows_matmul`'s `glu`); with `rope`, HQ, HKV (query and
+# key heads), D (the head dim) and R (its rotary dims). The source avoids `_shape`, `_strides` and `_ndim` (MLX would
+# add them).
 _SOURCE = r"""
   constexpr int PER_WORD = BITS == 16 ? 2 : 32 / BITS;   // values in a uint32
   constexpr int VPT = 4 * PER_WORD;                       // values in a 16-byte chunk
@@ -323,7 +361,7 @@ _SOURCE = r"""
               v[2] = __fmul_rn(v[2], inv[i][1]);
               v[3] = __fmul_rn(v[3], inv[i][1]);
             }
-            const int col = n0 + j * 8 + 2 * t;
+            const int col = n0 + j * 8 + 2 * t;{rope_store}
             if constexpr (GLU != 0) {  // columns col, col + 1 (a gate and its up) as one value, at column col / 2
               const int r0 = m0 + i * 16 + grp;
               if (r0 < M) {glu_out}[(size_t)r0 * (N / 2) + col / 2] = mm_glu(v[0], v[1]);
@@ -408,19 +446,25 @@ def look_ahead(in_features: int, bits: int, split_k: int, tiles: int, column_til
 
 
 INPUTS = ["x", "w", "scales", "biases", "rows", "residual", "norm"]
+ROPE_INPUTS = INPUTS + ["positions", "log2_theta"]
 
 
-def outputs(parts: int) -> list[str]:
+def outputs(parts: int, rope: bool = False) -> list[str]:
     """The launch's output names: one (`y`), or one a part (`y0`..) where a stacked weight's launch writes its
-    parts apart."""
+    parts apart, or a layer's queries and keys with values (`rope`)."""
+    if rope:
+        return ["q_out", "kv_out"]
     return [f"y{i}" for i in range(parts)] if parts else ["y"]
 
 
-def source(parts: int) -> str:
-    """The kernel body writing one output, or `parts` outputs (a column's part picked by P1..P3). GLU's store
-    names the first output, which a launch of parts never takes (GLU is 0 there) but must still compile."""
-    names = outputs(parts)
-    body = _SOURCE.replace("{glu_out}", names[0])
+def source(parts: int, rope: bool = False) -> str:
+    """The kernel body writing one output, or `parts` outputs (a column's part picked by P1..P3), or with `rope`
+    a layer's queries and keys (`_ROPE_STORE`). The stores a variant never takes (GLU is 0 in a launch of parts
+    or rope, and rope's store returns first) name its last output, so that they still compile."""
+    names = outputs(parts, rope)
+    body = _SOURCE.replace("{glu_out}", names[-1]).replace("{rope_store}", _ROPE_STORE if rope else "")
+    if rope:
+        return body.replace("{part}", names[-1])
     if not parts:
         return body.replace("{part}", "y + (size_t)M * lo")
     pick = names[-1]
@@ -430,10 +474,33 @@ def source(parts: int) -> str:
 
 
 @lru_cache(maxsize=None)
-def _kernel(parts: int = 0):
-    """The launch object for one output, or for `parts` outputs (each part count is its own source)."""
+def _kernel(parts: int = 0, rope: bool = False):
+    """The launch object for one output, for `parts` outputs (each part count is its own source), or for a layer's
+    turned queries and keys (`rope`)."""
+    if rope:
+        return BakedKernel("dflash_rows_matmul_rope", ROPE_INPUTS, outputs(0, True), source(0, True),
+                           _ROPE_HEADER + _HEADER)
     return BakedKernel(f"dflash_rows_matmul{f'_{parts}parts' if parts else ''}", INPUTS, outputs(parts), source(parts),
                        _HEADER)
+
+
+def rope_order(head_dim: int, rope_dims: int) -> list[int]:
+    """Where a head's values sit in a `rope` launch's weight rows: column 2i holds value i and 2i + 1 value
+    i + rope_dims / 2 (the pairs RoPE turns together, in one thread of the launch), then the values from rope_dims
+    on in order."""
+    half = rope_dims // 2
+    return [v for i in range(half) for v in (i, i + half)] + list(range(rope_dims, head_dim))
+
+
+@dataclass(frozen=True)
+class Rope:
+    """A `rope` launch's turn (`rows_matmul`): each row's position (int32, rows), log2 of the RoPE base in device
+    memory (targets/norm_rope_kernel.py's `device_log2_theta`), and the layer's heads: queries, keys and values, the
+    head dim and its rotary dims."""
+
+    positions: mx.array
+    log2_theta: mx.array
+    heads: tuple[int, int, int, int]  # HQ, HKV, D, R
 
 
 def splits_output(widths: tuple[int, ...]) -> bool:
@@ -486,9 +553,10 @@ def float_bits(value: float) -> int:
 
 @lru_cache(maxsize=4096)
 def launch(m: int, k: int, n: int, bits: int, group_size: int, parts: tuple[int, ...], residual: bool = False,
-           eps: float | None = None, glu: bool = False) -> KernelCall:
+           eps: float | None = None, glu: bool = False, rope: tuple[int, int, int, int] | None = None) -> KernelCall:
     """The launch of `rows_matmul` for m rows of a (n, k) weight (rows RMS-normed first where `eps` is given; the
-    SwiGLU of its column pairs out where `glu`): a function of the shapes alone."""
+    SwiGLU of its column pairs out where `glu`; a layer's turned queries and keys with values where `rope` gives
+    its heads, HQ, HKV, D, R): a function of the shapes alone."""
     g = geometry(k, n, bits)
     normed = eps is not None
     nt = tiles_a_warp(m, k, n, bits, normed)
@@ -498,16 +566,20 @@ def launch(m: int, k: int, n: int, bits: int, group_size: int, parts: tuple[int,
                 ("NT", nt), ("SPLITK", g.split_k), ("MT", tiles), ("PIPE", look_ahead(k, bits, g.split_k, tiles, nt, normed)),
                 *zip(("P1", "P2", "P3"), starts + [n] * (MAX_PARTS - 1 - len(starts))), ("RESID", int(residual)),
                 ("NORM", int(normed)), ("EPS", float_bits(eps) if normed else 0), ("GLU", int(glu)))
+    shapes, dtypes = [(m, width) for width in parts] or [(m, n // 2 if glu else n)], [mx.bfloat16] * max(1, len(parts))
+    if rope is not None:
+        hq, hkv, d, _ = rope
+        template += tuple(zip(("HQ", "HKV", "D", "R"), rope))
+        shapes, dtypes = [(m, hq, d), (2, hkv, m, d)], [mx.float32, mx.bfloat16]
     options = dict(template=template, grid=(n // (8 * nt) * 32 * g.split_k, -(-m // (MMA_ROWS * tiles)), 1),
-                   threadgroup=(32 * g.split_k, 1, 1),
-                   output_shapes=[(m, width) for width in parts] or [(m, n // 2 if glu else n)],
-                   output_dtypes=[mx.bfloat16] * max(1, len(parts)))
+                   threadgroup=(32 * g.split_k, 1, 1), output_shapes=shapes, output_dtypes=dtypes)
     return KernelCall(constant((m,)), options)
 
 
 def rows_matmul(x: mx.array, w: mx.array, scales: mx.array | None, biases: mx.array | None, bits: int,
                 group_size: int, parts: tuple[int, ...] = (), residual: mx.array | None = None,
-                norm: tuple[mx.array, float] | None = None, glu: bool = False) -> mx.array | list[mx.array]:
+                norm: tuple[mx.array, float] | None = None, glu: bool = False,
+                rope: Rope | None = None) -> mx.array | list[mx.array]:
     """`x @ W.T` for bf16 rows x (M, K): W packed (N, K * bits / 32) uint32 with bf16 scales and
     biases (N, K / group_size), or a bf16 (N, K) matrix with `bits` 16. Returns (M, N) bf16, or with
     `parts` (column widths summing to N, `splits_output`) one row-contiguous (M, width) array a part, each
@@ -528,17 +600,27 @@ def rows_matmul(x: mx.array, w: mx.array, scales: mx.array | None, biases: mx.ar
 
     With `glu`, W's rows alternate an MLP's gate and up rows (tiles.SwiGLU) and the launch returns (M, N / 2): each
     pair's two products rounded to bf16, then engine/fused.py's `swiglu` of them with MLX's own functors (`mm_glu`),
-    the bits of the products and MLX's compiled SwiGLU after them, one launch where there were two."""
+    the bits of the products and MLX's compiled SwiGLU after them, one launch where there were two.
+
+    With `rope` (a layer's q, k and v weight rows, `parts` their widths, q's and k's rows of each head in
+    `rope_order`), the launch returns what targets/norm_rope_kernel.py's `queries_and_keys` would of the three
+    parts (a layer without q/k norms): queries (M, HQ, D) float32 and keys with values (2, HKV, M, D) bf16, each
+    q and k pair rounded to bf16 as a part is, then turned at its row's position with the same device function
+    (cuda_source.ROTATION), so the same bits in one launch where there were two."""
     m, k = x.shape
     if residual is not None and parts:
         raise ValueError("rows_matmul adds a residual to a whole output, not to parts")
     if glu and (parts or residual is not None):
         raise ValueError("rows_matmul's glu writes one output and adds no residual")
+    if rope is not None and (glu or residual is not None or len(parts) != 3):
+        raise ValueError("rows_matmul's rope takes a layer's three parts, q, k and v, and adds no residual")
     call = launch(m, k, w.shape[0], bits, group_size, parts, residual is not None, None if norm is None else norm[1],
-                  glu)
+                  glu, None if rope is None else rope.heads)
     if bits == 16:
         scales = biases = w  # unread: the launch still takes four arrays (w itself: a slice would be an operation)
     resid = x if residual is None else residual  # unread where RESID is 0
-    ys = _kernel(len(parts))(inputs=[x, w, scales, biases, call.rows, resid, x if norm is None else norm[0]],
-                             **call.options)
+    inputs = [x, w, scales, biases, call.rows, resid, x if norm is None else norm[0]]
+    if rope is not None:
+        return list(_kernel(0, True)(inputs=inputs + [rope.positions, rope.log2_theta], **call.options))
+    ys = _kernel(len(parts))(inputs=inputs, **call.options)
     return list(ys) if parts else ys[0]

@@ -41,7 +41,7 @@ import mlx.core as mx
 
 from dflash_bench.engine.backend import on_cuda
 from dflash_bench.engine.fused import swiglu
-from dflash_bench.engine.matmul_kernel import available, fits, rows_matmul, splits_output
+from dflash_bench.engine.matmul_kernel import Rope, available, fits, rows_matmul, splits_output
 from dflash_bench.engine.row_ids import row_ids
 
 ROW_TILE = 16
@@ -126,6 +126,14 @@ class Weight:
         return Weight.packed(alternate(gate.w, up.w), alternate(gate.scales, up.scales),
                              alternate(gate.biases, up.biases), gate.group_size, gate.bits)
 
+    def reordered(self, order: list[int]) -> "Weight":
+        """A copy with its output rows in `order`: a layer's q and k for the launch that turns them
+        (matmul_kernel.rope_order)."""
+        index = mx.array(order, dtype=mx.int32)
+        if not self.bits:
+            return Weight(self.w[index])
+        return Weight.packed(self.w[index], self.scales[index], self.biases[index], self.group_size, self.bits)
+
     def leading(self, rows: int) -> "Weight":
         """Its first `rows` output rows, as views of its arrays (rows from the first are row-contiguous, so
         a kernel launch takes them as they are): what a stacked weight's leading parts alone multiply by."""
@@ -170,14 +178,15 @@ class Weight:
                 and fits(self.in_features, self.out_features, self.bits or 16, self.group_size))
 
     def kernel_product(self, x: mx.array, parts: tuple[int, ...] = (), residual: mx.array | None = None,
-                       norm: Norm | None = None, glu: bool = False) -> mx.array | list[mx.array]:
+                       norm: Norm | None = None, glu: bool = False, rope: Rope | None = None) -> mx.array | list[mx.array]:
         """`x @ W.T` for any number of bf16 rows in one call of the row-independent kernel; with `parts`
         (column widths), one row-contiguous array a part; with `residual`, `residual + x @ W.T` in the
         same launch, the bits of the product then the add; with `norm`, the product of x RMS-normed, the
-        norm in the same launch; with `glu` (an `interleaved` weight), the SwiGLU of each gate and up
+        norm in the same launch; with `glu` (an `interleaved` weight), the SwiGLU of each gate and up; with
+        `rope` (a layer's q/k/v in `parts`, q and k `reordered`), its queries and keys turned at their positions
         (matmul_kernel.rows_matmul)."""
         return rows_matmul(x, self.w, self.scales, self.biases, self.bits or 16, self.group_size, parts,
-                           residual=residual, norm=norm, glu=glu)
+                           residual=residual, norm=norm, glu=glu, rope=rope)
 
     def arrays(self) -> list[mx.array]:
         return [a for a in (self.w, self.scales, self.biases) if a is not None]

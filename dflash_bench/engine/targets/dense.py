@@ -14,6 +14,7 @@ import mlx.core as mx
 
 from dflash_bench.engine.cache import AttentionCache, JointCache, TargetState
 from dflash_bench.engine.fused import sigmoid_gate
+from dflash_bench.engine.matmul_kernel import Rope, rope_order
 from dflash_bench.engine.target_config import TargetConfig
 from dflash_bench.engine.targets import attention_kernel, norm_rope_kernel
 from dflash_bench.engine.targets.base import Segment, Target, as_weight, packed_positions, rope_rows
@@ -51,8 +52,19 @@ class SelfAttention:
 
     def __init__(self, config: TargetConfig, weights: dict, prefix: str, gated: bool = False, stack: bool = False):
         self.heads, self.kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        parts = [as_weight(weights[f"{prefix}.{n}_proj.weight"]) for n in "qkv"]
+        # a layer without q/k norms or a gate turns its decode rows' queries and keys in the q/k/v launch (`turned`):
+        # its q and k rows sit in that launch's order, and every other use of them puts the values back in order
+        self.turned = stack and not config.qk_norm and not gated and config.rope_dims % 2 == 0 == self.head_dim % 2
+        if self.turned:
+            order = rope_order(self.head_dim, config.rope_dims)
+            for i, heads in ((0, self.heads), (1, self.kv_heads)):
+                parts[i] = parts[i].reordered([h * self.head_dim + c for h in range(heads) for c in order])
+            back = sorted(range(self.head_dim), key=order.__getitem__)
+            self.back_q, self.back_k = (mx.array([h * self.head_dim + c for h in range(heads) for c in back], dtype=mx.int32)
+                                        for heads in (self.heads, self.kv_heads))
         # q, k, v: one stacked weight where `stack` (the gpu mode: tiles.Stacked)
-        self.qkv = Stacked([as_weight(weights[f"{prefix}.{n}_proj.weight"]) for n in "qkv"], stack)
+        self.qkv = Stacked(parts, stack)
         self.o = as_weight(weights[f"{prefix}.o_proj.weight"])
         self.q_norm = weights.get(f"{prefix}.q_norm.weight") if config.qk_norm else None
         self.k_norm = weights.get(f"{prefix}.k_norm.weight") if config.qk_norm else None
@@ -75,9 +87,14 @@ class SelfAttention:
                  norm: Norm) -> mx.array:
         """`residual` plus each segment's rows of x RMS-normed by `norm` over its own stream's cache (the norm
         in the q/k/v launch and the add in o_proj's on the row kernel: tiles.linear). A prompt chunk takes
-        MLX's SDPA alone; the decode segments share their norms, RoPE and gate (`decode`)."""
-        q, k, v = self.qkv(x, layout, norm)
+        MLX's SDPA alone; the decode segments share their norms, RoPE and gate (`decode`), or where the layer is
+        `turned` and the forward has decode rows alone, take the q/k/v launch that turns them (`turned_decode`)."""
         decoding = [(seg, span) for seg, span in zip(segments, layout.spans) if not seg.prefill]
+        if self.turned and decoding and not layout.blocks and self.path == "kernel" and self.qkv.one_launch:
+            return linear(layout.join(self.turned_decode(x, decoding, layer, norm), []), self.o, layout, residual)
+        q, k, v = self.qkv(x, layout, norm)
+        if self.turned:  # each head's values in order again
+            q, k = mx.take(q, self.back_q, axis=1), mx.take(k, self.back_k, axis=1)
         decoded = self.decode(q, k, v, decoding, layer) if decoding else None
         prompts = [self.prompt_chunk(q[lo:hi], k[lo:hi], v[lo:hi], seg, layer)
                    for seg, (lo, hi) in zip(segments, layout.spans) if seg.prefill]
@@ -155,6 +172,20 @@ class SelfAttention:
                 outs.append(a.transpose(1, 0, 2).reshape(n, self.heads * self.head_dim))
             o = mx.concatenate(outs) if len(outs) > 1 else outs[0]
         return self.gate(o, gate)
+
+    def turned_decode(self, x: mx.array, decoding: list[tuple[Segment, tuple[int, int]]], layer: int,
+                      norm: Norm) -> mx.array:
+        """Every decode segment's rows (packed first) through the q/k/v launch that norms them, turns their queries
+        and keys at their positions and lays them out for attention (matmul_kernel.rows_matmul's `rope`: the bits
+        of the parts and norm_rope_kernel.py's launch), their K/V into each stream's cache, then the attention
+        launch: (rows, Hq * D)."""
+        rows = decoding[-1][1][1]
+        positions = packed_positions([seg for seg, _ in decoding])
+        rope = Rope(positions, norm_rope_kernel.device_log2_theta(self.rope_theta),
+                    (self.heads, self.kv_heads, self.head_dim, self.rope_dims))
+        queries, kv = self.qkv.weights[0].kernel_product(x if rows == x.shape[0] else x[:rows], self.qkv.widths,
+                                                         norm=norm, rope=rope)
+        return self.kernel_attention(decoding, self.write(decoding, kv, layer), queries)
 
     def write(self, decoding: list[tuple[Segment, tuple[int, int]]], kv: mx.array, layer: int) -> list[JointCache]:
         """Every decode segment's keys and values (kv: 2, Hkv, rows, D, the segments' rows in order) into its

@@ -41,6 +41,7 @@ import mlx.core as mx
 import numpy as np
 
 from dflash_bench.engine.baked_kernel import BakedKernel
+from dflash_bench.engine.cuda_source import ROTATION
 from dflash_bench.engine.device_values import constant
 
 KEYS_INPUTS = ["x", "v", "w", "positions", "log2_theta", "eps"]
@@ -48,9 +49,7 @@ QK_INPUTS = ["q", "k", "v", "qw", "kw", "positions", "log2_theta", "eps"]
 QK_PLAIN_INPUTS = ["q", "k", "v", "positions", "log2_theta"]  # a layer without q/k norms
 
 # One warp turns one (row, head): its lane j takes elements j, j + 32, .. below D / 2 and their partners.
-_HEADER = r"""
-__device__ __forceinline__ void nr_store(float* p, float v) { *p = __bfloat162float(__float2bfloat16_rn(v)); }
-__device__ __forceinline__ void nr_store(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+_HEADER = ROTATION + r"""
 
 // element j of a row: normed (x * inv * w, rounded to bf16, `mx.fast.rms_norm`'s output), or as it is without a norm
 template <bool NORM>
@@ -82,16 +81,7 @@ __device__ __forceinline__ void nr_turn(const __nv_bfloat16* row, const __nv_bfl
   }
   for (int j = lane; j < RH; j += 32) {
     const float x1 = nr_normed<NORM>(row, w, j, inv), x2 = nr_normed<NORM>(row, w, j + RH, inv);
-    // MLX's CUDA RoPE, term for term (the same expressions, so the same contractions into fmas)
-    const float d = static_cast<float>(j) / static_cast<float>(RH);
-    const float inv_freq = exp2f(-d * log2_theta);
-    const float theta = p * inv_freq;
-    const float costheta = cosf(theta), sintheta = sinf(theta);
-    // x1 * cos - x2 * sin and x1 * sin + x2 * cos as MLX's build contracts them: each first product fused
-    const float rx1 = __fmaf_rn(x1, costheta, -__fmul_rn(x2, sintheta));
-    const float rx2 = __fmaf_rn(x1, sintheta, __fmul_rn(x2, costheta));
-    nr_store(out + j, rx1);
-    nr_store(out + j + RH, rx2);
+    nr_rotate<RH>(j, x1, x2, p, log2_theta, out + j, out + j + RH);
   }
   for (int j = R + lane; j < D; j += 32) nr_store(out + j, nr_normed<NORM>(row, w, j, inv));
 }
@@ -177,7 +167,7 @@ def log2_theta(theta: float) -> float:
 
 
 @lru_cache(maxsize=16)
-def _log2_theta(theta: float) -> mx.array:
+def device_log2_theta(theta: float) -> mx.array:
     """`log2_theta` in device memory (device_values.constant), worked out once a theta (each layer's launch asks)."""
     return constant((log2_theta(theta),), mx.float32)
 
@@ -204,7 +194,7 @@ def keys(k: mx.array, v: mx.array, w: mx.array, positions: mx.array, theta: floa
     what one cache write takes."""
     rows, heads, d = heads_of(k, w.shape[0])
     (out,) = _keys_kernel()(
-        inputs=[k, v, w, positions, _log2_theta(theta), _eps(eps)],
+        inputs=[k, v, w, positions, device_log2_theta(theta), _eps(eps)],
         template=[("H", heads), ("D", d)],
         grid=(32 * rows, heads, 1),
         threadgroup=(32, 1, 1),
@@ -236,7 +226,7 @@ def queries_and_keys(q: mx.array, k: mx.array, v: mx.array, qw: mx.array | None,
     rows, hq, _ = heads_of(q, d, qh)
     hkv = heads_of(k, d)[1]
     norm = qw is not None
-    tail = [qw, kw, positions, _log2_theta(theta), _eps(eps)] if norm else [positions, _log2_theta(theta)]
+    tail = [qw, kw, positions, device_log2_theta(theta), _eps(eps)] if norm else [positions, device_log2_theta(theta)]
     q_out, kv_out = _qk_kernel(norm)(
         inputs=[q, k, v, *tail],
         template=[("HQ", hq), ("HKV", hkv), ("D", d), ("R", r), ("QH", qh)],
