@@ -37,7 +37,7 @@ from pathlib import Path
 import dflash_bench  # noqa: F401  (loads the BLAS before mlx.core)
 import mlx.core as mx
 
-from dflash_bench.engine import matmul_kernel, tiles
+from dflash_bench.engine import fused, matmul_kernel, tiles
 from dflash_bench.engine.cache import keep_windows, tiles_for
 from dflash_bench.engine.engine import Engine, Settings
 from dflash_bench.engine.targets import attention_kernel, base, delta_kernel, dense, norm_rope_kernel, qwen3_5
@@ -102,28 +102,41 @@ class Launch:
         self.one_node, self.zeros = one_node, {}
 
     def __call__(self, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
-        x, w, scales, biases, _, residual, norm = inputs
+        x, w, scales, biases, _, residual, norm = inputs[:7]
         t = dict(template)
         if t["NORM"] and not self.one_node:  # the rows normed in the launch (the reference: MLX's norm first)
             x = mx.fast.rms_norm(x, norm, struct.unpack("<f", struct.pack("<i", t["EPS"]))[0])
         if self.one_node:  # a stacked weight's parts are outputs of the one launch: the first the node, the rest tied to it
-            key = (t["K"], output_shapes[0][1])
+            key = (t["K"], output_shapes[0][-1])
             if key not in self.zeros:
                 self.zeros[key] = mx.zeros(key, dtype=mx.bfloat16)
             if t["RESID"]:  # the residual added in the same launch: still one node
                 return [mx.addmm(residual, x, self.zeros[key])]
-            first = x @ self.zeros[key]
-            return [first] + [mx.depends([mx.broadcast_to(mx.array(0, dtype=mx.bfloat16), shape)], [first])[0]
-                              for shape in output_shapes[1:]]
+            if "HQ" in t:  # a `rope` launch: its queries (rows, heads, d) float32 the node, keys and values tied to them
+                first = mx.depends([mx.full(output_shapes[0], 0.0, dtype=mx.float32)], [x] + inputs[7:])[0]
+            else:
+                first = x @ self.zeros[key]
+            return [first] + [mx.depends([mx.broadcast_to(mx.array(0, dtype=dtype), shape)], [first])[0]
+                              for shape, dtype in zip(output_shapes[1:], output_dtypes[1:])]
         y = x @ w.T if t["BITS"] == 16 else mx.quantized_matmul(x, w, scales, biases, transpose=True,
                                                                 group_size=t["G"], bits=t["BITS"])
         y = y.astype(mx.bfloat16)
         if t["RESID"]:
             y = residual + y
+        if t["GLU"]:  # gate and up interleaved (tiles.SwiGLU)
+            return [fused._swiglu(y[:, 0::2], y[:, 1::2])]
         if len(output_shapes) == 1:
             return [y]
         starts = sorted({0, t["P1"], t["P2"], t["P3"], t["N"]})  # a stacked weight's parts (rows_matmul's `parts`)
-        return [mx.contiguous(y[:, a:b]) for a, b in zip(starts, starts[1:])]
+        parts = [mx.contiguous(y[:, a:b]) for a, b in zip(starts, starts[1:])]
+        if "HQ" in t:  # a `rope` launch: q and k back in each head's order, then the norm-and-RoPE reference
+            back = sorted(range(t["D"]), key=matmul_kernel.rope_order(t["D"], t["R"]).__getitem__)
+            q, k = (mx.take(p, mx.array([h * t["D"] + c for h in range(p.shape[1] // t["D"]) for c in back]), axis=1)
+                    for p in parts[:2])
+            positions, log2_theta = inputs[7:]
+            return list(reference_norm_rope(q, k, parts[2], None, None, positions, 2 ** log2_theta[0].item(), 0.0,
+                                            head_dim=t["D"], rope_dims=t["R"]))
+        return parts
 
 
 def attention_launch(segs, scale, meta=None, causal=True, window=None, block=None, queries=None) -> mx.array:
@@ -221,7 +234,7 @@ def main() -> None:
     dense.kernel_runs_here = lambda heads, device, cuda: attention_kernel.fits(*heads)
     qwen3_5.decode_recurrence = lambda heads, device, cuda: "delta_kernel" if delta_kernel.fits(*heads) else "gated_delta_ops"
     tiles.available = lambda dtype: dtype == mx.bfloat16
-    matmul_kernel._kernel = lambda parts=0: Launch(one_node=False)
+    matmul_kernel._kernel = lambda parts=0, rope=False: Launch(one_node=False)
     attention_kernel.decode_attention = reference_attention
     norm_rope_kernel.queries_and_keys = reference_norm_rope  # a target's decode rows on the kernel path (dense.py)
     qwen3_5.RECURRENCES["delta_kernel"] = qwen3_5.per_window_ops
@@ -232,7 +245,7 @@ def main() -> None:
     path = write_big("qwen3_5-9b-4bit", root / "target", preset) if args.target == "tiny" else args.target
     target = Engine(path, None, Settings(parallel=4, context=256, chunk=32, backend="gpu")).target
     stand_in = Launch(one_node=True)
-    matmul_kernel._kernel = lambda parts=0: stand_in
+    matmul_kernel._kernel = lambda parts=0, rope=False: stand_in
     attention_kernel.decode_attention = attention_launch
     norm_rope_kernel.queries_and_keys = joint_launch  # one node, as on a GPU
     # MLX's own norm and RoPE one node each, as on a GPU (`Depends` only ties an array offset in, and is not counted)
@@ -245,13 +258,9 @@ def main() -> None:
     # one node for the recurrence, depending on all of its inputs as the kernel does
     qwen3_5.RECURRENCES["delta_kernel"] = lambda ws: [
         tuple(mx.depends([mx.abs(w[2]).astype(mx.float32), mx.abs(w[5])], list(w[:5]))) for w in ws]
-    try:  # the chains engine/fused.py compiles on a GPU
-        from dflash_bench.engine import fused
-
-        base.swiglu, qwen3_5.conv_silu = mx.compile(fused._swiglu), mx.compile(fused._conv)
-        qwen3_5.gated, dense.sigmoid_gate = mx.compile(fused._gated), mx.compile(fused._sigmoid_gate)
-    except ImportError:
-        pass
+    # the chains engine/fused.py compiles on a GPU
+    tiles.swiglu, qwen3_5.conv_silu = mx.compile(fused._swiglu), mx.compile(fused._conv)
+    qwen3_5.gated, dense.sigmoid_gate = mx.compile(fused._gated), mx.compile(fused._sigmoid_gate)
     if args.drafter:
         # one node for a norm-and-RoPE launch of keys alone (bf16 keys and values, 2, heads, rows, d)
         norm_rope_kernel.keys = keys_launch
