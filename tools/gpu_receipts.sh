@@ -108,7 +108,7 @@ step nvrtc-probe 240 python3 tools/nvrtc_probe.py --variants 16 --workers 16
 step pytest-gpu 480 python3 -m pytest -p no:cacheprovider -m gpu \
   "tests/test_attention_kernel.py::test_on_the_device_a_blocks_keys_from_its_own_rows_equal_them_written_first" \
   tests/test_norm_rope_kernel.py tests/test_delta_kernel.py tests/test_matmul_kernel.py tests/test_matmul_norm.py \
-  tests/test_gpu_mode.py &
+  tests/test_matmul_glu.py tests/test_matmul_rope.py tests/test_gpu_mode.py &
 {
   run fixture-9b 120 fixture qwen3_5-9b-4bit /root/f9/t
   run fixture-9b-drafter 120 fixture dflash-9b /root/f9/d
