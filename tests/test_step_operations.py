@@ -43,7 +43,7 @@ from dflash_bench.engine.targets import build_target
 from dflash_bench.engine.targets import delta_kernel
 from dflash_bench.engine.targets.base import Segment, Target, packed_positions
 from dflash_bench.engine.targets.qwen3_5 import GatedDeltaNet
-from dflash_bench.engine.tiles import ROW_TILE, Layout, Weight
+from dflash_bench.engine.tiles import ROW_TILE, Layout, Weight, pairs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 from forward_ops import census  # noqa: E402  (tools/: the operation census the GPU figures were counted with)
@@ -58,19 +58,24 @@ def apart(y: mx.array, parts: tuple[int, ...]) -> mx.array | list[mx.array]:
 
 
 def each_row_alone(self: Weight, x: mx.array, parts: tuple[int, ...] = (), residual: mx.array | None = None,
-                   norm: tuple[mx.array, float] | None = None) -> mx.array | list[mx.array]:
+                   norm: tuple[mx.array, float] | None = None, glu: bool = False) -> mx.array | list[mx.array]:
     """The kernel's contract without the kernel: every row (RMS-normed first with `norm`, as the kernel's
-    prologue does) through the weight's own product, alone (then the residual added, as its epilogue does)."""
+    prologue does) through the weight's own product, alone (then the residual added, or the SwiGLU of its column
+    pairs taken, as its epilogue does)."""
     if norm is not None:
         x = mx.fast.rms_norm(x, *norm)
     y = mx.concatenate([self.tile(x[i : i + 1]) for i in range(x.shape[0])])
+    if glu:
+        return pairs(y)
     return apart(y if residual is None else residual + y, parts)
 
 
 def count_dependent(self: Weight, x: mx.array, parts: tuple[int, ...] = (), residual: mx.array | None = None,
-                    norm: tuple[mx.array, float] | None = None) -> mx.array | list[mx.array]:
+                    norm: tuple[mx.array, float] | None = None, glu: bool = False) -> mx.array | list[mx.array]:
     """A product whose rows depend on the call's row count: what the model check must catch."""
-    y = each_row_alone(self, x, norm=norm) + (x.shape[0] - 1) * 1e-2
+    y = each_row_alone(self, x, norm=norm, glu=glu) + (x.shape[0] - 1) * 1e-2
+    if glu:
+        return y
     return apart(y if residual is None else residual + y, parts)
 
 
@@ -123,10 +128,10 @@ def test_kernel_rows_go_unpadded_and_windows_still_equal_steps(family: str, monk
 
 
 def one_launch(self: Weight, x: mx.array, parts: tuple[int, ...] = (), residual: mx.array | None = None,
-               norm: tuple[mx.array, float] | None = None) -> mx.array | list[mx.array]:
-    """The kernel as one node a call, as it is one launch on a GPU, with its residual added and its rows
-    normed inside (for censuses only: its values are zeros)."""
-    zeros = mx.zeros((x.shape[1], self.out_features), dtype=x.dtype)
+               norm: tuple[mx.array, float] | None = None, glu: bool = False) -> mx.array | list[mx.array]:
+    """The kernel as one node a call, as it is one launch on a GPU, with its residual added, its rows normed
+    and its SwiGLU taken inside (for censuses only: its values are zeros)."""
+    zeros = mx.zeros((x.shape[1], self.out_features // 2 if glu else self.out_features), dtype=x.dtype)
     return apart(x @ zeros if residual is None else mx.addmm(residual, x, zeros), parts)
 
 
@@ -154,10 +159,10 @@ def test_the_layer_norms_ride_in_the_projections_launches(family: str, monkeypat
     target = kernel_target(family, monkeypatch, one_launch)
     handed: list[int] = []
 
-    def launch(self, x, parts=(), residual=None, norm=None):
+    def launch(self, x, parts=(), residual=None, norm=None, glu=False):
         if norm is not None:
             handed.append(id(norm[0]))
-        return one_launch(self, x, parts, residual)
+        return one_launch(self, x, parts, residual, glu=glu)
 
     monkeypatch.setattr(Weight, "kernel_product", launch)
     norms: list[int] = []

@@ -130,12 +130,12 @@ def test_where_mlx_launches_kept_kernels_the_self_checks_launches_are_built_firs
         def wait(self):
             calls.append("wait")
 
-    def product(self, x, parts=(), residual=None, norm=None):  # the row kernel's launch, as a CUDA GPU builds it
+    def product(self, x, parts=(), residual=None, norm=None, glu=False):  # the row kernel's launch, as a CUDA GPU builds it
         assert self.kernel, "a launch built ahead of the check is not on the check's first choice"
         calls.append((self.out_features, x.shape[0]))
         if parts:
             return [mx.zeros((x.shape[0], p), dtype=x.dtype) for p in parts]
-        out = mx.zeros((x.shape[0], self.out_features), dtype=x.dtype)
+        out = mx.zeros((x.shape[0], self.out_features // 2 if glu else self.out_features), dtype=x.dtype)
         return out if residual is None else residual + out
 
     def refuse(*_):
