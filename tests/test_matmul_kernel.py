@@ -83,7 +83,7 @@ def test_linear_sends_decode_rows_to_one_kernel_call_and_chunks_to_mlx(monkeypat
     w.kernel = True
     calls: list[tuple[str, int]] = []
     monkeypatch.setattr(Weight, "kernel_product",
-                        lambda self, x, residual=None, norm=None: calls.append(("kernel", x.shape[0])) or x @ self.w.T)
+                        lambda self, x, residual=None, norm=None, glu=False: calls.append(("kernel", x.shape[0])) or x @ self.w.T)
     monkeypatch.setattr(Weight, "tile", lambda self, x: calls.append(("mlx", x.shape[0])) or x @ self.w.T)
     layout = Layout.of([1, 16, 40, 5], [False, False, True, False])  # two decode segments, a chunk, a step
     x = mx.random.normal((layout.rows, 64)).astype(mx.bfloat16)
@@ -103,7 +103,7 @@ def test_a_stacked_weight_returns_contiguous_parts_for_decode_rows_and_splits_a_
     stacked.weights[0].kernel = True
     calls: list[tuple[int, tuple[int, ...]]] = []
 
-    def product(self, x, widths=(), residual=None, norm=None):
+    def product(self, x, widths=(), residual=None, norm=None, glu=False):
         calls.append((x.shape[0], widths))
         y = x @ self.w.T
         return [mx.contiguous(c) for c in mx.split(y, list(accumulate(widths[:-1])), axis=-1)] if widths else y
@@ -184,7 +184,7 @@ def test_a_residual_is_added_to_every_row_a_layout_holds(monkeypatch) -> None:
     w.kernel = True
     calls: list[tuple[int, bool]] = []
 
-    def product(self, x, residual=None, norm=None):
+    def product(self, x, residual=None, norm=None, glu=False):
         calls.append((x.shape[0], residual is not None))
         y = x @ self.w.T
         return y if residual is None else residual + y

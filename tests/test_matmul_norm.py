@@ -94,7 +94,7 @@ def test_linear_norms_decode_rows_in_the_launch_and_chunks_before_mlxs_product(m
     w.kernel = True
     calls: list[tuple[int, bool]] = []
 
-    def product(self, x, residual=None, norm=None):
+    def product(self, x, residual=None, norm=None, glu=False):
         calls.append((x.shape[0], norm is not None))
         return (x if norm is None else mx.fast.rms_norm(x, *norm)) @ self.w.T
 

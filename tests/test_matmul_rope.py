@@ -30,6 +30,8 @@ CASES = {"q4": (128, 4, 2, 16, 16, 4, 64), "q4-partial": (128, 2, 1, 32, 16, 4, 
 def test_the_order_pairs_each_value_with_its_partner() -> None:
     assert matmul_kernel.rope_order(8, 8) == [0, 4, 1, 5, 2, 6, 3, 7]
     assert matmul_kernel.rope_order(8, 4) == [0, 2, 1, 3, 4, 5, 6, 7]
+    rows = matmul_kernel.head_rows(2, 4, 4)
+    assert rows == [0, 2, 1, 3, 4, 6, 5, 7] and [rows[i] for i in matmul_kernel.in_order(rows)] == list(range(8))
 
 
 def turned_and_reference(k: int, hq: int, hkv: int, d: int, r: int, bits: int, group: int, m: int,
@@ -38,11 +40,10 @@ def turned_and_reference(k: int, hq: int, hkv: int, d: int, r: int, bits: int, g
     """The `rope` launch of the reordered q/k/v weight, and the parts launch of the weight in order followed by
     norm_rope_kernel.py's launch (a layer's decode rows before the fused launch)."""
     q, kk, v = (weight(k, heads * d, bits, group, seed=50 + i) for i, heads in enumerate((hq, hkv, hkv)))
-    order = matmul_kernel.rope_order(d, r)
     widths = (hq * d, hkv * d, hkv * d)
     plain = Stacked([q, kk, v], stack=True).weights[0]
-    turned = Stacked([q.reordered([h * d + c for h in range(hq) for c in order]),
-                      kk.reordered([h * d + c for h in range(hkv) for c in order]), v], stack=True).weights[0]
+    turned = Stacked([q.reordered(matmul_kernel.head_rows(hq, d, r)), kk.reordered(matmul_kernel.head_rows(hkv, d, r)), v],
+                     stack=True).weights[0]
     rope = Rope(positions[:m], norm_rope_kernel.device_log2_theta(THETA), (hq, hkv, d, r))
     got = turned.kernel_product(x[:m], widths, norm=norm, rope=rope)
     pq, pk, pv = plain.kernel_product(x[:m], widths, norm=norm)

@@ -130,9 +130,8 @@ class Launch:
         starts = sorted({0, t["P1"], t["P2"], t["P3"], t["N"]})  # a stacked weight's parts (rows_matmul's `parts`)
         parts = [mx.contiguous(y[:, a:b]) for a, b in zip(starts, starts[1:])]
         if "HQ" in t:  # a `rope` launch: q and k back in each head's order, then the norm-and-RoPE reference
-            back = sorted(range(t["D"]), key=matmul_kernel.rope_order(t["D"], t["R"]).__getitem__)
-            q, k = (mx.take(p, mx.array([h * t["D"] + c for h in range(p.shape[1] // t["D"]) for c in back]), axis=1)
-                    for p in parts[:2])
+            q, k = (mx.take(p, mx.array(matmul_kernel.in_order(matmul_kernel.head_rows(p.shape[1] // t["D"], t["D"], t["R"]))),
+                            axis=1) for p in parts[:2])
             positions, log2_theta = inputs[7:]
             return list(reference_norm_rope(q, k, parts[2], None, None, positions, 2 ** log2_theta[0].item(), 0.0,
                                             head_dim=t["D"], rope_dims=t["R"]))

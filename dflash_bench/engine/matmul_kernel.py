@@ -492,6 +492,17 @@ def rope_order(head_dim: int, rope_dims: int) -> list[int]:
     return [v for i in range(half) for v in (i, i + half)] + list(range(rope_dims, head_dim))
 
 
+def head_rows(heads: int, head_dim: int, rope_dims: int) -> list[int]:
+    """A q or k weight's output rows as a `rope` launch takes them: each head's in `rope_order`."""
+    order = rope_order(head_dim, rope_dims)
+    return [h * head_dim + c for h in range(heads) for c in order]
+
+
+def in_order(rows: list[int]) -> list[int]:
+    """Where each value of a `head_rows` product lies: the gather that puts its heads' values back in order."""
+    return sorted(range(len(rows)), key=rows.__getitem__)
+
+
 @dataclass(frozen=True)
 class Rope:
     """A `rope` launch's turn (`rows_matmul`): each row's position (int32, rows), log2 of the RoPE base in device

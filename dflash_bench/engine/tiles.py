@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from itertools import accumulate
-from typing import Literal
+from typing import Callable, Literal
 
 import mlx.core as mx
 
@@ -106,33 +106,31 @@ class Weight:
         return self
 
     @classmethod
-    def stacked(cls, parts: list["Weight"]) -> "Weight":
-        """Weights that multiply the same rows as one: their output rows one after another."""
+    def joined(cls, parts: list["Weight"], rows: Callable[[list[mx.array]], mx.array]) -> "Weight":
+        """One weight whose every array (the matrix; a packed one's scales and biases too) is `rows` of the parts'
+        same arrays: output rows stacked, interleaved or reordered (`stacked`, `interleaved`, `reordered`)."""
         first = parts[0]
         if not first.bits:
-            return Weight(mx.concatenate([p.w for p in parts]))
-        return Weight.packed(mx.concatenate([p.w for p in parts]), mx.concatenate([p.scales for p in parts]),
-                             mx.concatenate([p.biases for p in parts]), first.group_size, first.bits)
+            return Weight(rows([p.w for p in parts]))
+        return Weight.packed(*(rows([getattr(p, name) for p in parts]) for name in ("w", "scales", "biases")),
+                             first.group_size, first.bits)
+
+    @classmethod
+    def stacked(cls, parts: list["Weight"]) -> "Weight":
+        """Weights that multiply the same rows as one: their output rows one after another."""
+        return cls.joined(parts, mx.concatenate)
 
     @classmethod
     def interleaved(cls, gate: "Weight", up: "Weight") -> "Weight":
         """An MLP's gate and up projections as one weight whose output rows alternate them (gate 0, up 0, gate 1,
         ..): the row kernel's SwiGLU launch finds each pair's two columns in one thread (`SwiGLU`)."""
-        def alternate(a: mx.array, b: mx.array) -> mx.array:
-            return mx.stack([a, b], axis=1).reshape(2 * a.shape[0], *a.shape[1:])
-
-        if not gate.bits:
-            return Weight(alternate(gate.w, up.w))
-        return Weight.packed(alternate(gate.w, up.w), alternate(gate.scales, up.scales),
-                             alternate(gate.biases, up.biases), gate.group_size, gate.bits)
+        return cls.joined([gate, up], lambda ab: mx.stack(ab, axis=1).reshape(2 * ab[0].shape[0], *ab[0].shape[1:]))
 
     def reordered(self, order: list[int]) -> "Weight":
         """A copy with its output rows in `order`: a layer's q and k for the launch that turns them
-        (matmul_kernel.rope_order)."""
+        (matmul_kernel.head_rows)."""
         index = mx.array(order, dtype=mx.int32)
-        if not self.bits:
-            return Weight(self.w[index])
-        return Weight.packed(self.w[index], self.scales[index], self.biases[index], self.group_size, self.bits)
+        return self.joined([self], lambda a: a[0][index])
 
     def leading(self, rows: int) -> "Weight":
         """Its first `rows` output rows, as views of its arrays (rows from the first are row-contiguous, so
@@ -278,25 +276,12 @@ class SwiGLU:
             if norm is not None:  # the two products share one norm of x
                 x, norm = mx.fast.rms_norm(x, *norm), None
             return swiglu(*(linear(x, w, layout) for w in self.weights))
-        weight = self.weights[0]
-        if not weight.kernel:
-            return pairs(linear(x, weight, layout, norm=norm))
-        if layout is None or not layout.blocks:
-            rows = x if layout is None or layout.decode_rows == x.shape[0] else x[: layout.decode_rows]
-            return weight.kernel_product(rows, norm=norm, glu=True)
-        outs = [weight.kernel_product(x[: layout.decode_rows], norm=norm, glu=True)] if layout.decode_rows else []
-        outs += [pairs(chunk_product(x[a:b], weight, norm)) for a, b in layout.blocks]
-        return mx.concatenate(outs) if len(outs) > 1 else outs[0]
+        return linear(x, self.weights[0], layout, norm=norm, glu=True)
 
 
 def pairs(y: mx.array) -> mx.array:
     """The SwiGLU of an interleaved gate and up product's column pairs (`SwiGLU`): even columns gate, odd up."""
     return swiglu(y[:, 0::2], y[:, 1::2])
-
-
-def chunk_product(x: mx.array, weight: Weight, norm: Norm | None) -> mx.array:
-    """A prompt chunk's block through MLX's norm and product (a kernel weight's blocks: `linear`)."""
-    return weight.tile(x if norm is None else mx.fast.rms_norm(x, *norm))
 
 
 def row_tile(in_features: int, out_features: int) -> int:
@@ -366,7 +351,7 @@ class Layout:
 
 
 def linear(x: mx.array, weight: Weight | mx.array, layout: Layout | None = None,
-           residual: mx.array | None = None, norm: Norm | None = None) -> mx.array:
+           residual: mx.array | None = None, norm: Norm | None = None, glu: bool = False) -> mx.array:
     """`x @ W.T` for `x` of shape (R, in): one call per row tile, or per `layout` (decode tiles, then
     one call per prompt chunk's block). R is a multiple of ROW_TILE, except for the row kernel, which
     takes any number of decode rows. With `residual` (R, out): `residual + x @ W.T`, a decoder layer's
@@ -374,7 +359,9 @@ def linear(x: mx.array, weight: Weight | mx.array, layout: Layout | None = None,
     With `norm` (weights, epsilon): the product of x RMS-normed, which the row kernel does in its own launch
     for decode rows (its own arithmetic, the same whatever else the forward holds: rows_matmul), and
     `mx.fast.rms_norm` does before any other product (the bits of the norm then the product; a norm's rows
-    are each its own, so a prompt chunk's block is normed alone)."""
+    are each its own, so a prompt chunk's block is normed alone). With `glu` (an interleaved gate and up:
+    `SwiGLU`), the SwiGLU of each column pair: in the decode rows' kernel launch, after MLX's product (`pairs`)
+    everywhere else."""
     if not isinstance(weight, Weight):
         weight = Weight(weight)
     if norm is not None and not weight.kernel:
@@ -382,10 +369,12 @@ def linear(x: mx.array, weight: Weight | mx.array, layout: Layout | None = None,
     rows = x.shape[0]
     if weight.kernel:
         def kernel(a: int, b: int) -> mx.array:  # rows [a, b) in one kernel call, the residual's and the norm's in it
-            return weight.kernel_product(x[a:b], residual=None if residual is None else residual[a:b], norm=norm)
+            return weight.kernel_product(x[a:b], residual=None if residual is None else residual[a:b], norm=norm,
+                                         glu=glu)
 
         def block(a: int, b: int) -> mx.array:  # a prompt chunk's block: MLX's norm and product, then the add
-            y = chunk_product(x[a:b], weight, norm)
+            y = weight.tile(x[a:b] if norm is None else mx.fast.rms_norm(x[a:b], *norm))
+            y = pairs(y) if glu else y
             return y if residual is None else residual[a:b] + y
 
         if layout is None:
@@ -398,6 +387,7 @@ def linear(x: mx.array, weight: Weight | mx.array, layout: Layout | None = None,
     tile = weight.rows_per_call
     calls = layout.calls(tile) if layout is not None else [(a, a + tile) for a in range(0, rows, tile)]
     out = weight.tile(x) if len(calls) == 1 else mx.concatenate([weight.tile(x[a:b]) for a, b in calls])
+    out = pairs(out) if glu else out
     return out if residual is None else residual + out
 
 

@@ -145,23 +145,17 @@ class DFlashDrafter:
             weight.kernel = weight.fits_kernel(self.dtype)
             return weight
 
-        def stacked(*names: str) -> Stacked:
+        def stacked(*names: str, glu: bool = False) -> Stacked | SwiGLU:
             """Projections of the same rows: on the row kernel one launch writing each part apart
-            (tiles.Stacked), elsewhere one product each, as `w` (a stacked weight's bits are its own,
-            which drafts may change: the target's choices decide every token)."""
+            (tiles.Stacked), or with `glu` an MLP's gate and up writing their SwiGLU (tiles.SwiGLU), elsewhere one
+            product each, as `w` (a stacked weight's bits are its own, which drafts may change: the target's
+            choices decide every token)."""
             parts = [w(name) for name in names]
-            joined = Stacked(parts, stack=all(part.kernel for part in parts))
+            stack = all(part.kernel for part in parts)
+            joined = SwiGLU(*parts, stack=stack) if glu else Stacked(parts, stack=stack)
             for weight in joined.weights:
                 weight.kernel = weight.fits_kernel(self.dtype)
             return joined
-
-        def gate_up(prefix: str) -> SwiGLU:
-            """An MLP's gate and up and their SwiGLU: on the row kernel one launch (tiles.SwiGLU)."""
-            gate, up = w(f"{prefix}.gate_proj.weight"), w(f"{prefix}.up_proj.weight")
-            pair = SwiGLU(gate, up, stack=gate.kernel and up.kernel)
-            for weight in pair.weights:
-                weight.kernel = weight.fits_kernel(self.dtype)
-            return pair
 
         self.fc = w("fc.weight")
         self.hidden_norm = weights["hidden_norm.weight"]
@@ -181,7 +175,7 @@ class DFlashDrafter:
                     k_norm=weights[f"{p}.self_attn.k_norm.weight"],
                     pre=weights[f"{p}.input_layernorm.weight"],
                     post=weights[f"{p}.post_attention_layernorm.weight"],
-                    gate_up=gate_up(f"{p}.mlp"),
+                    gate_up=stacked(f"{p}.mlp.gate_proj.weight", f"{p}.mlp.up_proj.weight", glu=True),
                     down=w(f"{p}.mlp.down_proj.weight"),
                     window=c.sliding_window if c.layer_types[i] == "sliding_attention" else None,
                     causal=c.causal[i],

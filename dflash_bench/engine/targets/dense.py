@@ -14,7 +14,7 @@ import mlx.core as mx
 
 from dflash_bench.engine.cache import AttentionCache, JointCache, TargetState
 from dflash_bench.engine.fused import sigmoid_gate
-from dflash_bench.engine.matmul_kernel import Rope, rope_order
+from dflash_bench.engine.matmul_kernel import Rope, head_rows, in_order
 from dflash_bench.engine.target_config import TargetConfig
 from dflash_bench.engine.targets import attention_kernel, norm_rope_kernel
 from dflash_bench.engine.targets.base import Segment, Target, as_weight, packed_positions, rope_rows
@@ -57,12 +57,9 @@ class SelfAttention:
         # its q and k rows sit in that launch's order, and every other use of them puts the values back in order
         self.turned = stack and not config.qk_norm and not gated and config.rope_dims % 2 == 0 == self.head_dim % 2
         if self.turned:
-            order = rope_order(self.head_dim, config.rope_dims)
-            for i, heads in ((0, self.heads), (1, self.kv_heads)):
-                parts[i] = parts[i].reordered([h * self.head_dim + c for h in range(heads) for c in order])
-            back = sorted(range(self.head_dim), key=order.__getitem__)
-            self.back_q, self.back_k = (mx.array([h * self.head_dim + c for h in range(heads) for c in back], dtype=mx.int32)
-                                        for heads in (self.heads, self.kv_heads))
+            rows = [head_rows(heads, self.head_dim, config.rope_dims) for heads in (self.heads, self.kv_heads)]
+            parts[:2] = [part.reordered(r) for part, r in zip(parts, rows)]
+            self.back_q, self.back_k = (mx.array(in_order(r), dtype=mx.int32) for r in rows)
         # q, k, v: one stacked weight where `stack` (the gpu mode: tiles.Stacked)
         self.qkv = Stacked(parts, stack)
         self.o = as_weight(weights[f"{prefix}.o_proj.weight"])
