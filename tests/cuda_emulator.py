@@ -263,10 +263,11 @@ def install_matmul(monkeypatch) -> None:
     """Route matmul_kernel.py's launch through the emulator for one test, its template arguments passed
     as MLX's `cuda_kernel` takes them."""
     from dflash_bench.engine import matmul_kernel as mk
+    from dflash_bench.engine import matmul_source as ms
 
     monkeypatch.setattr(mk, "_kernel", lambda parts=0, rope=False: Emu(
-        f"dflash_rows_matmul_{parts}{'_rope' if rope else ''}", mk.ROPE_INPUTS if rope else mk.INPUTS,
-        mk.outputs(parts, rope), mk.source(parts, rope), emulated((mk._ROPE_HEADER if rope else "") + mk._HEADER)))
+        f"dflash_rows_matmul_{parts}{'_rope' if rope else ''}", ms.ROPE_INPUTS if rope else ms.INPUTS,
+        ms.outputs(parts, rope), ms.source(parts, rope), emulated((ms.ROPE_HEADER if rope else "") + ms.HEADER)))
 
 
 def install_cuda_kernel(monkeypatch) -> None:

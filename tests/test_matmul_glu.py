@@ -19,7 +19,7 @@ from test_matmul_norm import norm_case
 
 import mlx.core as mx
 
-from dflash_bench.engine import matmul_kernel
+from dflash_bench.engine import matmul_kernel, matmul_source
 from dflash_bench.engine.fused import swiglu
 from dflash_bench.engine.tiles import Layout, Stacked, SwiGLU, Weight
 
@@ -83,7 +83,7 @@ def pair_glu(y: mx.array, swap: bool = False) -> mx.array:
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i < {m * n // 2}) out[i] = mm_glu(float(y[2 * i + {int(swap)}]), float(y[2 * i + {1 - int(swap)}]));
 """
-    kernel = cuda_emulator.Emu("pair_glu", ["y"], ["out"], body, cuda_emulator.emulated(matmul_kernel._HEADER))
+    kernel = cuda_emulator.Emu("pair_glu", ["y"], ["out"], body, cuda_emulator.emulated(matmul_source.HEADER))
     return kernel(inputs=[y], grid=(m * n // 2, 1, 1), threadgroup=(32, 1, 1), output_shapes=[(m, n // 2)],
                   output_dtypes=[mx.bfloat16])[0]
 

@@ -24,7 +24,7 @@ from tiny_targets import canonical_weights, config_dict, reference_model, tiny_t
 
 import mlx.core as mx
 
-from dflash_bench.engine import matmul_kernel, selfcheck
+from dflash_bench.engine import matmul_kernel, matmul_source, selfcheck
 from dflash_bench.engine.backend import FLOAT32_TENSORS
 from dflash_bench.engine.target_config import parse_target_config
 from dflash_bench.engine.targets import build_target
@@ -165,13 +165,13 @@ def test_the_kernel_source_adds_a_residual_with_the_bits_of_the_product_then_the
         alone = matmul_kernel.rows_matmul(x[:m], w.w, w.scales, w.biases, bits, group)
         fused = matmul_kernel.rows_matmul(x[:m], w.w, w.scales, w.biases, bits, group, residual=residual[:m])
         assert mx.array_equal(fused, residual[:m] + alone).item(), m
-    once = matmul_kernel._HEADER.replace("__nv_bfloat162 y = __floats2bfloat162_rn(a, b);",
+    once = matmul_source.HEADER.replace("__nv_bfloat162 y = __floats2bfloat162_rn(a, b);",
                                          "__nv_bfloat162 y = {__float2bfloat16_rn(a + (RESID ? (float)r[0] : 0.0f)), "
                                          "__float2bfloat16_rn(b + (RESID ? (float)r[1] : 0.0f))};")
     once = once.replace("if constexpr (RESID != 0) {", "if constexpr (false) {")
     assert once.count("(float)r[0]") == 1
     monkeypatch.setattr(matmul_kernel, "_kernel", lambda parts=0: cuda_emulator.Emu(
-        "dflash_rows_matmul", matmul_kernel.INPUTS, ["y"], matmul_kernel.source(0), cuda_emulator.emulated(once)))
+        "dflash_rows_matmul", matmul_source.INPUTS, ["y"], matmul_source.source(0), cuda_emulator.emulated(once)))
     single = matmul_kernel.rows_matmul(x, w.w, w.scales, w.biases, bits, group, residual=residual)
     alone = matmul_kernel.rows_matmul(x, w.w, w.scales, w.biases, bits, group)
     assert not mx.array_equal(single, residual + alone).item()

@@ -6,7 +6,7 @@ docs/profiles/qmv-probe-h200.txt: building one call of our kernel costs 9-12 us 
 for MLX's own `quantized_matmul`, and a 9B forward makes 129 of them, so about 1 ms of a plain step that
 mlx-lm does not pay. `mx.fast.cuda_kernel` does two things on every call that MLX's kernels do not: it
 turns the template arguments into C++ (nanobind, then `fmt` for the kernel's name and its constants),
-and it writes the kernel's whole source (~10 KB: engine/matmul_kernel.py's header and body) into a new
+and it writes the kernel's whole source (~10 KB: engine/matmul_source.py's header and body) into a new
 string, which the evaluation then hashes to find the compiled module. This times, per call in 200
 independent calls, the build and the evaluation of launches of the same compiled code:
 - `templated`: one kernel object for every shape, the constants passed as template arguments (the
@@ -29,7 +29,7 @@ from pathlib import Path
 import dflash_bench  # noqa: F401  (loads the BLAS before mlx.core)
 import mlx.core as mx
 
-from dflash_bench.engine import baked_kernel, matmul_kernel
+from dflash_bench.engine import baked_kernel, matmul_kernel, matmul_source
 from dflash_bench.engine.matmul_kernel import launch, rows_matmul
 
 NAMES = ("K", "N", "BITS", "G", "NT", "SPLITK", "MT", "PIPE", "P1", "P2", "P3", "RESID", "NORM", "EPS")
@@ -40,11 +40,11 @@ def header_file(folder: Path) -> Path:
     path = folder / "dflash_rows_probe.cuh"
     params = ", ".join(f"int {n}" for n in NAMES)
     path.write_text(
-        "#pragma once\n" + matmul_kernel._HEADER
+        "#pragma once\n" + matmul_source.HEADER
         + f"\ntemplate <{params}, typename WT>\n__device__ __forceinline__ void dflash_rows_body("
         "const __nv_bfloat16* x, const WT* w, const __nv_bfloat16* scales, const __nv_bfloat16* biases, "
         "const int32_t* rows, const __nv_bfloat16* residual, const __nv_bfloat16* norm, __nv_bfloat16* y) {\n"
-        + matmul_kernel.source(0) + "\n}\n")
+        + matmul_source.source(0) + "\n}\n")
     return path
 
 
@@ -62,7 +62,7 @@ def variant(name: str, header: str, body: str, baked: bool):
             if key not in kernels:
                 kernels[key] = mx.fast.cuda_kernel(
                     name=f"dflash_probe_{name.replace('+', '_')}" + baked_kernel.suffix(key),
-                    input_names=matmul_kernel.INPUTS, output_names=["y"],
+                    input_names=matmul_source.INPUTS, output_names=["y"],
                     source=baked_kernel.constants(key) + body, header=header, ensure_row_contiguous=True)
             options = {o: v for o, v in call.options.items() if o != "template"}
             if not baked:
@@ -91,10 +91,10 @@ def main() -> None:
     folder = Path(tempfile.mkdtemp())
     include = f'#include "{header_file(folder)}"\n'
     call = f"  dflash_rows_body<{', '.join(NAMES)}>(x, w, scales, biases, rows, residual, norm, y);\n"
-    body = matmul_kernel.source(0)
-    paths = {"templated": variant("templated", matmul_kernel._HEADER, body, False),
-             "baked": variant("baked", matmul_kernel._HEADER, body, True),
-             "engine": (lambda x, q, s, b, bits, gs: rows_matmul(x, q, s, b, bits, gs), len(matmul_kernel._HEADER) + len(body)),
+    body = matmul_source.source(0)
+    paths = {"templated": variant("templated", matmul_source.HEADER, body, False),
+             "baked": variant("baked", matmul_source.HEADER, body, True),
+             "engine": (lambda x, q, s, b, bits, gs: rows_matmul(x, q, s, b, bits, gs), len(matmul_source.HEADER) + len(body)),
              "included": variant("included", include, call, False),
              "included+baked": variant("included+baked", include, call, True)}
     for k, n in [(4096, 4096), (4096, 24576)]:

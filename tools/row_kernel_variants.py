@@ -71,10 +71,12 @@ def engine_constants(path: pathlib.Path = ROOT / "dflash_bench/engine/matmul_ker
     return found
 
 
-def engine_source(path: pathlib.Path = ROOT / "dflash_bench/engine/matmul_kernel.py") -> tuple[str, str]:
-    """The engine kernel's `_HEADER` and `_SOURCE` (or those of an earlier copy of its module at `path`)."""
+def engine_source(path: pathlib.Path = ROOT / "dflash_bench/engine/matmul_source.py") -> tuple[str, str]:
+    """The engine kernel's `HEADER` and `BODY` (or an earlier copy's at `path`: matmul_kernel.py's `_HEADER` and
+    `_SOURCE` before the source had a module of its own)."""
     found = engine_constants(path)
-    return found["_HEADER"], found["_SOURCE"].replace("{part}", "y + (size_t)M * lo")  # one output (matmul_kernel.source)
+    header, body = (found["HEADER"], found["BODY"]) if "HEADER" in found else (found["_HEADER"], found["_SOURCE"])
+    return header, body.replace("{part}", "y + (size_t)M * lo")  # one output (matmul_source.source)
 
 
 STREAM_LOAD = r"""
