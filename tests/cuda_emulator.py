@@ -226,35 +226,25 @@ inline void mm_mma(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
 """
 
 
-# MLX's device functors a kernel header includes (matmul_kernel.py's `mm_glu`: Sigmoid and Multiply on bf16), for the
-# emulator: each step's exact result rounded to bf16 once, the exponential the host's. The device's own exp is MLX's
-# (tests/test_matmul_kernel.py's GPU test compares the launch with MLX's compiled SwiGLU there).
-EMULATED_MLX_OPS = r"""
-namespace mlx::core::cu {
-struct Sigmoid {
-  __nv_bfloat16 operator()(__nv_bfloat16 x) const {
-    const __nv_bfloat16 e = bf16_once(std::exp(std::fabs(double(float(x)))));
-    const __nv_bfloat16 y = bf16_once(1.0 / bf16_once(1.0 + float(e)));
-    return float(x) < 0 ? y : bf16_once(1.0 - float(y));
-  }
-};
-struct Multiply {
-  __nv_bfloat16 operator()(__nv_bfloat16 a, __nv_bfloat16 b) const { return bf16_once(double(float(a)) * float(b)); }
-};
+# libcu++'s bf16 exp and abs and cuda_bf16's `__float2bfloat16` and `__hmul`, which matmul_source.py's `mm_sigmoid` and
+# `mm_glu` call, for the emulator: in place of its `#include <cuda/std/cmath>`. A product is its exact result rounded
+# to bf16 once; the exponential is the host's, rounded to bf16, where the device's is `hexp` (tests/test_matmul_glu.py's
+# GPU tests compare the launch with MLX's sigmoid and compiled SwiGLU there).
+EMULATED_CMATH = r"""
+namespace cuda::std {
+inline __nv_bfloat16 abs(__nv_bfloat16 x) { return {uint16_t(x.x & 0x7fffu)}; }
+inline __nv_bfloat16 exp(__nv_bfloat16 x) { return __float2bfloat16_rn(float(::std::exp(double(float(x))))); }
 }
+inline __nv_bfloat16 __float2bfloat16(float f) { return __float2bfloat16_rn(f); }
+inline __nv_bfloat16 __hmul(__nv_bfloat16 a, __nv_bfloat16 b) { return bf16_once(double(float(a)) * float(b)); }
 """
-MLX_OPS_INCLUDES = ('#include "mlx/backend/cuda/device/binary_ops.cuh"\n',
-                    '#include "mlx/backend/cuda/device/unary_ops.cuh"\n')
+CMATH_INCLUDE = "#include <cuda/std/cmath>\n"
 
 
 def emulated(header: str) -> str:
-    """A kernel's header as the emulator compiles it: MLX's device functors' includes replaced by
-    EMULATED_MLX_OPS, and matmul_kernel.py's inline-PTX MMA (its last definition) by EMULATED_MMA; any other
-    header as it is."""
-    if all(line in header for line in MLX_OPS_INCLUDES):
-        for line in MLX_OPS_INCLUDES:
-            header = header.replace(line, "")
-        header = EMULATED_MLX_OPS + header
+    """A kernel's header as the emulator compiles it: its libcu++ include replaced by EMULATED_CMATH, and
+    matmul_source.py's inline-PTX MMA (its last definition) by EMULATED_MMA; any other header as it is."""
+    header = header.replace(CMATH_INCLUDE, EMULATED_CMATH)
     at = header.find("__device__ __forceinline__ void mm_mma")
     return header if at < 0 else header[:at] + EMULATED_MMA
 

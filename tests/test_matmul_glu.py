@@ -5,13 +5,16 @@ Anywhere: an interleaved weight's rows alternate gate and up; tiles.SwiGLU sends
 `glu` launch and each prompt chunk to MLX's product and the fused SwiGLU of its column pairs, and off the gpu mode
 keeps two products (stand-ins for the kernel; integer values, so every product is exact on any BLAS).
 Where g++ is (any machine): the kernel's CUDA source, run on the CPU by tests/cuda_emulator.py, writes at column j
-of each row the SwiGLU of the same launch's columns 2j and 2j + 1 without `glu`, every row written, normed or not.
-On a CUDA GPU only: the launch equals the two products then MLX's compiled SwiGLU (engine/fused.py), bit for bit.
+of each row the SwiGLU of the same launch's columns 2j and 2j + 1 without `glu`, every row written, normed or not;
+and the source includes none of MLX's device headers (engine/kernel_cache.py could not compile it).
+On a CUDA GPU only: the launch equals the two products then MLX's compiled SwiGLU (engine/fused.py), bit for bit,
+and the header's SwiGLU equals MLX's for every bf16 gate.
 """
 
 from __future__ import annotations
 
 import cuda_emulator
+import numpy as np
 import pytest
 from gpu import on_cuda
 from test_matmul_kernel import weight
@@ -75,17 +78,30 @@ def test_swiglu_sends_decode_rows_to_one_glu_launch_and_pairs_a_chunks_columns(m
 
 
 # -- on any machine with g++: the kernel's CUDA source, run by tests/cuda_emulator.py ------------------
-def pair_glu(y: mx.array, swap: bool = False) -> mx.array:
-    """The header's `mm_glu` (the emulator's MLX functors) of each column pair of the bf16 product y (M, N), by a
-    launch of its own: gate 2j, up 2j + 1 (`swap`: the other way round, the control's)."""
+def pair_glu(y: mx.array, swap: bool = False, device: bool = False) -> mx.array:
+    """The header's `mm_glu` of each column pair of the bf16 product y (M, N), by a launch of its own: gate 2j,
+    up 2j + 1 (`swap`: the other way round, the control's); run by the emulator (its stand-ins for libcu++'s exp
+    and abs), or with `device` by MLX on a CUDA GPU."""
     m, n = y.shape
     body = f"""
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i < {m * n // 2}) out[i] = mm_glu(float(y[2 * i + {int(swap)}]), float(y[2 * i + {1 - int(swap)}]));
 """
-    kernel = cuda_emulator.Emu("pair_glu", ["y"], ["out"], body, cuda_emulator.emulated(matmul_source.HEADER))
+    if device:
+        kernel = mx.fast.cuda_kernel("pair_glu", ["y"], ["out"], body, header=matmul_source.HEADER)
+    else:
+        kernel = cuda_emulator.Emu("pair_glu", ["y"], ["out"], body, cuda_emulator.emulated(matmul_source.HEADER))
     return kernel(inputs=[y], grid=(m * n // 2, 1, 1), threadgroup=(32, 1, 1), output_shapes=[(m, n // 2)],
                   output_dtypes=[mx.bfloat16])[0]
+
+
+def test_the_kernel_source_includes_no_header_only_mlx_has() -> None:
+    """engine/kernel_cache.py compiles our sources with NVRTC and the CUDA and libcu++ headers on disk; MLX's device
+    headers (`mlx/backend/cuda/device/...`) exist only inside its library, so a source including one would fail
+    that compile and every process would compile the kernel again (session 52's SwiGLU included two)."""
+    for source in (matmul_source.HEADER, matmul_source.ROPE_HEADER, *(matmul_source.source(p) for p in range(4)),
+                   matmul_source.source(0, rope=True)):
+        assert '#include "mlx/' not in source
 
 
 @cuda_emulator.needs_gxx
@@ -137,3 +153,23 @@ def test_a_glu_launch_equals_the_two_products_then_mlxs_compiled_swiglu(bits: in
             got = joined.kernel_product(x[:m], norm=how, glu=True)
             assert mx.array_equal(got, swiglu(g, u)).item(), (how is not None, m)
     assert not mx.array_equal(got, swiglu(u, g)).item()
+
+
+def bits(a: mx.array) -> mx.array:
+    """A bf16 array's bit patterns (equal NaNs compare equal)."""
+    return a.view(mx.uint16)
+
+
+@on_cuda
+def test_mm_glu_equals_mlxs_compiled_swiglu_for_every_bf16_gate() -> None:
+    """On the device: the header's `mm_glu` (its own sigmoid, written out from MLX's functor) of each of the 65,536
+    bf16 bit patterns as a gate, with ups of both signs and several magnitudes, equals engine/fused.py's compiled
+    SwiGLU (MLX's own Sigmoid and Multiply), bit for bit. The control swaps gate and up."""
+    gate = mx.arange(1 << 16, dtype=mx.uint32).astype(mx.uint16).view(mx.bfloat16)[None]
+    for value in (1.0, -3.0, 0.3, 1e30):
+        up = mx.full(gate.shape, value, dtype=mx.bfloat16)
+        pairs = mx.stack([gate, up], axis=-1).reshape(1, -1)
+        got, want = pair_glu(pairs, device=True), swiglu(gate, up)
+        differ = np.flatnonzero(np.array(bits(got)) != np.array(bits(want)))
+        assert differ.size == 0, (value, differ.size, [hex(int(g)) for g in differ[:8]])  # a gate's pattern is its index
+    assert not mx.array_equal(bits(pair_glu(pairs, swap=True, device=True)), bits(want)).item()

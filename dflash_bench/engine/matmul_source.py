@@ -46,8 +46,7 @@ those rows are not written, and an MMA's output row depends on its own row of A 
 from dflash_bench.engine.cuda_source import ROTATION
 
 HEADER = r"""
-#include "mlx/backend/cuda/device/binary_ops.cuh"
-#include "mlx/backend/cuda/device/unary_ops.cuh"
+#include <cuda/std/cmath>
 
 __device__ __forceinline__ uint32_t mm_pack(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
@@ -78,13 +77,21 @@ __device__ __forceinline__ __nv_bfloat162 mm_out(float a, float b, const __nv_bf
 
 // With GLU, columns 2j and 2j + 1 are an MLP's gate j and up j (tiles.SwiGLU interleaves their weight rows): each
 // rounded to bf16 as a product is, then engine/fused.py's `sigmoid(gate) * gate * up` as MLX's compiled kernel runs
-// it on GPU, MLX's own functors each rounding to bf16 (mlx/backend/cuda/device/*_ops.cuh), so the one output has the
-// bits of the two products and the fused SwiGLU after them.
+// it on the GPU, so the one output has the bits of the two products and the fused SwiGLU after them. MLX's sigmoid
+// functor on a bf16 x is `1 / (1 + exp(abs(x)))`, or 1 minus that where x >= 0, with libcu++'s bf16 exp and abs, and
+// MLX's device headers define each mixed integer-and-bf16 step as float arithmetic rounded to bf16 once; its
+// multiply of two bf16 values is cuda_bf16's `*`, `__hmul`. Written out here, not included: those headers exist only
+// inside MLX's library, so engine/kernel_cache.py's own compile of this source could not find them
+// (tests/test_matmul_glu.py proves the bits on a GPU, for every bf16 gate).
+__device__ __forceinline__ __nv_bfloat16 mm_sigmoid(__nv_bfloat16 x) {
+  const float e = __bfloat162float(cuda::std::exp(cuda::std::abs(x)));
+  const __nv_bfloat16 y = __float2bfloat16(1.0f / __bfloat162float(__float2bfloat16(1.0f + e)));
+  return __bfloat162float(x) < 0.0f ? y : __float2bfloat16(1.0f - __bfloat162float(y));
+}
+
 __device__ __forceinline__ __nv_bfloat16 mm_glu(float g, float u) {
   const __nv_bfloat16 gate = __float2bfloat16_rn(g), up = __float2bfloat16_rn(u);
-  const __nv_bfloat16 s = mlx::core::cu::Sigmoid{}(gate);
-  const __nv_bfloat16 sg = mlx::core::cu::Multiply{}(s, gate);
-  return mlx::core::cu::Multiply{}(sg, up);
+  return __hmul(__hmul(mm_sigmoid(gate), gate), up);
 }
 
 // A row's squares, added in the order of its values (x's eight bf16 values of a 16-byte load, low half first).
