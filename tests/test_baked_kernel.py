@@ -4,9 +4,12 @@ Everywhere: the lines written are the ones MLX's `cuda_kernel` writes for templa
 constants makes one kernel object, called after that without template arguments. Where g++ is: the row,
 recurrence and attention kernels launched that way run, through tests/cuda_emulator.py, to the same bits
 as the same sources launched with template arguments, and constants written wrong (a different K) do not.
+Everywhere: each source is handed to MLX compacted (engine/cuda_source.py's `compact`), every C++ token kept.
 """
 
 from __future__ import annotations
+
+import re
 
 import cuda_emulator
 import pytest
@@ -15,9 +18,10 @@ from test_delta_kernel import HEADS, window
 
 import mlx.core as mx
 
-from dflash_bench.engine import baked_kernel, matmul_kernel
+from dflash_bench.engine import baked_kernel, matmul_kernel, matmul_source
 from dflash_bench.engine.baked_kernel import BakedKernel, constants
-from dflash_bench.engine.targets import attention_kernel, delta_kernel
+from dflash_bench.engine.cuda_source import compact
+from dflash_bench.engine.targets import attention_kernel, delta_kernel, norm_rope_kernel
 
 
 @pytest.fixture
@@ -49,12 +53,13 @@ def test_each_set_of_constants_makes_one_kernel_called_without_template_argument
         return lambda index=len(made) - 1, **launch: calls.append((index, launch)) or ["y"]
 
     monkeypatch.setattr(mx.fast, "cuda_kernel", cuda_kernel)
-    kernel = BakedKernel("k", ["x"], ["y"], "  y[0] = x[0] * N;\n", "// header\n")
+    kernel = BakedKernel("k", ["x"], ["y"], "  y[0] = x[0] * N;  // scaled\n", "// header\n#define TWO 2\n")
     for n in (3, 5, 3, 3):  # a new list each call, as attention_kernel.py builds its templates
         assert kernel(inputs=["x"], template=[("N", n)], grid=(1, 1, 1)) == ["y"]
-    assert [spec["source"] for spec in made] == [f"  constexpr int N = {n};\n\n  y[0] = x[0] * N;\n" for n in (3, 5)]
+    # the constants as MLX writes them, then the source compacted (cuda_source.compact)
+    assert [spec["source"] for spec in made] == [f"  constexpr int N = {n};\n\ny[0] = x[0] * N;\n" for n in (3, 5)]
     assert [spec["name"] for spec in made] == ["k_3", "k_5"]
-    assert all(spec["header"] == "// header\n" and spec["ensure_row_contiguous"] for spec in made)
+    assert all(spec["header"] == "#define TWO 2\n" and spec["ensure_row_contiguous"] for spec in made)
     assert [i for i, _ in calls] == [0, 1, 0, 0]
     assert all(launch == {"inputs": ["x"], "grid": (1, 1, 1)} for _, launch in calls)  # no template argument
 
@@ -111,3 +116,56 @@ def test_the_attention_kernels_baked_give_the_templated_bits(monkeypatch, fresh_
     assert isinstance(attention_kernel._partial_kernel(2), BakedKernel)
     got = attention_kernel.decode_attention(segments, 64**-0.5)
     assert mx.all(mx.isfinite(got)).item() and mx.array_equal(templated, got).item()
+
+
+# -- the sources handed to MLX: compacted (cuda_source.compact) --------------------------------------
+def engine_sources() -> dict[str, str]:
+    """Every header and body the engine's launch objects are made from, as their modules write them."""
+    sources = {"matmul header": matmul_source.HEADER, "matmul rope header": matmul_source.ROPE_HEADER,
+               "matmul rope": matmul_source.source(0, rope=True), "attention header": attention_kernel._HEADER,
+               "attention combine": attention_kernel._COMBINE, "delta header": delta_kernel._HEADER,
+               "norm-rope header": norm_rope_kernel._HEADER, "norm-rope keys": norm_rope_kernel._KEYS}
+    sources |= {f"matmul {parts} parts": matmul_source.source(parts) for parts in range(4)}
+    sources |= {f"attention {s} {block} {joint}": attention_kernel.partial_source(s, block, joint)
+                for s in (1, 3) for block in (False, True) for joint in (False, True)}
+    sources |= {f"delta {tail}": delta_kernel.source(2, 3, tail) for tail in (False, True)}
+    sources |= {f"norm-rope {norm}": norm_rope_kernel.qk_source(norm) for norm in (False, True)}
+    return sources
+
+
+TOKEN = re.compile(r'"(?:\\.|[^"\\\n])*"|\'(?:\\.|[^\'\\\n])*\'|[A-Za-z_0-9.]+|\S')
+
+
+def test_compacting_keeps_every_token_of_each_engine_source_and_drops_its_comments() -> None:
+    """Each source's C++ tokens (its `//` comments cut: none of its literals holds one) are the compacted
+    source's, in order, so the compiled code is the same; the compacted source holds no comment and no
+    indentation, keeps each preprocessor line whole, and is a third or more smaller across the row kernel's."""
+    total = small = 0
+    for name, text in engine_sources().items():
+        assert not any("//" in t or "/*" in t for t in TOKEN.findall(text) if t[0] in "\"'"), name
+        got = compact(text)
+        assert TOKEN.findall(got) == TOKEN.findall(re.sub(r"//[^\n]*", "", text)), name
+        assert "//" not in got and not any(line != line.strip() or not line for line in got.splitlines()), name
+        assert [line for line in got.splitlines() if line.startswith("#")] == [
+            " ".join(line.split()) for line in text.splitlines() if line.strip().startswith("#")], name
+        assert compact(got) == got
+        if name.startswith("matmul"):
+            total, small = total + len(text), small + len(got)
+    assert small < 0.7 * total, (small, total)
+
+
+def test_compacting_keeps_literals_and_lines_as_they_are() -> None:
+    """String and character literals (inline PTX) keep their bytes, comment markers and runs of spaces in them
+    included; a comment between tokens leaves them apart; lines never join."""
+    text = ('  asm("mma  // {%0}, /* x */" : "=r"(a));  // the product\n'
+            "#pragma unroll\n\n   for (int i = 0;/* */i < 4; ++i) c = '\\'';\n/* a\n block */ x = 1;\n")
+    assert compact(text) == ('asm("mma  // {%0}, /* x */" : "=r"(a));\n#pragma unroll\n'
+                             "for (int i = 0; i < 4; ++i) c = '\\'';\nx = 1;\n")
+
+
+def test_the_engines_launch_objects_hold_their_sources_compacted() -> None:
+    """What MLX is handed (and what engine/kernel_cache.py compiles and names) is the compacted source."""
+    kernel = matmul_kernel._kernel(0)
+    assert kernel.source == compact(matmul_source.source(0)) and kernel.header == compact(matmul_source.HEADER)
+    combine = attention_kernel._combine_kernel()
+    assert combine.source == compact(attention_kernel._COMBINE)

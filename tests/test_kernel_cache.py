@@ -162,16 +162,18 @@ def test_a_baked_kernel_keeps_each_variant_at_its_first_launch(monkeypatch, tmp_
     monkeypatch.setattr(kernel_cache, "active", lambda: cache)
     launched = []
     monkeypatch.setattr(mx.fast, "cuda_kernel", lambda **made: lambda **call: launched.append((made, call)) or ["out"])
-    kernel = baked_kernel.BakedKernel("dflash_k", ["x"], ["y"], "  y[0] = x[0];", "// header\n")
+    kernel = baked_kernel.BakedKernel("dflash_k", ["x"], ["y"], "  y[0] = x[0];  // copy", "// header\n#define K 1\n")
     x = mx.zeros((2,), dtype=mx.bfloat16)
     for n in (4, 4, 8):
         assert kernel([x], [("N", n)], output_dtypes=[mx.bfloat16]) == ["out"]
     cache.wait()
     assert len(launched) == 3 and cache.kept == 2
-    expected = mlx_source("dflash_k_4", "// header\n", "  constexpr int N = 4;\n\n  y[0] = x[0];", [("x", mx.bfloat16)],
+    # kept under the module name of the source MLX is given: header and body compacted (cuda_source.compact)
+    expected = mlx_source("dflash_k_4", "#define K 1\n", "  constexpr int N = 4;\n\ny[0] = x[0];\n", [("x", mx.bfloat16)],
                           [("y", mx.bfloat16)])
     assert module_path(tmp_path, module_name("dflash_k_4", expected)).exists()
-    assert launched[0][0]["source"] == "  constexpr int N = 4;\n\n  y[0] = x[0];"  # what MLX is given: the same body
+    assert launched[0][0]["source"] == "  constexpr int N = 4;\n\ny[0] = x[0];\n"  # what MLX is given: the same body
+    assert launched[0][0]["header"] == "#define K 1\n"
 
 
 def test_off_a_cuda_gpu_no_variant_is_kept(monkeypatch) -> None:

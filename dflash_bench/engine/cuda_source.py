@@ -5,7 +5,7 @@ targets/norm_rope_kernel.py, matmul_kernel.py).
 rounding to nearest on the way back, so a kernel's arithmetic is the same whatever dtype it stores.
 `ROTATION`: one pair of a head's values turned at a row's position, MLX's CUDA RoPE term for term
 (targets/norm_rope_kernel.py's docstring says how it was matched), so every launch that turns keys or queries
-turns them with the same bits.
+turns them with the same bits. `compact`: a source as the engine hands it to MLX (baked_kernel.py).
 """
 
 CONVERSIONS = r"""
@@ -41,3 +41,44 @@ __device__ __forceinline__ void nr_rotate(int j, float x1, float x2, float p, fl
   nr_store(hi, rx2);
 }
 """
+
+
+def compact(source: str) -> str:
+    """CUDA source without its comments, indentation and blank lines: the same tokens, so the same compiled code.
+
+    MLX hashes a kernel's whole source at every evaluation of a launch (its module name: `std::hash` in
+    backend/cuda/custom_kernel.cpp's `eval_gpu`), and on session 53's H100 an evaluation cost 2.8 us with an empty
+    body and no header, 6.1 us with 16 KB and 16.1 us with 64 KB (`tools/build_eval_split.py --profile`'s source
+    sweep, docs/profiles/session-53-h100.txt), where the row kernel's source was 12.8 KB, a third of it comments.
+    So baked_kernel.py hands MLX each source compacted. String and character literals (inline PTX) are kept as
+    they are; a preprocessor line keeps its own line, and every other line does too, so nothing can join."""
+    out, line, i, n = [], [], 0, len(source)
+    while i < n:
+        c = source[i]
+        if c in "\"'":  # a literal, escapes and all, up to its closing quote
+            j = i + 1
+            while j < n and source[j] != c:
+                j += 2 if source[j] == "\\" else 1
+            line.append(source[i:j + 1])
+            i = j + 1
+        elif source.startswith("//", i):
+            while i < n and source[i] != "\n":
+                i += 1
+        elif source.startswith("/*", i):
+            end = source.find("*/", i + 2)
+            i = n if end < 0 else end + 2
+            line.append(" ")
+        elif c == "\n":
+            out.append("".join(line))
+            line = []
+            i += 1
+        elif c in " \t":
+            while i < n and source[i] in " \t":
+                i += 1
+            line.append(" ")
+        else:
+            line.append(c)
+            i += 1
+    out.append("".join(line))
+    kept = [text.strip() for text in out]
+    return "".join(text + "\n" for text in kept if text)
