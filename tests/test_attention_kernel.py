@@ -99,6 +99,41 @@ def test_the_geometry_covers_every_row_with_whole_blocks() -> None:
             geometry(group, rows)
 
 
+def test_a_launch_shape_is_checked_and_made_once_then_kept(monkeypatch) -> None:
+    """Every attention layer of a forward launches the same shape: its segments are checked and its two launches'
+    options made at the first (`prepare`), and the later ones launch the kept kernel objects with the same options
+    (MLX's `cuda_kernel` stood in for: no constants at a call). Another start is another shape; launch objects made
+    again (a stand-in installed, the caches cleared) are not served a kept launch of the old ones."""
+    made, calls, checks = [], [], []
+
+    def cuda_kernel(**spec):
+        made.append(spec["name"])
+        return lambda **launch: calls.append((spec["name"], launch)) or [
+            mx.zeros(s, dtype=d) for s, d in zip(launch["output_shapes"], launch["output_dtypes"])]
+
+    check = attention_kernel.check_segments
+    monkeypatch.setattr(attention_kernel, "check_segments", lambda *a: checks.append(1) or check(*a))
+    monkeypatch.setattr(mx.fast, "cuda_kernel", cuda_kernel)
+    monkeypatch.setattr(attention_kernel, "_LAUNCHES", {})
+    for cache in (attention_kernel._partial_kernel, attention_kernel._combine_kernel):
+        cache.cache_clear()
+    q, kv = mx.zeros((1, 8, 64), dtype=mx.bfloat16), mx.zeros((2, 2, 256, 64), dtype=mx.bfloat16)
+    for _ in range(3):
+        out = decode_attention([(q, kv, None, 130)], 0.125, queries=q)
+        assert out.shape == (1, 8, 64)
+    assert len(checks) == 1 and len(made) == 2 and len(calls) == 6
+    assert all("template" not in launch for _, launch in calls)
+    assert calls[0][1]["grid"][0] == 2 * calls[0][1]["threadgroup"][0]  # two partitions reach position 130
+    decode_attention([(q, kv, None, 100)], 0.125, queries=q)
+    assert len(checks) == 2 and calls[-2][1]["grid"][0] == calls[-2][1]["threadgroup"][0]  # one partition
+    for cache in (attention_kernel._partial_kernel, attention_kernel._combine_kernel):
+        cache.cache_clear()
+    decode_attention([(q, kv, None, 130)], 0.125, queries=q)
+    assert len(checks) == 3 and len(made) == 4
+    for cache in (attention_kernel._partial_kernel, attention_kernel._combine_kernel):
+        cache.cache_clear()
+
+
 def test_bad_arguments_are_refused_before_any_launch() -> None:
     """Checked on the host, so these run on a CPU too: nothing is launched."""
     q, k = mx.zeros((2, 8, 64)), mx.zeros((2, 64, 64))

@@ -17,6 +17,8 @@ whole of it at every evaluation.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import mlx.core as mx
 
 from dflash_bench.engine import kernel_cache
@@ -77,9 +79,22 @@ class BakedKernel:
     def __call__(self, inputs: list[mx.array], template: list[tuple[str, TemplateArg]] | tuple, **launch) -> list[mx.array]:
         template = tuple(template)
         made = self.kernels.get(template)
-        if made is None:  # a variant's first launch in the process: on CUDA, a worker keeps its code for the next process
-            made = self.kernel(template)
-            cache = kernel_cache.active() if on_cuda() else None
-            if cache is not None:
-                cache.keep(*self.variant(template, [x.dtype for x in inputs], launch["output_dtypes"]))
+        if made is None:
+            made = self.made(template, lambda: ([x.dtype for x in inputs], launch["output_dtypes"]))
         return made(inputs=inputs, **launch)
+
+    def bound(self, template: tuple[tuple[str, TemplateArg], ...], input_dtypes: list[mx.Dtype],
+              output_dtypes: list[mx.Dtype]):
+        """The kernel object for these constants, to call without them (`__call__` looks it up at every call; a
+        caller that launches one variant many times keeps it)."""
+        made = self.kernels.get(template)
+        return made if made is not None else self.made(template, lambda: (input_dtypes, output_dtypes))
+
+    def made(self, template: tuple[tuple[str, TemplateArg], ...], dtypes: Callable[[], tuple[list, list]]):
+        """A variant's kernel object at its first use in the process: on CUDA, a worker keeps its code for the next
+        process (`dtypes`: its inputs' and outputs', asked for only then)."""
+        made = self.kernel(template)
+        cache = kernel_cache.active() if on_cuda() else None
+        if cache is not None:
+            cache.keep(*self.variant(template, *dtypes()))
+        return made

@@ -56,7 +56,7 @@ float32 V is staged into K's buffer after the scores instead).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from itertools import accumulate
 
 import mlx.core as mx
@@ -480,6 +480,64 @@ def launch_meta(segments: list[Rows], ats: list[mx.array | None] | None = None, 
     return per_round([pmax, offsets[-1], *positions, *seg_meta])
 
 
+MAX_LAUNCHES = 64  # launch shapes kept (`_LAUNCHES`): a server's forwards take a few dozen
+
+
+@dataclass(frozen=True)
+class Launch:
+    """`decode_attention`'s two launches for one shape of segments (their queries', caches' and block's shapes and
+    dtypes, starts, mask): the kernel objects bound to their constants and the launch options, made once (`prepare`)
+    and kept (`_LAUNCHES`). Every attention layer of a forward launches the same shape, and checking the segments
+    and making the options again cost each layer about 6 of the 12 us its launches took to build on this project's
+    CPU (docs/gpu-round-profile.md, session 53)."""
+
+    kernels: tuple[BakedKernel, BakedKernel]  # pass 1's and pass 2's (a kept launch holds for these alone)
+    joint: bool
+    partial: object  # pass 1's kernel object, called without constants (BakedKernel.bound)
+    combine: object
+    partial_options: dict
+    combine_options: dict
+
+
+_LAUNCHES: dict[tuple, Launch] = {}
+
+
+def bind(kernel, template: tuple, input_dtypes: list[mx.Dtype], output_dtypes: list[mx.Dtype]):
+    """A launch object's call with these constants: a BakedKernel's kernel object for them (`bound`); a stand-in
+    (tests/cuda_emulator.py's, tools/round_split.py's templated launches) takes them at each call."""
+    if isinstance(kernel, BakedKernel):
+        return kernel.bound(template, input_dtypes, output_dtypes)
+    return partial(kernel, template=template)
+
+
+def prepare(segments: list[Rows], causal: bool, window: int | None, block: mx.array | None,
+            queries: mx.array | None, kernels: tuple[BakedKernel, BakedKernel]) -> Launch:
+    """The segments checked (`check_segments`) and their launch made: pass 1's grid over the partitions the
+    latest row reaches, its geometry, and both passes' constants and outputs."""
+    hq, hkv, d, dtype = check_segments(segments, block)
+    lengths = [q.shape[0] for q, _, _, _ in segments]
+    rows = sum(lengths)
+    if queries is not None and (queries.shape != (rows, hq, d) or queries.dtype not in (dtype, mx.float32)):
+        raise ValueError(f"packed queries are ({rows}, {hq}, {d}) in {dtype} or float32, got {queries.shape} in "
+                         f"{queries.dtype}")
+    pmax = max(-(-(start + n) // PARTITION) for (_, _, _, start), n in zip(segments, lengths))
+    group = hq // hkv
+    geo = geometry(group, max(lengths))
+    nt = 32 * geo.nw
+    joint = segments[0][2] is None
+    partial_template = (("T", dtype), ("D", d), ("G", group), ("HQ", hq), ("HKV", hkv), ("RB", geo.rb), ("NW", geo.nw),
+                        ("QPW", geo.qpw), ("P", PARTITION), ("CAUSAL", int(causal)), ("WINDOW", window or 0),
+                        ("BLOCK", int(block is not None)))
+    caches = len(segments) * (1 if joint else 2) + (block is not None)
+    partial_outputs = [mx.float32, mx.float32]
+    pass1 = bind(kernels[0], partial_template, [mx.float32, mx.int32, mx.float32] + [dtype] * caches, partial_outputs)
+    pass2 = bind(kernels[1], (("T", dtype), ("D", d), ("P", PARTITION)), [mx.int32, mx.float32, mx.float32], [dtype])
+    return Launch(kernels, joint, pass1, pass2,
+                  dict(grid=(pmax * nt, hkv * geo.rg, len(segments)), threadgroup=(nt, 1, 1),
+                       output_shapes=[(rows, hq, pmax, 2), (rows, hq, pmax, d)], output_dtypes=partial_outputs),
+                  dict(grid=(d, hq, rows), threadgroup=(d, 1, 1), output_shapes=[(rows, hq, d)], output_dtypes=[dtype]))
+
+
 def decode_attention(segments: list[Rows], scale: float, meta: mx.array | None = None, causal: bool = True,
                      window: int | None = None, block: mx.array | None = None, queries: mx.array | None = None) -> mx.array:
     """Every segment's attention over its own cache, in two launches: (sum n_i, Hq, D) in K's dtype,
@@ -509,38 +567,22 @@ def decode_attention(segments: list[Rows], scale: float, meta: mx.array | None =
     holds them), the launch reads them, and a segment's q gives only its row count: the segments' q rows are
     not joined again (with several segments a copy launched a layer, and a slice a segment, for the host to build
     and encode). The same values, so the same bits."""
-    hq, hkv, d, dtype = check_segments(segments, block)
-    lengths = [q.shape[0] for q, _, _, _ in segments]
-    rows = sum(lengths)
-    if queries is not None and (queries.shape != (rows, hq, d) or queries.dtype not in (dtype, mx.float32)):
-        raise ValueError(f"packed queries are ({rows}, {hq}, {d}) in {dtype} or float32, got {queries.shape} in "
-                         f"{queries.dtype}")
-    pmax = max(-(-(start + n) // PARTITION) for (_, _, _, start), n in zip(segments, lengths))
+    if not segments:
+        check_segments(segments)
+    key = (tuple((q.shape, q.dtype, k.shape, k.dtype, None if v is None else (v.shape, v.dtype), start)
+                 for q, k, v, start in segments), None if block is None else (block.shape, block.dtype),
+           None if queries is None else (queries.shape, queries.dtype), causal, window)
+    kernels = (_partial_kernel(len(segments), block is not None, segments[0][2] is None), _combine_kernel())
+    launch = _LAUNCHES.get(key)
+    if launch is None or launch.kernels != kernels:
+        launch = _LAUNCHES[key] = prepare(segments, causal, window, block, queries, kernels)
+        if len(_LAUNCHES) > MAX_LAUNCHES:
+            _LAUNCHES.pop(next(iter(_LAUNCHES)))
     meta = launch_meta(segments, causal=causal) if meta is None else meta
-    group = hq // hkv
-    geo = geometry(group, max(lengths))
-    nt = 32 * geo.nw
     # float32 queries: converted once here (no operation where they come in float32), not at every key chunk of every block
     q = queries if queries is not None else mx.concatenate([s[0] for s in segments]) if len(segments) > 1 else segments[0][0]
     q = q.astype(mx.float32)
-    joint = segments[0][2] is None
-    caches = [s[1] for s in segments] + ([] if joint else [s[2] for s in segments]) + ([] if block is None else [block])
-    ml, part_out = _partial_kernel(len(segments), block is not None, joint)(
-        inputs=[q, meta, _scale(scale), *caches],
-        template=[("T", dtype), ("D", d), ("G", group), ("HQ", hq), ("HKV", hkv), ("RB", geo.rb), ("NW", geo.nw),
-                  ("QPW", geo.qpw), ("P", PARTITION), ("CAUSAL", int(causal)), ("WINDOW", window or 0),
-                  ("BLOCK", int(block is not None))],
-        grid=(pmax * nt, hkv * geo.rg, len(segments)),
-        threadgroup=(nt, 1, 1),
-        output_shapes=[(rows, hq, pmax, 2), (rows, hq, pmax, d)],
-        output_dtypes=[mx.float32, mx.float32],
-    )
-    (out,) = _combine_kernel()(
-        inputs=[meta, ml, part_out],
-        template=[("T", dtype), ("D", d), ("P", PARTITION)],
-        grid=(d, hq, rows),
-        threadgroup=(d, 1, 1),
-        output_shapes=[(rows, hq, d)],
-        output_dtypes=[dtype],
-    )
+    caches = [s[1] for s in segments] + ([] if launch.joint else [s[2] for s in segments]) + ([] if block is None else [block])
+    ml, part_out = launch.partial(inputs=[q, meta, _scale(scale), *caches], **launch.partial_options)
+    (out,) = launch.combine(inputs=[meta, ml, part_out], **launch.combine_options)
     return out
