@@ -32,7 +32,8 @@ import mlx.core as mx
 from dflash_bench.engine import baked_kernel, matmul_kernel, matmul_source
 from dflash_bench.engine.matmul_kernel import launch, rows_matmul
 
-NAMES = ("K", "N", "BITS", "G", "NT", "SPLITK", "MT", "PIPE", "P1", "P2", "P3", "RESID", "NORM", "EPS")
+# the row kernel's constants, in the order `launch` writes them (GLU since the SwiGLU launch)
+NAMES = tuple(name for name, _ in launch(1, 512, 256, 4, 64, ()).options["template"])
 
 
 def header_file(folder: Path) -> Path:
@@ -94,7 +95,8 @@ def main() -> None:
     body = matmul_source.source(0)
     paths = {"templated": variant("templated", matmul_source.HEADER, body, False),
              "baked": variant("baked", matmul_source.HEADER, body, True),
-             "engine": (lambda x, q, s, b, bits, gs: rows_matmul(x, q, s, b, bits, gs), len(matmul_source.HEADER) + len(body)),
+             "engine": (lambda x, q, s, b, bits, gs: rows_matmul(x, q, s, b, bits, gs),
+                        len(matmul_kernel._kernel(0).header) + len(matmul_kernel._kernel(0).source)),  # compacted
              "included": variant("included", include, call, False),
              "included+baked": variant("included+baked", include, call, True)}
     for k, n in [(4096, 4096), (4096, 24576)]:

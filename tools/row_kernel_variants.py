@@ -2,7 +2,7 @@
 
 usage (GPU machine, repo root): python3 tools/row_kernel_variants.py [--ncu] [--drafter | --wide [BEFORE.py] | --norm]
 
-The engine's kernel (dflash_bench/engine/matmul_kernel.py, read as text, so MLX is not needed) is
+The engine's kernel (dflash_bench/engine/matmul_source.py, which imports no MLX) is
 compiled beside variants of it with nvcc through CuPy, launched on the same weights, and timed from
 CUDA graphs of many launches (device time; no host launch cost), cold (rotating over weight copies
 that overflow the 60 MB L2) at 1, 16 and 64 rows. Each variant must keep the engine's bits (`same bits`: its
@@ -55,6 +55,7 @@ import numpy as np
 from gpu_clocks import ClockLog
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the engine's kernel source (engine_source), without MLX
 L2_BYTES = 60 * 2**20
 
 
@@ -71,12 +72,16 @@ def engine_constants(path: pathlib.Path = ROOT / "dflash_bench/engine/matmul_ker
     return found
 
 
-def engine_source(path: pathlib.Path = ROOT / "dflash_bench/engine/matmul_source.py") -> tuple[str, str]:
-    """The engine kernel's `HEADER` and `BODY` (or an earlier copy's at `path`: matmul_kernel.py's `_HEADER` and
-    `_SOURCE` before the source had a module of its own)."""
+def engine_source(path: pathlib.Path | None = None) -> tuple[str, str]:
+    """The engine kernel's header and one-output body (matmul_source.py's `HEADER` and `source(0)`, its placeholders
+    filled; that module needs no MLX), or those of an earlier copy of matmul_kernel.py at `path` (its `_HEADER` and
+    `_SOURCE`, read from its text, from before the source had a module of its own)."""
+    if path is None:
+        from dflash_bench.engine import matmul_source
+
+        return matmul_source.HEADER, matmul_source.source(0)
     found = engine_constants(path)
-    header, body = (found["HEADER"], found["BODY"]) if "HEADER" in found else (found["_HEADER"], found["_SOURCE"])
-    return header, body.replace("{part}", "y + (size_t)M * lo")  # one output (matmul_source.source)
+    return found["_HEADER"], found["_SOURCE"].replace("{part}", "y + (size_t)M * lo")  # one output, as it wrote it
 
 
 STREAM_LOAD = r"""
@@ -179,7 +184,7 @@ def module(bodies: dict[str, str], header: str, wanted: list[tuple[str, tuple[in
         defs = "".join(f"  constexpr int {n} = {v};\n"
                        for n, v in zip(("K", "N", "BITS", "G", "NT", "SPLITK", "MT", "PIPE"), consts))
         defs += "".join(f"  constexpr int {p} = N;\n" for p in ("P1", "P2", "P3"))  # one output, not parts
-        defs += "  constexpr int RESID = 0;\n"  # no residual added (matmul_kernel.rows_matmul's `residual`)
+        defs += "  constexpr int RESID = 0;\n  constexpr int GLU = 0;\n"  # no residual added, no SwiGLU (rows_matmul's)
         normed = is_normed(body)  # rows_matmul's `norm`, or none
         defs += f"  constexpr int NORM = {int(normed)};\n  constexpr int EPS = {float_bits(NORM_EPS) if normed else 0};\n"
         code += f'extern "C" __global__ void {kernel_name(body, consts)}({params}) {{\n{defs}{bodies[body]}\n}}\n'

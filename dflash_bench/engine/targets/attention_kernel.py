@@ -567,7 +567,7 @@ def decode_attention(segments: list[Rows], scale: float, meta: mx.array | None =
     holds them), the launch reads them, and a segment's q gives only its row count: the segments' q rows are
     not joined again (with several segments a copy launched a layer, and a slice a segment, for the host to build
     and encode). The same values, so the same bits."""
-    if not segments:
+    if not segments:  # its refusal, before the key reads a first segment
         check_segments(segments)
     key = (tuple((q.shape, q.dtype, k.shape, k.dtype, None if v is None else (v.shape, v.dtype), start)
                  for q, k, v, start in segments), None if block is None else (block.shape, block.dtype),
