@@ -147,3 +147,46 @@ def test_a_turned_layers_decode_rows_take_one_launch_before_attention_and_keep_t
     assert launches == ["matmul", "norm_rope", "matmul"]
     assert mx.array_equal(fused, chain).item()
     assert all(mx.array_equal(a, b).item() for a, b in zip(fused_caches, chain_caches))
+
+
+@cuda_emulator.needs_gxx
+def test_a_forward_of_decode_rows_alone_runs_the_turned_layers_straight_with_the_same_bits(monkeypatch) -> None:
+    """A bf16 llama target whose every layer is turned and every projection on the row kernel (a CUDA GPU's gpu
+    mode; every launch's CUDA source under the emulator): a forward of decode rows alone (a step and a 3-row window,
+    two streams) runs its layers without `layer` (DenseTarget.layers), and gives the logits and caches `layer` gives,
+    bit for bit. A forward with a prompt chunk in it takes `layer`."""
+    from tiny_targets import canonical_weights, config_dict, reference_model
+
+    from dflash_bench.engine.target_config import parse_target_config
+    from dflash_bench.engine.targets import Segment, build_target
+    from dflash_bench.engine.targets.dense import DenseTarget
+
+    cuda_emulator.install(monkeypatch)
+    cuda_emulator.install_matmul(monkeypatch)
+    cfg = config_dict("llama", "smol", layers=2)
+    weights = {name: w.astype(mx.bfloat16) for name, w in canonical_weights(reference_model(cfg, 5)).items()}
+    target = build_target(parse_target_config(cfg), weights, dtype=mx.bfloat16)
+    for w in target.projections():
+        w.kernel = True
+    for attn in target.attn:
+        attn.path = "kernel"
+    assert target.turned() and target.row_tile == 1
+    layers: list[int] = []
+    layer = DenseTarget.layer
+    monkeypatch.setattr(DenseTarget, "layer", lambda self, i, *a: layers.append(i) or layer(self, i, *a))
+
+    def forward() -> tuple[list[mx.array], list[mx.array]]:
+        states = [target.new_state() for _ in range(2)]
+        for state, prompt in zip(states, ([3, 1, 4, 1, 5], [2, 7, 1, 8, 2])):
+            mx.eval(target.forward([Segment(prompt, 0, state, [4], prefill=True)])[0].logits, state.arrays())
+            state.keep(5)
+        outs = target.forward([Segment([9], 5, states[0], [0]), Segment([2, 6, 5], 5, states[1], [0, 1, 2])])
+        return [o.logits for o in outs], [s.layers[i].kv[:, :, :8] for s in states for i in range(2)]
+
+    straight, straight_caches = forward()
+    assert layers == [0, 1, 0, 1]  # the prompt chunks' forwards alone
+    layers.clear()
+    monkeypatch.setattr(DenseTarget, "turned", lambda self: False)
+    chain, chain_caches = forward()
+    assert layers == [0, 1] * 3
+    assert all(mx.array_equal(a, b).item() for a, b in zip(straight + straight_caches, chain + chain_caches))

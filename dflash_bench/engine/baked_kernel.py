@@ -18,6 +18,7 @@ whole of it at every evaluation.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import mlx.core as mx
 
@@ -98,3 +99,12 @@ class BakedKernel:
         if cache is not None:
             cache.keep(*self.variant(template, *dtypes()))
         return made
+
+
+def bind(kernel, template: tuple[tuple[str, TemplateArg], ...], input_dtypes: list[mx.Dtype],
+         output_dtypes: list[mx.Dtype]) -> Callable[..., list[mx.array]]:
+    """A launch object's call with these constants: a BakedKernel's kernel object for them (`bound`); a stand-in
+    (tests/cuda_emulator.py's, tools/forward_ops.py's templated launches) takes them at each call."""
+    if isinstance(kernel, BakedKernel):
+        return kernel.bound(template, input_dtypes, output_dtypes)
+    return partial(kernel, template=template)

@@ -19,14 +19,14 @@ a CUDA GPU.
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from itertools import accumulate
 
 import mlx.core as mx
 
 from dflash_bench.engine.backend import on_cuda
-from dflash_bench.engine.baked_kernel import BakedKernel
+from dflash_bench.engine.baked_kernel import BakedKernel, bind
 from dflash_bench.engine.device_values import constant
 from dflash_bench.engine.matmul_source import HEADER, INPUTS, ROPE_HEADER, ROPE_INPUTS, outputs, source
 
@@ -144,13 +144,27 @@ def splits_output(widths: tuple[int, ...]) -> bool:
     return 1 < len(widths) <= MAX_PARTS and all(w % 2 == 0 and w > 0 for w in widths)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class KernelCall:
     """One call shape's launch arguments (`launch`), built once: a decode round makes a call per weight,
     and the host's time building each is part of the round's (docs/gpu-round-profile.md)."""
 
     rows: mx.array  # the row count, the kernel's input `rows`
     options: dict  # template, grid, threadgroup, output shapes and dtypes
+    bound: dict = field(default_factory=dict)  # a launch object's call with these constants, and the rest (`run`)
+
+    def run(self, kernel, inputs: list[mx.array]) -> list[mx.array]:
+        """`kernel` (a `_kernel` launch object) called on `inputs` with these options: its kernel object for these
+        constants is looked up once a call shape and launch object (baked_kernel.bind), where a call with them
+        hashed the constants' tuple to find it again (a decode forward makes about 120 such calls)."""
+        made = self.bound.get(kernel)
+        if made is None:
+            options = dict(self.options)
+            template = options.pop("template")
+            made = self.bound[kernel] = (bind(kernel, template, [a.dtype for a in inputs], options["output_dtypes"]),
+                                         options)
+        call, options = made
+        return call(inputs=inputs, **options)
 
 
 def tiles_a_warp(m: int, k: int, n: int, bits: int, normed: bool) -> int:
@@ -256,6 +270,6 @@ def rows_matmul(x: mx.array, w: mx.array, scales: mx.array | None, biases: mx.ar
     resid = x if residual is None else residual  # unread where RESID is 0
     inputs = [x, w, scales, biases, call.rows, resid, x if norm is None else norm[0]]
     if rope is not None:
-        return list(_kernel(0, True)(inputs=inputs + [rope.positions, rope.log2_theta], **call.options))
-    ys = _kernel(len(parts))(inputs=inputs, **call.options)
+        return list(call.run(_kernel(0, True), inputs + [rope.positions, rope.log2_theta]))
+    ys = call.run(_kernel(len(parts)), inputs)
     return list(ys) if parts else ys[0]

@@ -56,12 +56,12 @@ float32 V is staged into K's buffer after the scores instead).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache, partial
+from functools import lru_cache
 from itertools import accumulate
 
 import mlx.core as mx
 
-from dflash_bench.engine.baked_kernel import BakedKernel
+from dflash_bench.engine.baked_kernel import BakedKernel, bind
 from dflash_bench.engine.cuda_source import CONVERSIONS
 from dflash_bench.engine.device_values import constant, per_round
 
@@ -500,14 +500,6 @@ class Launch:
 
 
 _LAUNCHES: dict[tuple, Launch] = {}
-
-
-def bind(kernel, template: tuple, input_dtypes: list[mx.Dtype], output_dtypes: list[mx.Dtype]):
-    """A launch object's call with these constants: a BakedKernel's kernel object for them (`bound`); a stand-in
-    (tests/cuda_emulator.py's, tools/round_split.py's templated launches) takes them at each call."""
-    if isinstance(kernel, BakedKernel):
-        return kernel.bound(template, input_dtypes, output_dtypes)
-    return partial(kernel, template=template)
 
 
 def prepare(segments: list[Rows], causal: bool, window: int | None, block: mx.array | None,

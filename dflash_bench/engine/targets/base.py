@@ -179,6 +179,17 @@ class Target:
     def layer(self, i: int, x: mx.array, segments: list[Segment], layout: Layout) -> mx.array:
         raise NotImplementedError
 
+    def layers(self, x: mx.array, segments: list[Segment], layout: Layout, taps: tuple[int, ...]
+               ) -> tuple[mx.array, list[mx.array]]:
+        """Every layer over the forward's rows: the last one's rows, and the tap layers' rows in
+        layer order."""
+        planes: list[mx.array] = []
+        for i in range(self.config.num_layers):
+            x = self.layer(i, x, segments, layout)
+            if i in taps:
+                planes.append(x)
+        return x, planes
+
     def mixer_layers(self) -> list:
         """Each layer's token mixer (attention, or qwen3_5's GatedDeltaNet), in layer order."""
         raise NotImplementedError
@@ -240,12 +251,7 @@ class Target:
             raise ValueError(f"the joined ids have shape {tuple(ids.shape)}, expected ({rows},): one a segment row")
         layout = Layout.of([len(seg.tokens) for seg in segments], [seg.prefill for seg in segments], self.row_tile)
         spans = layout.spans
-        x = self.embed_segments(segments, layout, ids)
-        planes: list[mx.array] = []
-        for i in range(self.config.num_layers):
-            x = self.layer(i, x, segments, layout)
-            if i in taps:
-                planes.append(x)
+        x, planes = self.layers(self.embed_segments(segments, layout, ids), segments, layout, taps)
         tap_rows = mx.concatenate([planes[taps.index(i)] for i in taps], axis=-1) if taps else None
         wanted = [a + r for seg, (a, _) in zip(segments, spans) for r in seg.logit_rows]
         logits = self.logits(x, wanted) if wanted else None
