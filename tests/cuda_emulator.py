@@ -284,9 +284,9 @@ def install(monkeypatch) -> None:
 
     monkeypatch.setattr(ak, "_partial_kernel", lambda s, block=False, joint=False: Emu(
         ak.partial_name(s, block, joint), ak.partial_inputs(s, block, joint), ["ml", "part_out"],
-        ak.partial_source(s, block, joint), ak._HEADER))
+        ak.partial_source(s, block, joint), ak.HEADER))
     monkeypatch.setattr(ak, "_combine_kernel", lambda: Emu("dflash_attention_combine", ["meta", "ml", "part_out"], ["out"],
-                                                           ak._COMBINE, ak._HEADER))
+                                                           ak.COMBINE, ak.HEADER))
 
 
 def install_norm_rope(monkeypatch) -> None:

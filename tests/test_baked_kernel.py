@@ -21,7 +21,7 @@ import mlx.core as mx
 from dflash_bench.engine import baked_kernel, matmul_kernel, matmul_source
 from dflash_bench.engine.baked_kernel import BakedKernel, constants
 from dflash_bench.engine.cuda_source import compact
-from dflash_bench.engine.targets import attention_kernel, delta_kernel, norm_rope_kernel
+from dflash_bench.engine.targets import attention_kernel, attention_source, delta_kernel, norm_rope_kernel
 
 
 @pytest.fixture
@@ -122,11 +122,11 @@ def test_the_attention_kernels_baked_give_the_templated_bits(monkeypatch, fresh_
 def engine_sources() -> dict[str, str]:
     """Every header and body the engine's launch objects are made from, as their modules write them."""
     sources = {"matmul header": matmul_source.HEADER, "matmul rope header": matmul_source.ROPE_HEADER,
-               "matmul rope": matmul_source.source(0, rope=True), "attention header": attention_kernel._HEADER,
-               "attention combine": attention_kernel._COMBINE, "delta header": delta_kernel._HEADER,
+               "matmul rope": matmul_source.source(0, rope=True), "attention header": attention_source.HEADER,
+               "attention combine": attention_source.COMBINE, "delta header": delta_kernel._HEADER,
                "norm-rope header": norm_rope_kernel._HEADER, "norm-rope keys": norm_rope_kernel._KEYS}
     sources |= {f"matmul {parts} parts": matmul_source.source(parts) for parts in range(4)}
-    sources |= {f"attention {s} {block} {joint}": attention_kernel.partial_source(s, block, joint)
+    sources |= {f"attention {s} {block} {joint}": attention_source.partial_source(s, block, joint)
                 for s in (1, 3) for block in (False, True) for joint in (False, True)}
     sources |= {f"delta {tail}": delta_kernel.source(2, 3, tail) for tail in (False, True)}
     sources |= {f"norm-rope {norm}": norm_rope_kernel.qk_source(norm) for norm in (False, True)}
@@ -168,4 +168,4 @@ def test_the_engines_launch_objects_hold_their_sources_compacted() -> None:
     kernel = matmul_kernel._kernel(0)
     assert kernel.source == compact(matmul_source.source(0)) and kernel.header == compact(matmul_source.HEADER)
     combine = attention_kernel._combine_kernel()
-    assert combine.source == compact(attention_kernel._COMBINE)
+    assert combine.source == compact(attention_source.COMBINE)

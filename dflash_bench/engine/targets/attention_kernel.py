@@ -9,7 +9,7 @@ a layer per stream at 1,024 keys on an H200 (docs/gpu-round-profile.md), once pe
 block pass takes it too (drafters/dflash.py), with its layers' other masks: bidirectional inside the
 block, and a sliding window (`decode_attention`'s `causal` and `window`), and reads its block's K/V from
 its own rows (`block`) where the target's rows are in the caches; a drafter needs only determinism, which the
-kernel has.
+kernel has. The CUDA source is attention_source.py's; this module picks and makes the launches.
 
 Why a row's bits do not depend on its segment's row count, its place in it, or the other segments of
 the launch (what drafted == plain needs, targets/base.py): a row's arithmetic is a fixed function of
@@ -62,8 +62,8 @@ from itertools import accumulate
 import mlx.core as mx
 
 from dflash_bench.engine.baked_kernel import BakedKernel, bind
-from dflash_bench.engine.cuda_source import CONVERSIONS
 from dflash_bench.engine.device_values import constant, per_round
+from dflash_bench.engine.targets.attention_source import COMBINE, HEADER, partial_inputs, partial_name, partial_source
 
 PARTITION = 128  # keys per pass-1 block, at absolute positions (a multiple of CHUNK)
 CHUNK = 32  # keys per staged chunk: one per lane
@@ -72,239 +72,6 @@ MAX_GROUP = 16  # query heads per kv head a block serves
 # One decode segment as the kernel takes it: q (n, Hq, D), its cache k and v (Hkv, capacity, D), start; or,
 # with v None, k one joint cache (2, Hkv, capacity, D): keys then values (cache.py's JointCache, a drafter's)
 Rows = tuple[mx.array, mx.array, mx.array | None, int]
-
-_HEADER = CONVERSIONS + r"""
-
-template <typename T, int N> struct alignas(N * sizeof(T)) da_pack { T v[N]; };
-
-// N consecutive elements at p as floats, in loads of 16 bytes (or of all N where that is less).
-template <typename T, int N>
-__device__ __forceinline__ void da_load(const T* p, float* out) {
-  constexpr int W = (N * sizeof(T) >= 16) ? 16 / (int)sizeof(T) : N;
-#pragma unroll
-  for (int i = 0; i < N / W; ++i) {
-    const da_pack<T, W> pk = reinterpret_cast<const da_pack<T, W>*>(p)[i];
-#pragma unroll
-    for (int t = 0; t < W; ++t) {
-      out[i * W + t] = cvt_to_f(pk.v[t]);
-    }
-  }
-}
-
-// A chunk of 32 keys into shared rows of pitch DP, in 16-byte loads: key i's D elements from row(i), or none
-// where row(i) is null (no row of the launch sees that key, so it stays unstaged).
-template <typename T, int D, int DP, int NT, typename Row>
-__device__ __forceinline__ void da_stage_rows(T* dst, Row row) {
-  constexpr int VEC = 16 / (int)sizeof(T);
-  constexpr int PIECES = 32 * D / VEC;
-#pragma unroll
-  for (int u = 0; u < (PIECES + NT - 1) / NT; ++u) {
-    const int idx = threadIdx.x + u * NT;
-    if (PIECES % NT == 0 || idx < PIECES) {
-      const int key = idx / (D / VEC);
-      const int piece = idx % (D / VEC);
-      const T* src = row(key);
-      if (src != nullptr) *reinterpret_cast<uint4*>(dst + key * DP + piece * VEC) = reinterpret_cast<const uint4*>(src)[piece];
-    }
-  }
-}
-
-// A chunk of 32 keys, 32 * D contiguous elements at src.
-template <typename T, int D, int DP, int NT>
-__device__ __forceinline__ void da_stage(T* dst, const T* src) {
-  da_stage_rows<T, D, DP, NT>(dst, [src](int key) { return src + (long long)key * D; });
-}
-
-// The chunk from c0, its keys before `start` from the cache and the rest from a block's own rows (key start + i
-// at row row0 + i of `blk`, none past its n rows). The same values land where the cache would have held them had
-// the block been written there first.
-template <typename T, int D, int DP, int NT>
-__device__ __forceinline__ void da_stage_split(T* dst, const T* cache, const T* blk, int c0, int start, int n, int row0) {
-  da_stage_rows<T, D, DP, NT>(dst, [=](int key) -> const T* {
-    const int at = c0 + key;
-    return at < start ? cache + (long long)at * D : at - start < n ? blk + (long long)(row0 + at - start) * D : nullptr;
-  });
-}
-"""
-
-# Pass 1. Template constants: T (K/V dtype; q arrives float32), D, G (q heads per kv head), HQ, HKV, RB (rows a block),
-# NW (warps), QPW (pairs a warp), P (PARTITION), CAUSAL (0: a row sees its whole segment, a drafter's block),
-# WINDOW (keys a row sees back from its own position, itself included; 0: all), BLOCK (1: a segment's keys from its
-# start on come from the input `blk`, (2, HKV, rows, D): `decode_attention`'s `block`). `{select}` picks segment
-# `seg`'s cache pointers.
-# The source avoids the substrings `_shape`, `_strides` and `_ndim`, which would add MLX parameters.
-_PARTIAL = r"""
-  constexpr int C = 32;
-  constexpr int VEC = 16 / (int)sizeof(T);
-  constexpr int DP = D + VEC;  // shared row pitch: 16 bytes of padding keep lanes' rows off one bank
-  constexpr int E = D / 32;    // output elements a lane
-  constexpr int NT = NW * 32;
-  constexpr bool SPLIT = 2 * C * DP * (int)sizeof(T) > 36 * 1024;  // V reuses K's buffer after the scores
-  __shared__ __align__(16) T kbuf[C * DP];
-  __shared__ __align__(16) T vown[SPLIT ? VEC : C * DP];
-  __shared__ float weights[NW][QPW][C];
-  const T* vbuf = SPLIT ? kbuf : vown;
-  const float NEG_INF = __int_as_float(0xff800000);
-
-  const int part = blockIdx.x;
-  const int hk = blockIdx.y % HKV;
-  const int rg = blockIdx.y / HKV;
-  const int seg = blockIdx.z;
-  const int pmax = meta[0];
-  const int rows_all = meta[1];
-  const int* sm = meta + 2 + rows_all + 4 * seg;
-  const int row0 = sm[0], start = sm[1], n = sm[2], cap = sm[3];
-  const int r_lo = rg * RB;
-  if (r_lo >= n) return;
-  const int rows = min(RB, n - r_lo);
-  const int k_lo = part * P;
-  // one past the last key a row here sees: its own position (causal), else its block's last
-  const int k_end = min(k_lo + P, start + (CAUSAL ? r_lo + rows : n));
-  if (k_lo >= k_end) return;
-  // the first chunk any row here sees: the first row's window starts lowest
-  const int c_lo = WINDOW ? max(k_lo, (start + r_lo - WINDOW + 1) / C * C) : k_lo;
-  const T* kp;
-  const T* vp;
-{select}
-  kp += (long long)hk * cap * D;
-  vp += (long long)hk * cap * D;
-  const T* bk = {block_k};
-  const T* bv = {block_v};
-  // a chunk of K or V rows from c0 (from `cache`, and with BLOCK the keys from the segment's start on from `blk`)
-  int c0 = 0;
-  auto stage = [&](T* dst, const T* cache, const T* blk) {
-    if constexpr (BLOCK != 0) {
-      da_stage_split<T, D, DP, NT>(dst, cache, blk, c0, start, n, row0);
-    } else {
-      da_stage<T, D, DP, NT>(dst, cache + (long long)c0 * D);
-    }
-  };
-  const float sc = scale[0];
-  const int warp = threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-
-  bool live[QPW];
-  int pos[QPW];  // the last key the row sees
-  int low[QPW];  // the first (its window's), 0 without one
-  long long pair[QPW];  // (global row, q head), the index of q's and out's rows
-  float m[QPW], l[QPW], acc[QPW][E];
-#pragma unroll
-  for (int i = 0; i < QPW; ++i) {
-    const int qi = warp + NW * i;
-    const int r = qi / G;
-    live[i] = qi < rows * G;
-    pos[i] = CAUSAL ? start + r_lo + r : start + n - 1;
-    low[i] = WINDOW ? start + r_lo + r - WINDOW + 1 : 0;
-    pair[i] = (long long)(row0 + r_lo + r) * HQ + hk * G + qi % G;
-    m[i] = NEG_INF;
-    l[i] = 0.0f;
-#pragma unroll
-    for (int e = 0; e < E; ++e) acc[i][e] = 0.0f;
-  }
-
-  for (c0 = c_lo; c0 < k_end; c0 += C) {
-    stage(kbuf, kp, bk);
-    if constexpr (!SPLIT) stage(vown, vp, bv);
-    __syncthreads();
-
-    // scores: lane j holds key c0 + j, summed over d in ascending order
-    float s[QPW];
-#pragma unroll
-    for (int i = 0; i < QPW; ++i) s[i] = 0.0f;
-#pragma unroll 4
-    for (int d = 0; d < D; d += VEC) {
-      float kk[VEC];
-      da_load<T, VEC>(kbuf + lane * DP + d, kk);
-#pragma unroll
-      for (int i = 0; i < QPW; ++i) {
-        if (live[i] && c0 <= pos[i] && c0 + C > low[i]) {
-          float qq[VEC];
-          da_load<float, VEC>(q + pair[i] * D + d, qq);
-#pragma unroll
-          for (int t = 0; t < VEC; ++t) s[i] = __fmaf_rn(qq[t], kk[t], s[i]);
-        }
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < QPW; ++i) {
-      if (live[i] && c0 <= pos[i] && c0 + C > low[i]) {
-        const bool seen = c0 + lane <= pos[i] && c0 + lane >= low[i];
-        const float x = seen ? __fmul_rn(s[i], sc) : NEG_INF;
-        float top = x;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, o));
-        const float mn = fmaxf(m[i], top);
-        const float alpha = expf(__fsub_rn(m[i], mn));  // 0 at the row's first chunk (m = -inf)
-        const float w = seen ? expf(__fsub_rn(x, mn)) : 0.0f;
-        float sum = w;
-#pragma unroll
-        for (int o = 1; o < 32; o <<= 1) sum = __fadd_rn(sum, __shfl_xor_sync(0xffffffffu, sum, o));
-        l[i] = __fadd_rn(__fmul_rn(l[i], alpha), sum);
-        m[i] = mn;
-#pragma unroll
-        for (int e = 0; e < E; ++e) acc[i][e] = __fmul_rn(acc[i][e], alpha);
-        weights[warp][i][lane] = w;
-      }
-    }
-    if constexpr (SPLIT) {
-      __syncthreads();
-      stage(kbuf, vp, bv);
-      __syncthreads();
-    } else {
-      __syncwarp();
-    }
-
-    // weighted values: lane owns elements lane*E .. lane*E+E-1, keys in ascending order
-#pragma unroll 2
-    for (int j = 0; j < C; ++j) {
-      float vv[E];
-      da_load<T, E>(vbuf + j * DP + lane * E, vv);
-#pragma unroll
-      for (int i = 0; i < QPW; ++i) {
-        if (live[i] && c0 + j <= pos[i] && c0 + j >= low[i]) {
-          const float w = weights[warp][i][j];
-#pragma unroll
-          for (int e = 0; e < E; ++e) acc[i][e] = __fmaf_rn(w, vv[e], acc[i][e]);
-        }
-      }
-    }
-    __syncthreads();
-  }
-
-#pragma unroll
-  for (int i = 0; i < QPW; ++i) {
-    if (live[i] && k_lo <= pos[i]) {
-      const long long o = pair[i] * pmax + part;
-      if (lane == 0) {
-        ml[2 * o] = m[i];
-        ml[2 * o + 1] = l[i];
-      }
-#pragma unroll
-      for (int e = 0; e < E; ++e) part_out[o * D + lane * E + e] = acc[i][e];
-    }
-  }
-"""
-
-# Pass 2. Template constants: T (out dtype), D, P. One thread per output element (d, q head, row).
-_COMBINE = r"""
-  const int d = blockIdx.x * blockDim.x + threadIdx.x;
-  const int h = blockIdx.y;
-  const int row = blockIdx.z;
-  const int pmax = meta[0];
-  const int parts = meta[2 + row] / P + 1;  // the partitions holding a key <= the row's position
-  const long long base = ((long long)row * gridDim.y + h) * pmax;
-  float top = ml[2 * base];
-  for (int i = 1; i < parts; ++i) top = fmaxf(top, ml[2 * (base + i)]);
-  float total = 0.0f;
-  float sum = 0.0f;
-  for (int i = 0; i < parts; ++i) {
-    const float w = expf(__fsub_rn(ml[2 * (base + i)], top));
-    total = __fadd_rn(total, __fmul_rn(ml[2 * (base + i) + 1], w));
-    sum = __fadd_rn(sum, __fmul_rn(part_out[(base + i) * D + d], w));
-  }
-  out[((long long)row * gridDim.y + h) * D + d] = cvt_from_f<T>(__fdiv_rn(sum, total));
-"""
-
 
 @dataclass(frozen=True)
 class Geometry:
@@ -340,45 +107,18 @@ def geometry(group: int, max_rows: int) -> Geometry:
     return Geometry(rb=rb, nw=nw, qpw=-(-pairs // nw), rg=-(-max_rows // rb))
 
 
-def partial_inputs(segments: int, block: bool = False, joint: bool = False) -> list[str]:
-    """Pass 1's input names for `segments` caches, two arrays each or one `joint` array each (and the block's
-    rows, `blk`)."""
-    caches = [f"kv{i}" for i in range(segments)] if joint else [
-        *(f"k{i}" for i in range(segments)), *(f"v{i}" for i in range(segments))]
-    names = ["q", "meta", "scale", *caches]
-    return names + ["blk"] if block else names
-
-
-def partial_source(segments: int, block: bool = False, joint: bool = False) -> str:
-    """Pass 1's body for `segments` caches: segment i's pointers are inputs k{i} and v{i}, or with `joint` the
-    input kv{i} (2, Hkv, capacity, D) and its values Hkv * capacity * D elements on; with `block`, its
-    keys and values from its start on are rows of `blk` (a kv head's K rows, then its V rows half a block on)."""
-    pick = "kp = kv{i}; vp = kv{i} + (long long)HKV * cap * D;" if joint else "kp = k{i}; vp = v{i};"
-    cases = "\n".join(f"    case {i}: {pick.format(i=i)} break;" for i in range(segments))
-    body = _PARTIAL.replace("{select}", f"  switch (seg) {{\n{cases}\n    default: return;\n  }}")
-    if not block:
-        return body.replace("{block_k}", "nullptr").replace("{block_v}", "nullptr")
-    return (body.replace("{block_k}", "blk + (long long)hk * rows_all * D")
-            .replace("{block_v}", "blk + (long long)(HKV + hk) * rows_all * D"))
-
-
 @lru_cache(maxsize=16)
 def _partial_kernel(segments: int, block: bool = False, joint: bool = False):
     """Pass 1 for `segments` caches (with the block's rows apart; joint caches), under its own name (the source
     differs by segment count, block and joint)."""
     return BakedKernel(partial_name(segments, block, joint), partial_inputs(segments, block, joint),
-                       ["ml", "part_out"], partial_source(segments, block, joint), _HEADER)
-
-
-def partial_name(segments: int, block: bool, joint: bool) -> str:
-    """Pass 1's kernel name for a source variant (tests/cuda_emulator.py names its stand-ins alike)."""
-    return f"dflash_attention_partial_{segments}{'_block' if block else ''}{'_joint' if joint else ''}"
+                       ["ml", "part_out"], partial_source(segments, block, joint), HEADER)
 
 
 @lru_cache(maxsize=1)
 def _combine_kernel():
     """Pass 2: one source for every launch (its templates differ by dtype and head dim alone)."""
-    return BakedKernel("dflash_attention_combine", ["meta", "ml", "part_out"], ["out"], _COMBINE, _HEADER)
+    return BakedKernel("dflash_attention_combine", ["meta", "ml", "part_out"], ["out"], COMBINE, HEADER)
 
 
 def _scale(scale: float) -> mx.array:
