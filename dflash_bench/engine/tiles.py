@@ -368,6 +368,9 @@ def linear(x: mx.array, weight: Weight | mx.array, layout: Layout | None = None,
         x, norm = mx.fast.rms_norm(x, *norm), None
     rows = x.shape[0]
     if weight.kernel:
+        if layout is None or not layout.blocks:  # decode rows alone: every row in one kernel call
+            return weight.kernel_product(x, residual=residual, norm=norm, glu=glu)
+
         def kernel(a: int, b: int) -> mx.array:  # rows [a, b) in one kernel call, the residual's and the norm's in it
             return weight.kernel_product(x[a:b], residual=None if residual is None else residual[a:b], norm=norm,
                                          glu=glu)
@@ -377,8 +380,6 @@ def linear(x: mx.array, weight: Weight | mx.array, layout: Layout | None = None,
             y = pairs(y) if glu else y
             return y if residual is None else residual[a:b] + y
 
-        if layout is None:
-            return kernel(0, rows)
         parts = [kernel(0, layout.decode_rows)] if layout.decode_rows else []
         parts += [block(a, b) for a, b in layout.blocks]
         return mx.concatenate(parts) if len(parts) > 1 else parts[0]
