@@ -151,17 +151,17 @@ class KernelCall:
 
     rows: mx.array  # the row count, the kernel's input `rows`
     options: dict  # template, grid, threadgroup, output shapes and dtypes
-    bound: dict = field(default_factory=dict)  # a launch object's call with these constants, and the rest (`run`)
+    bindings: dict = field(default_factory=dict)  # a launch object's call with these constants, and the rest (`run`)
 
     def run(self, kernel, inputs: list[mx.array]) -> list[mx.array]:
         """`kernel` (a `_kernel` launch object) called on `inputs` with these options: its kernel object for these
         constants is looked up once a call shape and launch object (baked_kernel.bind), where a call with them
         hashed the constants' tuple to find it again (a decode forward makes about 120 such calls)."""
-        made = self.bound.get(kernel)
+        made = self.bindings.get(kernel)
         if made is None:
             options = dict(self.options)
             template = options.pop("template")
-            made = self.bound[kernel] = (bind(kernel, template, [a.dtype for a in inputs], options["output_dtypes"]),
+            made = self.bindings[kernel] = (bind(kernel, template, [a.dtype for a in inputs], options["output_dtypes"]),
                                          options)
         call, options = made
         return call(inputs=inputs, **options)

@@ -248,7 +248,7 @@ class Stacked:
         if len(self.weights) == 1 and len(self.widths) > 1:
             stacked = self.weights[0]
             if stacked.kernel and splits_output(self.widths) and (layout is None or not layout.blocks):
-                return stacked.kernel_product(x if layout is None else x[: layout.decode_rows], self.widths, norm=norm)
+                return stacked.kernel_product(x, self.widths, norm=norm)  # (no blocks: x is the decode rows)
             return mx.split(linear(x, stacked, layout, norm=norm), list(accumulate(self.widths[:-1])), axis=-1)
         if norm is not None and len(self.weights) > 1:  # the parts share one norm of x
             x, norm = mx.fast.rms_norm(x, *norm), None

@@ -171,14 +171,13 @@ class SelfAttention:
         return self.gate(o, gate)
 
     def turned_decode(self, x: mx.array, decoding: list[tuple[Segment, tuple[int, int]]], layer: int,
-                      norm: Norm, positions: mx.array | None = None) -> mx.array:
+                      norm: Norm) -> mx.array:
         """Every decode segment's rows (packed first) through the q/k/v launch that norms them, turns their queries
-        and keys at their positions (`packed_positions`, unless given) and lays them out for attention
-        (matmul_kernel.rows_matmul's `rope`: the bits of the parts and norm_rope_kernel.py's launch), their K/V into
-        each stream's cache, then the attention launch: (rows, Hq * D)."""
+        and keys at their positions and lays them out for attention (matmul_kernel.rows_matmul's `rope`: the bits
+        of the parts and norm_rope_kernel.py's launch), their K/V into each stream's cache, then the attention
+        launch: (rows, Hq * D)."""
         rows = decoding[-1][1][1]
-        if positions is None:
-            positions = packed_positions([seg for seg, _ in decoding])
+        positions = packed_positions([seg for seg, _ in decoding])
         rope = Rope(positions, norm_rope_kernel.device_log2_theta(self.rope_theta),
                     (self.heads, self.kv_heads, self.head_dim, self.rope_dims))
         queries, kv = self.qkv.weights[0].kernel_product(x if rows == x.shape[0] else x[:rows], self.qkv.widths,
@@ -279,15 +278,15 @@ class DenseTarget(Target):
                ) -> tuple[mx.array, list[mx.array]]:
         """A forward of unpadded decode rows alone on the turned launches (`turned`) runs them layer by layer
         without the per-layer choices `layer` makes (its Python was most of a default-model step's build on the
-        host: docs/gpu-round-profile.md, session 54): the same launches on the same arrays, so the same bits."""
+        host: docs/gpu-round-profile.md, session 54): the same launches on the same arrays, so the same bits (the
+        packed positions, as every layer's, made once a forward: `packed_positions`)."""
         rows = layout.spans[-1][1] if layout.spans else 0
         if layout.blocks or layout.rows != rows or not self.turned():  # (a prompt chunk is a block)
             return super().layers(x, segments, layout, taps)
         decoding = list(zip(segments, layout.spans))
-        positions = packed_positions(segments)
         planes = []
         for i, (attn, (pre, post), (gate_up, down)) in enumerate(zip(self.attn, self.norms, self.mlps)):
-            x = attn.o.kernel_product(attn.turned_decode(x, decoding, i, (pre, self.eps), positions), residual=x)
+            x = attn.o.kernel_product(attn.turned_decode(x, decoding, i, (pre, self.eps)), residual=x)
             x = down.kernel_product(gate_up.weights[0].kernel_product(x, norm=(post, self.eps), glu=True), residual=x)
             if i in taps:
                 planes.append(x)
