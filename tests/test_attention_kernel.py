@@ -49,17 +49,19 @@ def attention_layers(target) -> list[SelfAttention]:
 
 
 def tiled(segments: list[attention_kernel.Rows], scale: float, meta: mx.array | None = None,
-          queries: mx.array | None = None) -> mx.array:
+          queries: mx.array | None = None, block: None = None, layer: int | None = None) -> mx.array:
     """What the kernel computes, as dense.py's tiled path does it per segment (exact on CPU); where `meta`
     (the launch's layout) places a segment at a device start, at that start (its `start` an upper bound). Packed
-    `queries`, where given, must be the segments' query rows in order."""
+    `queries`, where given, must be the segments' query rows in order; with `layer`, each joint cache is every
+    layer's (stacked_cache.py's) and the layer's is read."""
+    assert block is None, "the stand-in reads keys from the caches alone"
     if queries is not None:
         assert mx.array_equal(queries, mx.concatenate([q for q, _, _, _ in segments])).item()
     outs = []
     rows = sum(q.shape[0] for q, _, _, _ in segments)
     for i, (q, k, v, start) in enumerate(segments):
-        if v is None:  # a joint cache: keys then values (cache.py's JointCache)
-            k, v = k[0], k[1]
+        if v is None:  # a joint cache: keys then values (cache.py's JointCache), of layer `layer` where given
+            k, v = k[2 * (layer or 0)], k[2 * (layer or 0) + 1]
         n, kr = q.shape[0], tiles_for(start + q.shape[0])
         at = start if meta is None else meta[2 + rows + 4 * i + 1]
         seen = key_mask(query_positions(at, n), 0, kr, at + n)
@@ -163,6 +165,12 @@ def test_bad_arguments_are_refused_before_any_launch() -> None:
         with pytest.raises(ValueError, match="packed queries"):
             decode_attention([(q, k, k, 0)], 0.125, queries=packed)
             pytest.fail(why)
+    for why, (segments, layer) in {"a layer of two arrays": ([(q, k, k, 0)], 0), "a layer past the caches": (
+            [(q, mx.stack([k, k, k, k]), None, 0)], 2), "a negative layer": ([(q, mx.stack([k, k]), None, 0)], -1),
+            "layers of an odd count": ([(q, mx.stack([k, k, k]), None, 0)], 0)}.items():
+        with pytest.raises(ValueError):
+            decode_attention(segments, 0.125, layer=layer)
+            pytest.fail(why)
     for why, block in {"a block of other rows": mx.zeros((2, 2, 3, 64)), "a block in another dtype": mx.zeros(
             (2, 2, 2, 64), dtype=mx.bfloat16), "a block without its values": mx.zeros((1, 2, 2, 64))}.items():
         with pytest.raises(ValueError):
@@ -177,10 +185,10 @@ def test_every_decode_segment_goes_through_one_launch_a_layer_onto_its_own_rows(
     cache holds keys and values in one array (cache.py's JointCache), which the launch reads as it is."""
     calls: list[list[tuple[int, int, int]]] = []
 
-    def spy(segments, scale, meta=None, queries=None):
+    def spy(segments, scale, meta=None, queries=None, block=None, layer=None):
         assert all(v is None and k.ndim == 4 for _, k, v, _ in segments)
         calls.append([(q.shape[0], start, k.shape[2]) for q, k, v, start in segments])
-        return tiled(segments, scale, meta, queries)
+        return tiled(segments, scale, meta, queries, block, layer)
 
     monkeypatch.setattr(attention_kernel, "decode_attention", spy)
     for family in ("qwen3", "qwen3_5"):
@@ -412,6 +420,10 @@ def block_rows_as_written(causal: bool, window: int | None) -> None:
         meta = attention_kernel.launch_meta(joint, ats_or_none, causal)
         assert meta.tolist() == attention_kernel.launch_meta(segs, ats_or_none, causal).tolist()
         assert same(decode_attention(joint, scale, meta, causal, window, block=block), want), f"seed {seed}"
+        # every layer's joint caches (stacked_cache.py's), the stream's as layer 1 of 3: read at its offset in place
+        layered = [(q, mx.concatenate([kv + 1, kv, kv - 1]), None, start) for q, kv, _, start in joint]
+        assert same(decode_attention(layered, scale, meta, causal, window, block=block, layer=1), want), f"seed {seed}"
+        assert not same(decode_attention(layered, scale, meta, causal, window, block=block, layer=2), want)
     changed = mx.array(block)
     changed[0, 1, 4 + 1 + 2, 3] = changed[0, 1, 4 + 1 + 2, 3] + 4.0  # the third segment's row 2, kv head 1
     moved = mx.all(decode_attention(bare, scale, None, causal, window, block=changed) == got, axis=(1, 2)).tolist()

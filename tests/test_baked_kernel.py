@@ -128,6 +128,8 @@ def engine_sources() -> dict[str, str]:
     sources |= {f"matmul {parts} parts": matmul_source.source(parts) for parts in range(4)}
     sources |= {f"attention {s} {block} {joint}": attention_source.partial_source(s, block, joint)
                 for s in (1, 3) for block in (False, True) for joint in (False, True)}
+    sources |= {f"attention {s} {block} layered": attention_source.partial_source(s, block, True, True)
+                for s in (1, 3) for block in (False, True)}
     sources |= {f"delta {tail}": delta_kernel.source(2, 3, tail) for tail in (False, True)}
     sources |= {f"norm-rope {norm}": norm_rope_kernel.qk_source(norm) for norm in (False, True)}
     return sources

@@ -153,10 +153,13 @@ def test_a_turned_layers_decode_rows_take_one_launch_before_attention_and_keep_t
 def test_a_forward_of_decode_rows_alone_runs_the_turned_layers_straight_with_the_same_bits(monkeypatch) -> None:
     """A bf16 llama target whose every layer is turned and every projection on the row kernel (a CUDA GPU's gpu
     mode; every launch's CUDA source under the emulator): a forward of decode rows alone (a step and a 3-row window,
-    two streams) runs its layers without `layer` (DenseTarget.layers), and gives the logits and caches `layer` gives,
-    bit for bit. A forward with a prompt chunk in it takes `layer`."""
+    two streams, then a step and a 2-row window after the window kept part of itself at a device length) runs its
+    layers without `layer` (DenseTarget.layers), writes every layer's K/V once a stream at its end (stacked_cache.py)
+    and gives the logits and caches `layer` gives (a write a layer and stream), bit for bit. A forward with a prompt
+    chunk in it takes `layer`."""
     from tiny_targets import canonical_weights, config_dict, reference_model
 
+    from dflash_bench.engine.stacked_cache import StackedLayer, StackedState
     from dflash_bench.engine.target_config import parse_target_config
     from dflash_bench.engine.targets import Segment, build_target
     from dflash_bench.engine.targets.dense import DenseTarget
@@ -171,22 +174,29 @@ def test_a_forward_of_decode_rows_alone_runs_the_turned_layers_straight_with_the
     for attn in target.attn:
         attn.path = "kernel"
     assert target.turned() and target.row_tile == 1
-    layers: list[int] = []
-    layer = DenseTarget.layer
-    monkeypatch.setattr(DenseTarget, "layer", lambda self, i, *a: layers.append(i) or layer(self, i, *a))
+    calls: list[str] = []
+    layer, write_layers, write_joint = DenseTarget.layer, StackedState.write_layers, StackedLayer.write_joint
+    monkeypatch.setattr(DenseTarget, "layer", lambda self, i, *a: calls.append(f"layer {i}") or layer(self, i, *a))
+    monkeypatch.setattr(StackedState, "write_layers", lambda self, *a: calls.append("all") or write_layers(self, *a))
+    monkeypatch.setattr(StackedLayer, "write_joint", lambda self, *a: calls.append("one") or write_joint(self, *a))
 
     def forward() -> tuple[list[mx.array], list[mx.array]]:
         states = [target.new_state() for _ in range(2)]
         for state, prompt in zip(states, ([3, 1, 4, 1, 5], [2, 7, 1, 8, 2])):
             mx.eval(target.forward([Segment(prompt, 0, state, [4], prefill=True)])[0].logits, state.arrays())
             state.keep(5)
+        calls.clear()
         outs = target.forward([Segment([9], 5, states[0], [0]), Segment([2, 6, 5], 5, states[1], [0, 1, 2])])
-        return [o.logits for o in outs], [s.layers[i].kv[:, :, :8] for s in states for i in range(2)]
+        mx.eval([o.logits for o in outs], [s.arrays() for s in states])
+        states[0].keep(6)
+        states[1].keep_at(mx.array(6, dtype=mx.int32), 8, 6)  # the window kept one of its drafts, a device value
+        outs += target.forward([Segment([4], 6, states[0], [0]),
+                                Segment([7, 3], 8, states[1], [0, 1], at=states[1].at)])
+        return [o.logits for o in outs], [s.layers[i].kv[:, :, :16] for s in states for i in range(2)]
 
     straight, straight_caches = forward()
-    assert layers == [0, 1, 0, 1]  # the prompt chunks' forwards alone
-    layers.clear()
+    assert calls == ["all", "all"] * 2  # no layer, no write a layer: every layer's rows once a stream
     monkeypatch.setattr(DenseTarget, "turned", lambda self: False)
     chain, chain_caches = forward()
-    assert layers == [0, 1] * 3
+    assert calls == ["layer 0", "one", "one", "layer 1", "one", "one"] * 2
     assert all(mx.array_equal(a, b).item() for a, b in zip(straight + straight_caches, chain + chain_caches))

@@ -145,11 +145,13 @@ def test_each_graph_instantiation_is_placed_in_its_round_and_host_phase(tmp_path
 
 def test_held_writes_keep_mlx_from_donating_a_caches_buffer_and_change_no_value() -> None:
     """`--writes held`: a cache write whose input nothing else holds updates the buffer in place (MLX donates it);
-    under held_writes the same write copies into a new buffer, and the cache holds the same values."""
+    under held_writes the same write copies into a new buffer, and the cache holds the same values: a layer's
+    cache's write and a dense target's every-layer one."""
     import mlx.core as mx
     import numpy as np
 
     from dflash_bench.engine.cache import JointCache
+    from dflash_bench.engine.stacked_cache import StackedState
     from round_timeline import held_writes
 
     def address(a: mx.array) -> int:
@@ -173,6 +175,23 @@ def test_held_writes_keep_mlx_from_donating_a_caches_buffer_and_change_no_value(
 
     in_place, kv = written(hold=False)
     copied_in_place, held_kv = written(hold=True)
+    assert in_place and not copied_in_place
+    assert mx.array_equal(kv, held_kv).item() and kv[0, 0, 3, 0].item() == 100.0
+
+    def stack_written(hold: bool) -> tuple[bool, mx.array]:  # a dense target's every-layer write (stacked_cache.py)
+        state = StackedState(2, 2, 8)
+        rows = mx.arange(4 * 2 * 3 * 8, dtype=mx.float32).reshape(4, 2, 3, 8)
+        state.write_layers(0, rows)
+        mx.eval(state.stack.kv)
+        mx.synchronize()
+        before = address(state.stack.kv)
+        state.write_layers(3, rows[:, :, :1] + 100)
+        with held_writes() if hold else contextlib.nullcontext():
+            mx.eval(state.stack.kv)  # the read that writes them
+        return address(state.stack.kv) == before, state.stack.kv
+
+    in_place, kv = stack_written(hold=False)
+    copied_in_place, held_kv = stack_written(hold=True)
     assert in_place and not copied_in_place
     assert mx.array_equal(kv, held_kv).item() and kv[0, 0, 3, 0].item() == 100.0
 

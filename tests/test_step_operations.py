@@ -38,6 +38,7 @@ import mlx.core as mx
 from dflash_bench.engine import selfcheck
 from dflash_bench.engine.backend import FLOAT32_TENSORS
 from dflash_bench.engine.cache import AttentionCache, JointCache, keep_windows
+from dflash_bench.engine.stacked_cache import StackedLayer
 from dflash_bench.engine.target_config import parse_target_config
 from dflash_bench.engine.targets import build_target
 from dflash_bench.engine.targets import delta_kernel
@@ -379,9 +380,10 @@ def test_a_window_at_a_device_length_scatters_its_keys_along_positions_built_onc
     """A window placed at a length the host has not read (cache.py's `keep_at`) scatters its K/V along
     the forward's row positions, built once for every layer: no copy at a dynamic offset (on CUDA it
     launches over the whole cache: docs/profiles/round-kernels-h200.txt) and no positions a layer; keys and
-    values lie in one array (cache.py's JointCache), so one scatter a layer."""
-    write, given = JointCache.write_joint, []
-    monkeypatch.setattr(JointCache, "write_joint", lambda self, start, kv, rows=None: (
+    values lie in one array (a dense target's layers all in one: stacked_cache.py), so one scatter a layer where
+    its layers write as they go (this CPU's tile products)."""
+    write, given = StackedLayer.write_joint, []
+    monkeypatch.setattr(StackedLayer, "write_joint", lambda self, start, kv, rows=None: (
         given.append(rows) if self.at is not None else None, write(self, start, kv, rows))[1])
 
     def window_census(layers: int) -> collections.Counter:
@@ -396,8 +398,8 @@ def test_a_window_at_a_device_length_scatters_its_keys_along_positions_built_onc
         return census([o.logits for o in outs] + state.arrays())
 
     ops = window_census(3)
-    assert ops["ScatterAxis"] == 3 and ops["DynamicSliceUpdate"] == 0, ops
-    assert len(given) == 3 and all(rows is not None for rows in given)  # the forward's positions, sliced
+    assert ops["Scatter"] == 3 and ops["ScatterAxis"] == 0 and ops["DynamicSliceUpdate"] == 0, ops
+    assert len(given) == 3 and all(rows is given[0] for rows in given)  # the forward's positions, made once
 
 
 def test_a_joint_cache_holds_what_a_separate_one_does_and_writes_at_a_device_length_in_one_scatter() -> None:

@@ -291,23 +291,29 @@ WRITES = ("as-is", "held", "synced")
 
 @contextlib.contextmanager
 def held_writes():
-    """Each attention cache write's input (engine/cache.py's `placed`) kept referenced by the cache until its next
-    write, so MLX copies it into a new buffer at every write, never donating it (module docstring)."""
+    """Each attention cache write's input (engine/cache.py's `placed`, and a dense target's every-layer write:
+    engine/stacked_cache.py's `Stack.write`) kept referenced by the cache until its next write, so MLX copies it
+    into a new buffer at every write, never donating it (module docstring)."""
     import mlx.core as mx
 
     from dflash_bench.engine.cache import AttentionCache
+    from dflash_bench.engine.stacked_cache import Stack
 
-    placed = AttentionCache.placed
+    placed, write = AttentionCache.placed, Stack.write
 
     def holding(self, caches, start, xs, rows):
         self.held_input = tuple(mx.array(c) for c in caches)  # the same array, a second reference
         return placed(self, caches, start, xs, rows)
 
-    AttentionCache.placed = holding
+    def holding_stack(self, start, kv, index):
+        self.held_input = mx.array(self._kv)
+        return write(self, start, kv, index)
+
+    AttentionCache.placed, Stack.write = holding, holding_stack
     try:
         yield
     finally:
-        AttentionCache.placed = placed
+        AttentionCache.placed, Stack.write = placed, write
 
 
 def record(engine, prompt: list[int], draft: bool, rounds: int, trace: Path, streams: int = 1,

@@ -347,7 +347,7 @@ def measure_cost(target, drafter, parallel: int, trees: bool = False, context: i
 
     def forward(s: int, r: int) -> None:
         segs = [Segment(prompt[:r], context, states[i], list(range(r)), True) for i in range(s)]
-        mx.eval([o.logits for o in target.forward(segs, drafter.taps)])
+        mx.eval([o.logits for o in target.forward(segs, drafter.taps)], [states[i].arrays() for i in range(s)])
         for state in states[:s]:
             state.keep(context)
 
@@ -355,7 +355,7 @@ def measure_cost(target, drafter, parallel: int, trees: bool = False, context: i
         tree = Tree.of(prompt[: drafter.block], [-1] + [(r - 1) // 2 for r in range(1, drafter.block)])  # a binary tree
         segs = [Segment(list(tree.tokens), context, states[i], list(range(drafter.block)), True, tree=tree)
                 for i in range(s)]
-        mx.eval([o.logits for o in target.forward(segs, drafter.taps)])
+        mx.eval([o.logits for o in target.forward(segs, drafter.taps)], [states[i].arrays() for i in range(s)])
         for state in states[:s]:
             state.keep(context)
 

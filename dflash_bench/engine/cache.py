@@ -65,6 +65,12 @@ class AttentionCache:
     def at(self, value: mx.array | None) -> None:
         self._at, self._ahead = value, 0
 
+    @property
+    def settled(self) -> bool:
+        """Whether the host knows the length (`at` is None), told without reading `at` (which adds the rows written
+        since)."""
+        return self._at is None
+
     def write(self, start: int, k: mx.array, v: mx.array, rows: mx.array | None = None) -> None:
         """Rows at positions start, start + 1, ..; while the length is a device value, `start` is its
         upper bound and the rows go at `at` (the same positions, known only to the device): `rows`,
@@ -173,6 +179,11 @@ class JointCache(AttentionCache):
 
     def write(self, start: int, k: mx.array, v: mx.array, rows: mx.array | None = None) -> None:
         self.write_joint(start, mx.stack([k, v]), rows)
+
+    def index_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of a write's positions (`write_index`) for rows of `shape`, as `write_joint` takes them: the
+        rows' own."""
+        return shape
 
     def write_joint(self, start: int, kv: mx.array, rows: mx.array | None = None) -> None:
         """`write` of rows joined as (2, heads, n, head_dim), keys then values: one copy or one scatter."""

@@ -108,11 +108,11 @@ def geometry(group: int, max_rows: int) -> Geometry:
 
 
 @lru_cache(maxsize=16)
-def _partial_kernel(segments: int, block: bool = False, joint: bool = False):
-    """Pass 1 for `segments` caches (with the block's rows apart; joint caches), under its own name (the source
-    differs by segment count, block and joint)."""
-    return BakedKernel(partial_name(segments, block, joint), partial_inputs(segments, block, joint),
-                       ["ml", "part_out"], partial_source(segments, block, joint), HEADER)
+def _partial_kernel(segments: int, block: bool = False, joint: bool = False, layered: bool = False):
+    """Pass 1 for `segments` caches (with the block's rows apart; joint caches; every layer's joint caches, read at
+    a layer's offset), under its own name (the source differs by segment count, block, joint and layered)."""
+    return BakedKernel(partial_name(segments, block, joint, layered), partial_inputs(segments, block, joint, layered),
+                       ["ml", "part_out"], partial_source(segments, block, joint, layered), HEADER)
 
 
 @lru_cache(maxsize=1)
@@ -132,20 +132,28 @@ def _meta(values: tuple[int, ...]) -> mx.array:
     return mx.array(values, dtype=mx.int32)
 
 
-def check_segments(segments: list[Rows], block: mx.array | None = None) -> tuple[int, int, int, mx.Dtype]:
+def check_segments(segments: list[Rows], block: mx.array | None = None, layer: int | None = None
+                   ) -> tuple[int, int, int, mx.Dtype]:
     """(Hq, Hkv, D, dtype) shared by every segment, or ValueError: each segment has rows, one dtype
     and one head layout the kernel covers, a cache of CHUNK-multiple capacity holding its rows (with `block`,
     the keys before its start, and `block` (2, Hkv, rows, D) in K's dtype holding every segment's rows), and
-    every segment's caches two arrays or every segment's one joint array."""
+    every segment's caches two arrays or every segment's one joint array (with `layer`, every layer's joint
+    arrays, (2 * layers, Hkv, capacity, D), holding that layer's)."""
     if not segments:
         raise ValueError("decode attention needs at least one segment")
     joint = segments[0][2] is None
+    if layer is not None and not joint:
+        raise ValueError("a layer's keys are read from every layer's joint caches, not two arrays")
     for q, k, v, _ in segments:
         if (v is None) != joint:
             raise ValueError("every segment's caches are two arrays, or every segment's one joint array")
-        if q.ndim != 3 or (k.ndim != 4 or k.shape[0] != 2 if joint else k.ndim != 3 or v.ndim != 3):
+        if joint:
+            stacked = k.ndim == 4 and (k.shape[0] == 2 if layer is None else
+                                       0 <= layer and k.shape[0] % 2 == 0 and k.shape[0] >= 2 * layer + 2)
+        if q.ndim != 3 or (not stacked if joint else k.ndim != 3 or v.ndim != 3):
             raise ValueError(f"queries are (n, Hq, D) and caches (Hkv, capacity, D), or one joint (2, Hkv, capacity, "
-                             f"D), got {q.shape}, {k.shape}, {None if v is None else v.shape}")
+                             f"D), or every layer's (2 * layers, ..) holding layer {layer}, got {q.shape}, {k.shape}, "
+                             f"{None if v is None else v.shape}")
     q0, k0 = segments[0][0], segments[0][1]
     hq, d, hkv, dtype = q0.shape[1], q0.shape[2], cache_shape(segments[0])[0], k0.dtype
     if not fits(hq, hkv, d):
@@ -243,10 +251,10 @@ _LAUNCHES: dict[tuple, Launch] = {}
 
 
 def prepare(segments: list[Rows], causal: bool, window: int | None, block: mx.array | None,
-            queries: mx.array | None, kernels: tuple[BakedKernel, BakedKernel]) -> Launch:
+            queries: mx.array | None, kernels: tuple[BakedKernel, BakedKernel], layer: int | None = None) -> Launch:
     """The segments checked (`check_segments`) and their launch made: pass 1's grid over the partitions the
     latest row reaches, its geometry, and both passes' constants and outputs."""
-    hq, hkv, d, dtype = check_segments(segments, block)
+    hq, hkv, d, dtype = check_segments(segments, block, layer)
     lengths = [q.shape[0] for q, _, _, _ in segments]
     rows = sum(lengths)
     if queries is not None and (queries.shape != (rows, hq, d) or queries.dtype not in (dtype, mx.float32)):
@@ -262,7 +270,8 @@ def prepare(segments: list[Rows], causal: bool, window: int | None, block: mx.ar
                         ("BLOCK", int(block is not None)))
     caches = len(segments) * (1 if joint else 2) + (block is not None)
     partial_outputs = [mx.float32, mx.float32]
-    pass1 = bind(kernels[0], partial_template, [mx.float32, mx.int32, mx.float32] + [dtype] * caches, partial_outputs)
+    pass1 = bind(kernels[0], partial_template,
+                 [mx.float32, mx.int32, mx.float32] + [dtype] * caches + [mx.int32] * (layer is not None), partial_outputs)
     pass2 = bind(kernels[1], (("T", dtype), ("D", d), ("P", PARTITION)), [mx.int32, mx.float32, mx.float32], [dtype])
     return Launch(kernels, joint, pass1, pass2,
                   dict(grid=(pmax * nt, hkv * geo.rg, len(segments)), threadgroup=(nt, 1, 1),
@@ -271,7 +280,8 @@ def prepare(segments: list[Rows], causal: bool, window: int | None, block: mx.ar
 
 
 def decode_attention(segments: list[Rows], scale: float, meta: mx.array | None = None, causal: bool = True,
-                     window: int | None = None, block: mx.array | None = None, queries: mx.array | None = None) -> mx.array:
+                     window: int | None = None, block: mx.array | None = None, queries: mx.array | None = None,
+                     layer: int | None = None) -> mx.array:
     """Every segment's attention over its own cache, in two launches: (sum n_i, Hq, D) in K's dtype,
     the segments' rows in order.
 
@@ -298,23 +308,70 @@ def decode_attention(segments: list[Rows], scale: float, meta: mx.array | None =
     With `queries` (sum n_i, Hq, D: every segment's query rows in the segments' order, as one forward or pass
     holds them), the launch reads them, and a segment's q gives only its row count: the segments' q rows are
     not joined again (with several segments a copy launched a layer, and a slice a segment, for the host to build
-    and encode). The same values, so the same bits."""
+    and encode). The same values, so the same bits.
+
+    With `layer`, each segment's joint cache is every layer's (2 * layers, Hkv, capacity, D: stacked_cache.py's
+    StackedState) and the launch reads layer `layer`'s rows 2 * layer and 2 * layer + 1 of it in place: a view of
+    them would be an operation a layer and stream. The same memory read, so the same bits."""
+    call = decode_call(segments, scale, meta, causal, window, block, queries, layer)
+    q = queries if queries is not None else mx.concatenate([s[0] for s in segments]) if len(segments) > 1 else segments[0][0]
+    return call(q, block, layer)
+
+
+def decode_call(segments: list[Rows], scale: float, meta: mx.array | None = None, causal: bool = True,
+                window: int | None = None, block: mx.array | None = None, queries: mx.array | None = None,
+                layer: int | None = None) -> "Call":
+    """`decode_attention`'s launches for these segments (its arguments, checked), to call with each layer's
+    queries, block and layer (`Call`)."""
     if not segments:  # its refusal, before the key reads a first segment
         check_segments(segments)
     key = (tuple((q.shape, q.dtype, k.shape, k.dtype, None if v is None else (v.shape, v.dtype), start)
                  for q, k, v, start in segments), None if block is None else (block.shape, block.dtype),
-           None if queries is None else (queries.shape, queries.dtype), causal, window)
-    kernels = (_partial_kernel(len(segments), block is not None, segments[0][2] is None), _combine_kernel())
+           None if queries is None else (queries.shape, queries.dtype), causal, window, layer is not None)
+    kernels = (_partial_kernel(len(segments), block is not None, segments[0][2] is None, layer is not None),
+               _combine_kernel())
     launch = _LAUNCHES.get(key)
     if launch is None or launch.kernels != kernels:
-        launch = _LAUNCHES[key] = prepare(segments, causal, window, block, queries, kernels)
+        launch = _LAUNCHES[key] = prepare(segments, causal, window, block, queries, kernels, layer)
         if len(_LAUNCHES) > MAX_LAUNCHES:
             _LAUNCHES.pop(next(iter(_LAUNCHES)))
     meta = launch_meta(segments, causal=causal) if meta is None else meta
-    # float32 queries: converted once here (no operation where they come in float32), not at every key chunk of every block
-    q = queries if queries is not None else mx.concatenate([s[0] for s in segments]) if len(segments) > 1 else segments[0][0]
-    q = q.astype(mx.float32)
-    caches = [s[1] for s in segments] + ([] if launch.joint else [s[2] for s in segments]) + ([] if block is None else [block])
-    ml, part_out = launch.partial(inputs=[q, meta, _scale(scale), *caches], **launch.partial_options)
-    (out,) = launch.combine(inputs=[meta, ml, part_out], **launch.combine_options)
-    return out
+    caches = [s[1] for s in segments] + ([] if launch.joint else [s[2] for s in segments])
+    return Call(launch, meta, _scale(scale), caches, None if block is None else block.shape, layer is not None)
+
+
+@dataclass(frozen=True)
+class Call:
+    """`decode_attention` for one forward's segments, made once and called for each of its layers (DenseTarget.layers,
+    whose layers launch the same segments over the same caches, each with its own queries, block and layer): the
+    launch, its layout and the caches, so a layer's call only checks its inputs' shapes (where `decode_attention`
+    builds its launch key each call: about a third of a 4-stream default-model step's build on this project's CPU,
+    docs/gpu-round-profile.md, session 55)."""
+
+    launch: Launch
+    meta: mx.array
+    scale: mx.array
+    caches: list[mx.array]
+    block: tuple[int, ...] | None  # the block's shape, or None: a call without one
+    layered: bool
+
+    def __call__(self, queries: mx.array, block: mx.array | None = None, layer: int | None = None) -> mx.array:
+        """The launches for these packed queries (rows, Hq, D), block (of the shape the call was made for) and layer."""
+        options = self.launch.partial_options
+        if (queries.shape[0] != options["output_shapes"][0][0] or (block is None) != (self.block is None)
+                or (block is not None and block.shape != self.block) or (layer is not None) != self.layered):
+            raise ValueError(f"a call made for {options['output_shapes'][0][0]} rows, block {self.block}, "
+                             f"layered {self.layered}, given {queries.shape[0]}, {None if block is None else block.shape}, "
+                             f"layer {layer}")
+        if layer is not None and not 0 <= 2 * layer < self.caches[0].shape[0]:
+            raise ValueError(f"no layer {layer} in joint caches of shape {self.caches[0].shape}")
+        # float32 queries: converted once here (no operation where they come in float32), not at every key chunk of
+        # every block
+        inputs = [queries.astype(mx.float32), self.meta, self.scale, *self.caches]
+        if block is not None:
+            inputs.append(block)
+        if layer is not None:
+            inputs.append(constant((layer,), mx.int32))
+        ml, part_out = self.launch.partial(inputs=inputs, **options)
+        (out,) = self.launch.combine(inputs=[self.meta, ml, part_out], **self.launch.combine_options)
+        return out

@@ -240,20 +240,26 @@ COMBINE = r"""
 """
 
 
-def partial_inputs(segments: int, block: bool = False, joint: bool = False) -> list[str]:
+def partial_inputs(segments: int, block: bool = False, joint: bool = False, layered: bool = False) -> list[str]:
     """Pass 1's input names for `segments` caches, two arrays each or one `joint` array each (and the block's
-    rows, `blk`)."""
+    rows, `blk`; and with `layered`, the joint arrays' layer, `layer`)."""
     caches = [f"kv{i}" for i in range(segments)] if joint else [
         *(f"k{i}" for i in range(segments)), *(f"v{i}" for i in range(segments))]
     names = ["q", "meta", "scale", *caches]
-    return names + ["blk"] if block else names
+    return names + ["blk"] * block + ["layer"] * layered
 
 
-def partial_source(segments: int, block: bool = False, joint: bool = False) -> str:
+def partial_source(segments: int, block: bool = False, joint: bool = False, layered: bool = False) -> str:
     """Pass 1's body for `segments` caches: segment i's pointers are inputs k{i} and v{i}, or with `joint` the
-    input kv{i} (2, Hkv, capacity, D) and its values Hkv * capacity * D elements on; with `block`, its
-    keys and values from its start on are rows of `blk` (a kv head's K rows, then its V rows half a block on)."""
+    input kv{i} (2, Hkv, capacity, D) and its values Hkv * capacity * D elements on; with `layered`, kv{i} is every
+    layer's (2 * layers, Hkv, capacity, D: stacked_cache.py's) and the launch's layer (the input `layer`) is read at
+    its offset; with `block`, its keys and values from its start on are rows of `blk` (a kv head's K rows, then its
+    V rows half a block on)."""
+    if layered and not joint:
+        raise ValueError("a layered launch reads joint caches")
     pick = "kp = kv{i}; vp = kv{i} + (long long)HKV * cap * D;" if joint else "kp = k{i}; vp = v{i};"
+    if layered:
+        pick = "kp = kv{i} + (long long)layer[0] * 2 * HKV * cap * D; vp = kp + (long long)HKV * cap * D;"
     cases = "\n".join(f"    case {i}: {pick.format(i=i)} break;" for i in range(segments))
     body = PARTIAL.replace("{select}", f"  switch (seg) {{\n{cases}\n    default: return;\n  }}")
     if not block:
@@ -262,6 +268,7 @@ def partial_source(segments: int, block: bool = False, joint: bool = False) -> s
             .replace("{block_v}", "blk + (long long)(HKV + hk) * rows_all * D"))
 
 
-def partial_name(segments: int, block: bool, joint: bool) -> str:
+def partial_name(segments: int, block: bool, joint: bool, layered: bool = False) -> str:
     """Pass 1's kernel name for a source variant (tests/cuda_emulator.py names its stand-ins alike)."""
-    return f"dflash_attention_partial_{segments}{'_block' if block else ''}{'_joint' if joint else ''}"
+    return f"dflash_attention_partial_{segments}{'_block' if block else ''}{'_joint' if joint else ''}" + (
+        "_layered" if layered else "")

@@ -8,13 +8,15 @@ layer per stream there). Both are row-independent; they differ in the last bits,
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Literal
 
 import mlx.core as mx
 
-from dflash_bench.engine.cache import AttentionCache, JointCache, TargetState
+from dflash_bench.engine.cache import AttentionCache, JointCache
 from dflash_bench.engine.fused import sigmoid_gate
 from dflash_bench.engine.matmul_kernel import Rope, head_rows, in_order
+from dflash_bench.engine.stacked_cache import StackedLayer, StackedState
 from dflash_bench.engine.target_config import TargetConfig
 from dflash_bench.engine.targets import attention_kernel, norm_rope_kernel
 from dflash_bench.engine.targets.base import Segment, Target, as_weight, packed_positions, rope_rows
@@ -38,10 +40,20 @@ def kernel_meta(decoding: list[tuple[Segment, tuple[int, int]]], launch: list[at
     layer (the first segment keeps it, as `packed_positions`: a Segment lives for one forward; every
     layer's cache has the same capacity)."""
     first = decoding[0][0]
-    key = tuple((id(seg), c.shape[1]) for (seg, _), (_, c, _, _) in zip(decoding, launch))
+    key = tuple((id(seg), attention_kernel.cache_shape(rows)[1]) for (seg, _), rows in zip(decoding, launch))
     if first._launch is None or first._launch[0] != key:
         first._launch = (key, attention_kernel.launch_meta(launch, [seg.at for seg, _ in decoding]))
     return first._launch[1]
+
+
+@dataclass
+class Straight:
+    """What a forward run straight (DenseTarget.layers) keeps across its layers: each layer's K/V rows, written at
+    once at its end, and the attention launch made at its first layer for all of them (its segments, their caches
+    and its layout are every layer's: attention_kernel.py's `Call`)."""
+
+    written: list[mx.array] = field(default_factory=list)
+    call: attention_kernel.Call | None = None
 
 
 class SelfAttention:
@@ -171,18 +183,27 @@ class SelfAttention:
         return self.gate(o, gate)
 
     def turned_decode(self, x: mx.array, decoding: list[tuple[Segment, tuple[int, int]]], layer: int,
-                      norm: Norm) -> mx.array:
+                      norm: Norm, straight: Straight | None = None) -> mx.array:
         """Every decode segment's rows (packed first) through the q/k/v launch that norms them, turns their queries
         and keys at their positions and lays them out for attention (matmul_kernel.rows_matmul's `rope`: the bits
         of the parts and norm_rope_kernel.py's launch), their K/V into each stream's cache, then the attention
-        launch: (rows, Hq * D)."""
+        launch: (rows, Hq * D). In a `straight` forward the K/V rows are not written but kept in it (the caller
+        writes every layer's at once: DenseTarget.layers), and the launch, made once for every layer, reads them
+        from the forward's rows (its `block`) and the rest from every stream's array of every layer."""
         rows = decoding[-1][1][1]
         positions = packed_positions([seg for seg, _ in decoding])
         rope = Rope(positions, norm_rope_kernel.device_log2_theta(self.rope_theta),
                     (self.heads, self.kv_heads, self.head_dim, self.rope_dims))
         queries, kv = self.qkv.weights[0].kernel_product(x if rows == x.shape[0] else x[:rows], self.qkv.widths,
                                                          norm=norm, rope=rope)
-        return self.kernel_attention(decoding, self.write(decoding, kv, layer), queries)
+        if straight is None:
+            return self.kernel_attention(decoding, self.write(decoding, kv, layer), queries)
+        straight.written.append(kv)
+        if straight.call is None:
+            launch = [(queries[lo:hi], seg.state.kv, None, seg.start) for seg, (lo, hi) in decoding]
+            straight.call = attention_kernel.decode_call(launch, self.scale, kernel_meta(decoding, launch),
+                                                         queries=queries, block=kv, layer=layer)
+        return straight.call(queries, kv, layer).reshape(rows, -1)
 
     def write(self, decoding: list[tuple[Segment, tuple[int, int]]], kv: mx.array, layer: int) -> list[JointCache]:
         """Every decode segment's keys and values (kv: 2, Hkv, rows, D, the segments' rows in order) into its
@@ -192,17 +213,22 @@ class SelfAttention:
             cache = seg.state.layers[layer]
             assert isinstance(cache, JointCache)
             rows_kv = kv if len(decoding) == 1 else kv[:, :, lo:hi]  # (no view where it is all of them)
-            cache.write_joint(seg.start, rows_kv, None if seg.at is None else seg.write_index(rows_kv.shape))
+            cache.write_joint(seg.start, rows_kv,
+                              None if seg.at is None else seg.write_index(cache.index_shape(rows_kv.shape)))
             caches.append(cache)
         return caches
 
     def kernel_attention(self, decoding: list[tuple[Segment, tuple[int, int]]], caches: list[JointCache],
                          queries: mx.array) -> mx.array:
         """Every decode segment's rows over its cache in attention_kernel.py's launch, from the packed queries
-        (rows, Hq, D): (rows, Hq * D)."""
+        (rows, Hq, D): (rows, Hq * D). A dense target's layer (stacked_cache.py's StackedLayer) is read in place in
+        its state's array of every layer (the launch's `layer`)."""
         assert all(seg.tree is None for seg, _ in decoding), "trees never reach the kernel: DenseTarget.tree_refusal"
-        launch = [(queries[lo:hi], c.kv, None, seg.start) for (seg, (lo, hi)), c in zip(decoding, caches)]
-        o = attention_kernel.decode_attention(launch, self.scale, kernel_meta(decoding, launch), queries=queries)
+        layer = caches[0].index if isinstance(caches[0], StackedLayer) else None
+        launch = [(queries[lo:hi], c.kv if layer is None else c.stack.kv, None, seg.start)
+                  for (seg, (lo, hi)), c in zip(decoding, caches)]
+        o = attention_kernel.decode_attention(launch, self.scale, kernel_meta(decoding, launch), queries=queries,
+                                              layer=layer)
         return o.reshape(queries.shape[0], -1)
 
     def prefill_attention(self, q: mx.array, cache: AttentionCache, length: int) -> mx.array:
@@ -261,9 +287,10 @@ class DenseTarget(Target):
             self.mlps.append(self.mlp_weights(weights, f"{p}.mlp"))
             self.norms.append((weights[f"{p}.input_layernorm.weight"], weights[f"{p}.post_attention_layernorm.weight"]))
 
-    def new_state(self) -> TargetState:
+    def new_state(self) -> StackedState:
+        """Every layer's keys and values in one array (stacked_cache.py): a decode forward writes them once a stream."""
         c = self.config
-        return TargetState([JointCache(c.num_kv_heads, c.head_dim, self.dtype) for _ in range(c.num_layers)])
+        return StackedState(c.num_layers, c.num_kv_heads, c.head_dim, self.dtype)
 
     def mixer_layers(self) -> list[SelfAttention]:
         return self.attn
@@ -279,17 +306,24 @@ class DenseTarget(Target):
         """A forward of unpadded decode rows alone on the turned launches (`turned`) runs them layer by layer
         without the per-layer choices `layer` makes (its Python was most of a default-model step's build on the
         host: docs/gpu-round-profile.md, session 54): the same launches on the same arrays, so the same bits (the
-        packed positions, as every layer's, made once a forward: `packed_positions`)."""
+        packed positions, as every layer's, made once a forward: `packed_positions`). Each layer's attention reads
+        the rows' own keys and values from the forward's (its launch's `block`: the bits of the cache written
+        first), and every layer's are written at the end, once a stream (stacked_cache.py), where a layer wrote
+        each stream's as it went."""
         rows = layout.spans[-1][1] if layout.spans else 0
         if layout.blocks or layout.rows != rows or not self.turned():  # (a prompt chunk is a block)
             return super().layers(x, segments, layout, taps)
         decoding = list(zip(segments, layout.spans))
-        planes = []
+        planes, straight = [], Straight()
         for i, (attn, (pre, post), (gate_up, down)) in enumerate(zip(self.attn, self.norms, self.mlps)):
-            x = attn.o.kernel_product(attn.turned_decode(x, decoding, i, (pre, self.eps)), residual=x)
+            x = attn.o.kernel_product(attn.turned_decode(x, decoding, i, (pre, self.eps), straight), residual=x)
             x = down.kernel_product(gate_up.weights[0].kernel_product(x, norm=(post, self.eps), glu=True), residual=x)
             if i in taps:
                 planes.append(x)
+        kv = mx.concatenate(straight.written)  # (2 * layers, Hkv, rows, D): as a state's array holds every layer's
+        for seg, (lo, hi) in decoding:  # one write a stream (stacked_cache.py)
+            rows_kv = kv if len(decoding) == 1 else kv[:, :, lo:hi]
+            seg.state.write_layers(seg.start, rows_kv, None if seg.at is None else seg.write_index(rows_kv.shape))
         return x, planes
 
     def layer(self, i: int, x: mx.array, segments: list[Segment], layout: Layout) -> mx.array:
