@@ -148,18 +148,11 @@ def test_held_writes_keep_mlx_from_donating_a_caches_buffer_and_change_no_value(
     under held_writes the same write copies into a new buffer, and the cache holds the same values: a layer's
     cache's write and a dense target's every-layer one."""
     import mlx.core as mx
-    import numpy as np
+    from buffers import address
 
     from dflash_bench.engine.cache import JointCache
     from dflash_bench.engine.stacked_cache import StackedState
     from round_timeline import held_writes
-
-    def address(a: mx.array) -> int:
-        view = memoryview(a)
-        try:
-            return np.frombuffer(view, dtype=np.uint8).ctypes.data
-        finally:
-            view.release()
 
     def written(hold: bool) -> tuple[bool, mx.array]:
         cache = JointCache(2, 8)

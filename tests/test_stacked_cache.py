@@ -3,7 +3,7 @@ forward's rows written at once wait for the array's next read, where MLX may wri
 
 from __future__ import annotations
 
-import numpy as np
+from buffers import address
 
 import dflash_bench  # noqa: F401  (loads the BLAS before mlx.core)
 import mlx.core as mx
@@ -17,15 +17,6 @@ LAYERS, HEADS, D = 3, 2, 8
 def rows(n: int, seed: int) -> mx.array:
     """Every layer's rows, (2 * layers, heads, n, d) in bf16."""
     return mx.random.normal((2 * LAYERS, HEADS, n, D), key=mx.random.key(seed)).astype(mx.bfloat16)
-
-
-def address(a: mx.array) -> int:
-    """Where the array's buffer lies (tests/test_round_timeline.py's way): the same after a write made in place."""
-    view = memoryview(a)
-    try:
-        return np.frombuffer(view, dtype=np.uint8).ctypes.data
-    finally:
-        view.release()
 
 
 def test_one_array_holds_what_a_cache_a_layer_does_written_at_once_or_a_layer_at_a_time() -> None:
