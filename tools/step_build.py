@@ -58,6 +58,10 @@ def main() -> None:
     target = build_target(loaded.config, loaded.weights, mx.bfloat16)
     if not isinstance(target, dense.DenseTarget):
         parser.error(f"{args.target} is a {loaded.config.family} target: this times a llama or qwen3 one")
+    heads = (target.config.num_heads, target.config.num_kv_heads, target.config.head_dim)
+    if not attention_kernel.fits(*heads):
+        parser.error(f"{args.target}'s attention heads {heads[0]}/{heads[1]} of {heads[2]}: no attention launch covers "
+                     f"them (targets/attention_kernel.py's `fits`), so its gpu mode would not run our kernels")
     for w in target.projections():
         w.kernel = w.fits_kernel(mx.bfloat16)
     for attn in target.attn:
