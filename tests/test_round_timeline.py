@@ -171,22 +171,27 @@ def test_held_writes_keep_mlx_from_donating_a_caches_buffer_and_change_no_value(
     assert in_place and not copied_in_place
     assert mx.array_equal(kv, held_kv).item() and kv[0, 0, 3, 0].item() == 100.0
 
-    def stack_written(hold: bool) -> tuple[bool, mx.array]:  # a dense target's every-layer write (stacked_cache.py)
+    def stack_written(hold: bool, one_layer: bool) -> tuple[bool, mx.array]:
+        """A dense target's every-layer write (stacked_cache.py), or one layer's (a prompt chunk's)."""
         state = StackedState(2, 2, 8)
         rows = mx.arange(4 * 2 * 3 * 8, dtype=mx.float32).reshape(4, 2, 3, 8)
         state.write_layers(0, rows)
         mx.eval(state.stack.kv)
         mx.synchronize()
         before = address(state.stack.kv)
-        state.write_layers(3, rows[:, :, :1] + 100)
+        if not one_layer:
+            state.write_layers(3, rows[:, :, :1] + 100)
         with held_writes() if hold else contextlib.nullcontext():
-            mx.eval(state.stack.kv)  # the read that writes them
+            if one_layer:
+                state.layers[0].write_joint(3, rows[:2, :, :1] + 100)
+            mx.eval(state.stack.kv)  # (the read that writes every layer's rows)
         return address(state.stack.kv) == before, state.stack.kv
 
-    in_place, kv = stack_written(hold=False)
-    copied_in_place, held_kv = stack_written(hold=True)
-    assert in_place and not copied_in_place
-    assert mx.array_equal(kv, held_kv).item() and kv[0, 0, 3, 0].item() == 100.0
+    for one_layer in (False, True):
+        in_place, kv = stack_written(False, one_layer)
+        copied_in_place, held_kv = stack_written(True, one_layer)
+        assert in_place and not copied_in_place, one_layer
+        assert mx.array_equal(kv, held_kv).item() and kv[0, 0, 3, 0].item() == 100.0
 
 
 def test_the_longest_launches_in_the_span_are_listed_with_their_grids(tmp_path) -> None:

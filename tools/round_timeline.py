@@ -291,15 +291,15 @@ WRITES = ("as-is", "held", "synced")
 
 @contextlib.contextmanager
 def held_writes():
-    """Each attention cache write's input (engine/cache.py's `placed`, and a dense target's every-layer write:
-    engine/stacked_cache.py's `Stack.write`) kept referenced by the cache until its next write, so MLX copies it
-    into a new buffer at every write, never donating it (module docstring)."""
+    """Each attention cache write's input (engine/cache.py's `placed`, and a dense target's every-layer and one-layer
+    writes: engine/stacked_cache.py's `Stack.write` and `Stack.write_layer`) kept referenced by the cache until its
+    next write, so MLX copies it into a new buffer at every write, never donating it (module docstring)."""
     import mlx.core as mx
 
     from dflash_bench.engine.cache import AttentionCache
     from dflash_bench.engine.stacked_cache import Stack
 
-    placed, write = AttentionCache.placed, Stack.write
+    placed, write, write_layer = AttentionCache.placed, Stack.write, Stack.write_layer
 
     def holding(self, caches, start, xs, rows):
         self.held_input = tuple(mx.array(c) for c in caches)  # the same array, a second reference
@@ -309,11 +309,16 @@ def held_writes():
         self.held_input = mx.array(self._kv)
         return write(self, start, kv, index)
 
-    AttentionCache.placed, Stack.write = holding, holding_stack
+    def holding_layer(self, layer, start, kv, index):
+        self.flush()  # (the pending rows' write holds its own input)
+        self.held_input = mx.array(self._kv)
+        return write_layer(self, layer, start, kv, index)
+
+    AttentionCache.placed, Stack.write, Stack.write_layer = holding, holding_stack, holding_layer
     try:
         yield
     finally:
-        AttentionCache.placed, Stack.write = placed, write
+        AttentionCache.placed, Stack.write, Stack.write_layer = placed, write, write_layer
 
 
 def record(engine, prompt: list[int], draft: bool, rounds: int, trace: Path, streams: int = 1,

@@ -32,6 +32,27 @@ def tiles_for(length: int) -> int:
     return -(-length // KEY_TILE) * KEY_TILE
 
 
+def grown(caches: tuple[mx.array, ...], end: int) -> tuple[mx.array, ...]:
+    """Each cache (positions along its second-to-last axis) with room for positions up to `end`: where it has
+    none, grown in whole key tiles and GROW more, one zero block for all of them."""
+    axis = caches[0].ndim - 2
+    if end <= caches[0].shape[axis]:
+        return caches
+    shape = list(caches[0].shape)
+    shape[axis] = tiles_for(end) + GROW - shape[axis]
+    pad = mx.zeros(shape, dtype=caches[0].dtype)
+    return tuple(mx.concatenate([c, pad], axis=axis) for c in caches)
+
+
+def put_rows(cache: mx.array, start: int, x: mx.array, index: mx.array | None) -> mx.array:
+    """The cache (positions along its second-to-last axis, room for the rows) with rows x at positions start,
+    start + 1, ..: copied in at a host start (`index` None), else scattered where `index` (`write_index`) says."""
+    if index is None:
+        cache[..., start : start + x.shape[-2], :] = x
+        return cache
+    return mx.put_along_axis(cache, index, x, axis=cache.ndim - 2)
+
+
 def write_index(rows: mx.array, shape: tuple[int, ...]) -> mx.array:
     """Positions `rows` (n,) int32 as a scatter of rows of `shape` (positions along the second-to-last axis)
     takes them: reshaped and broadcast to `shape`. `mx.put_along_axis` would reshape and broadcast them at every
@@ -65,12 +86,6 @@ class AttentionCache:
     def at(self, value: mx.array | None) -> None:
         self._at, self._ahead = value, 0
 
-    @property
-    def settled(self) -> bool:
-        """Whether the host knows the length (`at` is None), told without reading `at` (which adds the rows written
-        since)."""
-        return self._at is None
-
     def write(self, start: int, k: mx.array, v: mx.array, rows: mx.array | None = None) -> None:
         """Rows at positions start, start + 1, ..; while the length is a device value, `start` is its
         upper bound and the rows go at `at` (the same positions, known only to the device): `rows`,
@@ -90,22 +105,20 @@ class AttentionCache:
         """Each cache (positions along its second-to-last axis) with its rows `xs[i]` at positions start,
         start + 1, .. (at `at` and after while the length is a device value: `write`), grown in whole key
         tiles first: one zero block and one index for all of them."""
-        axis, n = caches[0].ndim - 2, xs[0].shape[-2]
-        end = start + n
-        if end > caches[0].shape[axis]:
-            shape = list(caches[0].shape)
-            shape[axis] = tiles_for(end) + GROW - shape[axis]
-            pad = mx.zeros(shape, dtype=caches[0].dtype)
-            caches = tuple(mx.concatenate([c, pad], axis=axis) for c in caches)
+        index = self.index_for(xs[0].shape, rows)
+        return tuple(put_rows(c, start, x, index) for c, x in zip(grown(caches, start + xs[0].shape[-2]), xs))
+
+    def index_for(self, shape: tuple[int, ...], rows: mx.array | None = None) -> mx.array | None:
+        """Where a write of rows (positions along the second-to-last axis of `shape`) goes as a scatter takes them
+        (`write_index`), or None while the host knows the length (a copy at its start): `rows`, the positions (n,)
+        or their index already (checked against `shape`), or none: the rows from the device length `at` on."""
         if self._at is None:  # (not `at`: reading it adds the rows written since)
-            for c, x in zip(caches, xs):
-                c[..., start:end, :] = x
-            return caches
+            return None
         if rows is None or rows.ndim == 1:
-            rows = write_index(self.at + row_ids(n) if rows is None else rows, xs[0].shape)
-        elif rows.shape != xs[0].shape:
-            raise ValueError(f"a write index of shape {rows.shape} for rows of shape {xs[0].shape}")
-        return tuple(mx.put_along_axis(c, rows, x, axis=axis) for c, x in zip(caches, xs))
+            return write_index(self.at + row_ids(shape[-2]) if rows is None else rows, shape)
+        if rows.shape != shape:
+            raise ValueError(f"a write index of shape {rows.shape} for rows of shape {shape}")
+        return rows
 
     def advance(self, start: int, n: int) -> None:
         """The lengths after `n` rows written at `start` (`write`)."""

@@ -17,8 +17,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from dflash_bench.engine.cache import GROW, JointCache, TargetState, tiles_for, write_index
-from dflash_bench.engine.row_ids import row_ids
+from dflash_bench.engine.cache import JointCache, TargetState, grown, put_rows, tiles_for
 
 
 @lru_cache(maxsize=256)
@@ -70,20 +69,24 @@ class Stack:
     def write(self, start: int, kv: mx.array, index: mx.array | None) -> None:
         """kv (2 * layers, kv heads, n, head dim) at positions start, start + 1, .. in one copy, or where `index`
         (cache.py's `write_index` of the device positions, for kv's shape) says in one scatter."""
-        n = kv.shape[2]
+        self.grow(start + kv.shape[2])
+        self._kv = put_rows(self._kv, start, kv, index)
+
+    def write_layer(self, layer: int, start: int, kv: mx.array, index: mx.array | None) -> None:
+        """Layer `layer`'s rows kv (2, kv heads, n, head dim) at positions start, start + 1, .. (the pending rows
+        first): one copy into its rows, or one scatter where `index` (for `StackedLayer.index_shape`) says."""
+        self.flush()
+        n, heads = kv.shape[2], kv.shape[1]
         self.grow(start + n)
         if index is None:
-            self._kv[:, :, start : start + n] = kv
+            self._kv[2 * layer : 2 * layer + 2, :, start : start + n] = kv
         else:
-            self._kv = mx.put_along_axis(self._kv, index, kv, axis=2)
+            where = (_rows_index(2 * layer, heads, n), _heads_index(heads, n), index)
+            self._kv[where] = kv.reshape(*index.shape, kv.shape[3])
 
     def grow(self, end: int) -> None:
-        """Capacity for positions up to `end`, grown in whole key tiles as cache.py's `placed` grows a cache."""
-        capacity = self._kv.shape[2]
-        if end > capacity:
-            shape = list(self._kv.shape)
-            shape[2] = tiles_for(end) + GROW - capacity
-            self._kv = mx.concatenate([self._kv, mx.zeros(shape, dtype=self._kv.dtype)], axis=2)
+        """Room for positions up to `end` (cache.py's `grown`)."""
+        (self._kv,) = grown((self._kv,), end)
 
     def arrays(self) -> list[mx.array]:
         """What a round evaluates to keep its writes: the array, and the rows still to write (not written here:
@@ -126,20 +129,8 @@ class StackedLayer(JointCache):
         scatter at the device positions (`rows`: the positions (n,), or cache.py's `write_index` of them for
         `index_shape(kv.shape)`, made once a forward for every layer: targets/base.py's `Segment.write_index`; or
         none: made from `at`)."""
-        n, heads = kv.shape[2], kv.shape[1]
-        self.stack.flush()
-        self.stack.grow(start + n)
-        if self._at is None:  # (not `at`: reading it adds the rows written since)
-            self.stack.kv[2 * self.index : 2 * self.index + 2, :, start : start + n] = kv
-        else:
-            shape = self.index_shape(kv.shape)
-            if rows is None or rows.ndim == 1:
-                rows = write_index(self.at + row_ids(n) if rows is None else rows, shape)
-            elif rows.shape != shape:
-                raise ValueError(f"a write index of shape {rows.shape} for rows of shape {kv.shape}")
-            where = (_rows_index(2 * self.index, heads, n), _heads_index(heads, n), rows)
-            self.stack.kv[where] = kv.reshape(*shape, kv.shape[3])
-        self.advance(start, n)
+        self.stack.write_layer(self.index, start, kv, self.index_for(self.index_shape(kv.shape), rows))
+        self.advance(start, kv.shape[2])
 
     def keep_path(self, start: int, rows: list[int]) -> None:
         if rows != list(range(len(rows))):
@@ -178,15 +169,11 @@ class StackedState(TargetState):
         at positions start, start + 1, .. (at the device length and on while there is one: `rows`, the positions
         as cache.py's `write_index` gives them for kv's shape, or none: made here): one copy or one scatter, where a
         layer's `write_joint` each would be one a layer, made where the array is next read (`Stack`)."""
-        n, first = kv.shape[2], self.layers[0]
-        if first.settled:
-            rows = None
-        elif rows is None or rows.ndim == 1:
-            rows = write_index(first.at + row_ids(n) if rows is None else rows, kv.shape)
+        index = self.layers[0].index_for(kv.shape, rows)
         self.stack.flush()  # (rows an earlier forward left)
-        self.stack.pending = (start, kv, rows)
+        self.stack.pending = (start, kv, index)
         for layer in self.layers:
-            layer.advance(start, n)
+            layer.advance(start, kv.shape[2])
 
     def snapshot(self, length: int) -> "StackedState":
         kv = self.kv
