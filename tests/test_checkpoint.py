@@ -16,6 +16,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from mlx_lm.models import llama, qwen3_5
+from tiny_targets import hf_names
 from tokenizers import pre_tokenizers
 
 from dflash_bench.engine import checkpoint, gguf
@@ -96,10 +97,6 @@ def write_hf_dir(path, config: dict, tensors: dict[str, mx.array]):
     mx.save_safetensors(str(path / "model.safetensors"), tensors)
     Tokenizer.from_gguf_metadata(tiny_tokenizer_metadata()).backend.save(str(path / "tokenizer.json"))
     return path
-
-
-def hf_names(weights: dict[str, mx.array]) -> dict[str, mx.array]:
-    return {(k if k.startswith("lm_head") else f"model.{k}"): v for k, v in weights.items()}
 
 
 def mlx_lm_llama(cfg: TargetConfig, weights: dict[str, mx.array]) -> llama.Model:

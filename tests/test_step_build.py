@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tiny_targets import canonical_weights, config_dict, reference_model
+from tiny_targets import canonical_weights, config_dict, hf_names, reference_model
 
 import mlx.core as mx
 
@@ -28,8 +28,7 @@ def test_it_times_a_two_stream_step_on_our_kernels_with_its_layers_straight(tmp_
     cfg = config_dict("llama", "smol", layers=2)
     weights = canonical_weights(reference_model(cfg, 5))
     tmp_path.joinpath("config.json").write_text(json.dumps(cfg))
-    mx.save_safetensors(str(tmp_path / "model.safetensors"), {
-        (k if k.startswith("lm_head") else f"model.{k}"): v.astype(mx.bfloat16) for k, v in weights.items()})
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), {k: v.astype(mx.bfloat16) for k, v in hf_names(weights).items()})
     write_tokenizer(tmp_path, "llama")
     done = run(tmp_path, "--streams", "2", "--steps", "12", "--profile")
     assert done.returncode == 0, done.stderr

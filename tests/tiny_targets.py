@@ -86,6 +86,11 @@ def canonical_weights(model: nn.Module) -> dict[str, mx.array]:
     return out
 
 
+def hf_names(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Canonical names (`canonical_weights`) as a Hugging Face llama/qwen3 checkpoint spells them on disk."""
+    return {(k if k.startswith("lm_head") else f"model.{k}"): v for k, v in weights.items()}
+
+
 def tiny_target(family: str, size: str = "small", layers: int = 4, tied: bool = False, seed: int = 0) -> tuple[Target, nn.Module]:
     """The engine's target and mlx-lm's model, on the same random weights."""
     cfg = config_dict(family, size, layers, tied)
