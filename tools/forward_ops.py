@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import re
 import statistics
 import struct
@@ -56,14 +57,20 @@ def census(outputs: list[mx.array]) -> collections.Counter:
     return collections.Counter(label.split()[0] for label in re.findall(r'label ="([^"]+)"', dot.read_text()))
 
 
-def reference_attention(segments, scale, meta=None, queries=None):
+def reference_attention(segments, scale, meta=None, queries=None, layer=None, block=None):
     """decode_attention's result by tiles.py's attention, for the host starts this tool uses (`meta` unused; the
-    segments' q rows are the packed `queries`' rows; a joint cache, v None, read as its keys and values)."""
-    outs = []
+    segments' q rows are the packed `queries`' rows; a joint cache, v None, read as its keys and values, those of
+    `layer` where every layer's are stacked: stacked_cache.py; with `block`, a segment's keys from its start on are
+    its rows of it)."""
+    outs, lo = [], 0
     for q, k, v, start in segments:
         if v is None:
-            k, v = k[0], k[1]
+            k, v = (k[0], k[1]) if layer is None else (k[2 * layer], k[2 * layer + 1])
         n, kr = q.shape[0], tiles_for(start + q.shape[0])
+        if block is not None:  # (the cache may not hold these rows' positions yet: padded to the key tiles)
+            k, v = (mx.pad(mx.concatenate([c[:, :start], b[:, lo : lo + n]], axis=1), [(0, 0), (0, kr - start - n), (0, 0)])
+                    for c, b in ((k, block[0]), (v, block[1])))
+        lo += n
         seen = key_mask(query_positions(start, n), 0, kr, start + n)
         outs.append(attention(pad_queries(q.transpose(1, 0, 2)), k[:, :kr], v[:, :kr], seen, scale=scale)[:, :n]
                     .transpose(1, 0, 2))
@@ -138,7 +145,8 @@ class Launch:
         return parts
 
 
-def attention_launch(segs, scale, meta=None, causal=True, window=None, block=None, queries=None) -> mx.array:
+def attention_launch(segs, scale, meta=None, causal=True, window=None, block=None, queries=None,
+                     layer=None) -> mx.array:
     """attention_kernel.decode_attention's operations with its launches as one node (a target's and a drafter's):
     the segments' queries (the packed `queries`, or joined where more than one) made float32 (unless they are),
     then the kernel, whose output has K's dtype."""
@@ -146,6 +154,20 @@ def attention_launch(segs, scale, meta=None, causal=True, window=None, block=Non
     q = q.astype(mx.float32)
     return mx.depends([mx.full(q.shape, 0.0, dtype=segs[0][1].dtype)],
                       [q, meta, *(a for s in segs for a in s[1:3] if a is not None), *([] if block is None else [block])])[0]
+
+
+def attention_call(segs, scale, meta=None, causal=True, window=None, block=None, queries=None, layer=None):
+    """attention_kernel.decode_call's stand-in: a straight forward's launch (dense.py), made once and called for each
+    layer with its queries, block and layer, as `attention_launch`."""
+    return lambda q, blk=None, at=None: attention_launch(segs, scale, meta, causal, window, blk, q, at)
+
+
+def reference_call(segs, scale, meta=None, causal=True, window=None, block=None, queries=None, layer=None):
+    """attention_kernel.decode_call by `reference_attention` (each segment's q rows from the layer's queries)."""
+    def call(q, blk=None, at=None):
+        rows = list(itertools.accumulate((s[0].shape[0] for s in segs), initial=0))
+        return reference_attention([(q[a:b], *s[1:]) for s, a, b in zip(segs, rows, rows[1:])], scale, layer=at, block=blk)
+    return call
 
 
 def reference_norm_rope(q, k, v, qw, kw, positions, theta, eps, head_dim=None, rope_dims=None, gated=False):
@@ -234,7 +256,7 @@ def main() -> None:
     qwen3_5.decode_recurrence = lambda heads, device, cuda: "delta_kernel" if delta_kernel.fits(*heads) else "gated_delta_ops"
     tiles.available = lambda dtype: dtype == mx.bfloat16
     matmul_kernel._kernel = lambda parts=0, rope=False: Launch(one_node=False)
-    attention_kernel.decode_attention = reference_attention
+    attention_kernel.decode_attention, attention_kernel.decode_call = reference_attention, reference_call
     norm_rope_kernel.queries_and_keys = reference_norm_rope  # a target's decode rows on the kernel path (dense.py)
     qwen3_5.RECURRENCES["delta_kernel"] = qwen3_5.per_window_ops
     launches = delta_kernel.delta_packed, delta_kernel.rollback
@@ -245,7 +267,7 @@ def main() -> None:
     target = Engine(path, None, Settings(parallel=4, context=256, chunk=32, backend="gpu")).target
     stand_in = Launch(one_node=True)
     matmul_kernel._kernel = lambda parts=0, rope=False: stand_in
-    attention_kernel.decode_attention = attention_launch
+    attention_kernel.decode_attention, attention_kernel.decode_call = attention_launch, attention_call
     norm_rope_kernel.queries_and_keys = joint_launch  # one node, as on a GPU
     # MLX's own norm and RoPE one node each, as on a GPU (`Depends` only ties an array offset in, and is not counted)
     mx.fast.rms_norm = lambda x, w, eps: mx.abs(x) if w is None else x * w
