@@ -330,3 +330,51 @@ def test_a_kernel_pass_at_device_lengths_reads_each_streams_length_from_its_firs
     got = drafter.propose_queued([Proposal(st, 9 + i, 7, SamplingParams(0.0)) for i, st in enumerate(placed)])
     assert reads and set(reads) == {0}, reads
     assert [d.tolist() for d in got] == [d.tolist() for d in want]
+
+
+def test_a_kernel_absorb_writes_every_layers_rows_with_one_write_a_stream(monkeypatch, tmp_path) -> None:
+    """Where the keys' norm and RoPE take their launch (a CUDA GPU; here its CUDA source run by
+    tests/cuda_emulator.py), `absorb` writes every drafter layer's keys and values into a stream's one array at
+    once (stacked_cache.py): one copy or scatter a stream, not one a layer and stream, at a host start and at a device
+    start with stale rows past it; each layer's rows land at its offset with the bits its launch made, and the rows
+    before them stay."""
+    import sys
+    from pathlib import Path
+
+    from dflash_bench.engine.drafters.dflash import load_drafter
+    from dflash_bench.engine.targets import norm_rope_kernel
+    from dflash_bench.fixtures.big import write_big
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    from forward_ops import census
+
+    engine = Engine(write_big("qwen3_5-9b-4bit", tmp_path / "t", "tiny"), None,
+                    Settings(context=256, chunk=32, backend="gpu"))
+    drafter = load_drafter(write_big("dflash-9b", tmp_path / "d", "tiny"), engine.target, dtype=mx.bfloat16)
+    cuda_emulator.install(monkeypatch)
+    cuda_emulator.install_norm_rope(monkeypatch)
+    monkeypatch.setattr(drafter, "kernel_attention", True)
+    layers = len(drafter.layers)
+    assert layers > 1
+    taps = engine.target.forward([Segment(list(range(8, 48)), 0, engine.target.new_state(), want_taps=True)],
+                                 drafter.taps)[0].taps
+    made: list[mx.array] = []  # each layer's keys and values (2, heads, rows, d) as its launch made them
+    keys = norm_rope_kernel.keys
+    monkeypatch.setattr(norm_rope_kernel, "keys", lambda *a: made.append(keys(*a)) or made[-1])
+    states = [drafter.new_state() for _ in range(2)]
+    drafter.absorb([(states[0], taps[:20]), (states[1], taps[:12])])
+    mx.eval([st.kv for st in states])
+    before = [mx.array(st.kv) for st in states]
+    states[1].keep_at(mx.array(10, dtype=mx.int32), 12, 8)  # two stale rows past the device length
+    made.clear()
+    drafter.absorb([(states[0], taps[20:26]), (states[1], taps[12:18])])
+    arrays = [st.kv for st in states]  # (the writes are made where the arrays are next read)
+    counts = census(arrays)
+    assert counts["SliceUpdate"] + counts["Scatter"] + counts["ScatterAxis"] == 2, counts
+    assert len(made) == layers
+    for st, start, lo, old in zip(states, (20, 10), (0, 6), before):
+        for li in range(layers):
+            rows = st.kv[2 * li : 2 * li + 2, :, start : start + 6]
+            assert mx.array_equal(rows, made[li][:, :, lo : lo + 6]).item(), (start, li)
+        assert mx.array_equal(st.kv[:, :, :start], old[:, :, :start]).item()
+        assert [layer.length if layer.at is None else layer.at.item() for layer in st.layers] == [start + 6] * layers

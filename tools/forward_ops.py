@@ -210,6 +210,9 @@ def drafter_ops(target, root: Path, streams: list[int], preset: str) -> None:
     for n in streams:
         states = [drafter.new_state() for _ in range(n)]
         drafter.absorb([(st, taps) for st in states])
+        # a block pass reads the rows absorbed, as a stream's first proposal does (a state of every layer in one
+        # array writes them there: stacked_cache.py)
+        mx.eval(drafter.propose_queued([Proposal(st, 5, 15, SamplingParams(0.0)) for st in states]))
         mx.eval([st.arrays() for st in states])
         for st in states:
             st.keep_at(mx.array(10, dtype=mx.int32), 16, 1)

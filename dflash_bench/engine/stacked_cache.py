@@ -1,5 +1,6 @@
-"""A dense target's stream state with every layer's keys and values in one array: (2 * layers, kv heads,
-capacity, head dim), layer i's keys at row 2i and its values at row 2i + 1.
+"""A stream state with every layer's keys and values in one array: (2 * layers, kv heads, capacity, head dim),
+layer i's keys at row 2i and its values at row 2i + 1. A dense target's (targets/dense.py) and a drafter's
+(drafters/dflash.py, whose `absorb` writes every layer's context rows at once a stream the same way).
 
 Why one array: a decode forward wrote each layer's new K/V rows into each stream's cache as it went, one scatter a
 layer and stream (30 a stream a step for the default model, 120 at 4 streams), each an operation for a GPU host to
@@ -177,7 +178,7 @@ class StackedState(TargetState):
 
     def snapshot(self, length: int) -> "StackedState":
         kv = self.kv
-        out = StackedState(len(self.layers), kv.shape[1], kv.shape[3], kv.dtype)
+        out = type(self)(len(self.layers), kv.shape[1], kv.shape[3], kv.dtype)
         out.kv = mx.array(kv[:, :, : tiles_for(length)])
         for layer in out.layers:
             layer.length = layer.low = length

@@ -25,7 +25,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from dflash_bench.engine.cache import JointCache, TargetState, write_index
+from dflash_bench.engine.cache import write_index
 from dflash_bench.engine.checkpoint import all_finite, files_sha256, in_device_memory
 from dflash_bench.engine.draft_config import DraftConfig, read_draft_config
 from dflash_bench.engine.targets import norm_rope_kernel
@@ -33,6 +33,7 @@ from dflash_bench.engine.drafters.block_masks import BlockMasks, StreamBlock
 from dflash_bench.engine.errors import CheckpointError
 from dflash_bench.engine.quantize import dequantize_packed
 from dflash_bench.engine.row_ids import row_ids
+from dflash_bench.engine.stacked_cache import StackedState
 from dflash_bench.engine.sampling import SamplingParams, choose, filtered, gumbel
 from dflash_bench.engine.targets import attention_kernel
 from dflash_bench.engine.targets.base import Target, repack, rope_rows
@@ -44,12 +45,12 @@ from dflash_bench.engine.validate import check_drafter
 TREE_WIDTH = 4  # candidates a tree considers at each depth (tree.py); best-first picks among them
 
 
-class DrafterState(TargetState):
-    """One stream's drafter context: a K/V cache per drafter layer over the fused rows so far, keys and values
-    in one array (cache.py's JointCache: a write is one scatter). Its lengths keep, settle and snapshot as a
-    target state's attention layers do (cache.py)."""
-
-    layers: list[JointCache]
+class DrafterState(StackedState):
+    """One stream's drafter context: every drafter layer's keys and values over the fused rows so far in one
+    array (stacked_cache.py), so `absorb` writes every layer's rows with one copy or scatter a stream (a write a
+    layer and stream was 20 operations a 4-stream round for the default model's 5 layers, each for a GPU host to
+    build and encode: docs/gpu-round-profile.md), and the block pass's launch reads a layer's keys at its offset in
+    the array. Its lengths keep, settle and snapshot as a target state's attention layers do (cache.py)."""
 
     @property
     def start(self) -> int | mx.array:
@@ -215,7 +216,7 @@ class DFlashDrafter:
         return self.nbytes + sum(a.nbytes for a in self.target.lm_head.arrays())
 
     def new_state(self) -> DrafterState:
-        return DrafterState([JointCache(self.kv_heads, self.head_dim, self.dtype) for _ in self.layers])
+        return DrafterState(len(self.layers), self.kv_heads, self.head_dim, self.dtype)
 
     def rope(self, x: mx.array, offset: int | mx.array) -> mx.array:
         return mx.fast.rope(x[None], self.head_dim, traditional=False, base=self.config.rope_theta, scale=1.0, offset=offset)[0]
@@ -228,7 +229,8 @@ class DFlashDrafter:
 
     def absorb(self, items: list[tuple[DrafterState, mx.array]]) -> None:
         """Fuse each stream's new tap rows and append their K/V at the stream's next positions (a device
-        value while the host has not read it: lanes.py then keeps the accepted ones with `keep_at`)."""
+        value while the host has not read it: lanes.py then keeps the accepted ones with `keep_at`): where the
+        keys' norm and RoPE take their launch, every layer's at once a stream (`StackedState.write_layers`)."""
         if not items:
             return
         spans, total = [], 0
@@ -248,23 +250,26 @@ class DFlashDrafter:
             parts = [mx.arange(at, at + b - a, dtype=mx.int32) if rows is None else rows
                      for (_, at, rows), (a, b) in zip(starts, spans)]
             positions = mx.concatenate(parts) if len(parts) > 1 else parts[0]
-            # at a device length, each stream's write index once for every layer's joint write (cache.py)
-            starts = [(start, at, None if rows is None else write_index(rows, (2, self.kv_heads, b - a, self.head_dim)))
-                      for (start, at, rows), (a, b) in zip(starts, spans)]
+        else:  # at a device length, each stream's write index once for every layer's write (cache.py)
+            starts = [(start, at, None if rows is None else write_index(rows, state.layers[0].index_shape(
+                (2, self.kv_heads, b - a, self.head_dim)))) for (start, at, rows), (a, b), (state, _) in zip(starts, spans, items)]
+        written = []  # each layer's keys and values (2, heads, rows, d), where the launch makes them
         for li, layer in enumerate(self.layers):
             k, v = layer["kv"](fused, norm=norm)
-            if kernel:  # keys and values (2, heads, rows, d), as the joint cache holds them
-                kv = norm_rope_kernel.keys(k[:total], v[:total], layer["k_norm"], positions, self.config.rope_theta,
-                                           self.eps)
+            if kernel:
+                written.append(norm_rope_kernel.keys(k[:total], v[:total], layer["k_norm"], positions,
+                                                     self.config.rope_theta, self.eps))
+                continue
             for (state, _), (a, b), (start, at, rows) in zip(items, spans, starts):
                 n = b - a
-                if kernel:
-                    state.layers[li].write_joint(start, kv[:, :, a:b], rows)
-                    continue
                 ks = mx.fast.rms_norm(k[a:b].reshape(n, self.kv_heads, self.head_dim), layer["k_norm"], self.eps)
                 ks = self.rope(ks.transpose(1, 0, 2), at)
                 vs = v[a:b].reshape(n, self.kv_heads, self.head_dim).transpose(1, 0, 2)
                 state.layers[li].write(start, ks, vs, rows)
+        if kernel:  # (2 * layers, heads, rows, d), as a state's array holds every layer's
+            kv = mx.concatenate(written) if len(written) > 1 else written[0]
+            for (state, _), (a, b), (start, _, rows) in zip(items, spans, starts):
+                state.write_layers(start, kv if len(items) == 1 else kv[:, :, a:b], rows)
 
     def propose(self, items: list[Proposal]) -> list[list[int]]:
         """Drafts for every drafting stream from one pass over their blocks, read back as lists."""
@@ -428,14 +433,14 @@ class DFlashDrafter:
             queries, kv = qs.transpose(1, 0, 2), mx.stack([ks, vs])
         # the block's K/V are this pass's only: the launch reads them from kv itself, where the cache holds the
         # context (no write into the cache, one scatter a layer and stream); it reads the context's keys and
-        # values from the stream's joint cache itself (no views of it)
-        launch = [(queries[a:b], p.state.layers[li].kv, None, p.state.layers[li].length) for p, (a, b) in zip(items, spans)]
+        # values from the stream's array of every layer at this layer's offset itself (its `layer`: no views of it)
+        launch = [(queries[a:b], p.state.kv, None, p.state.layers[li].length) for p, (a, b) in zip(items, spans)]
         # every layer of a stream holds the same positions (`absorb` writes each alike), so the state's device length
         # (its first layer's, read once a pass by `start`) stands for this layer's: reading a layer's own adds the rows
         # written since (cache.py's `at`), an addition a layer and stream
         meta = masks.launch_meta(launch, [p.state.at for p in items], layer["causal"])
         o = attention_kernel.decode_attention(launch, self.scale, meta, layer["causal"], layer["window"], block=kv,
-                                              queries=queries)
+                                              queries=queries, layer=li)
         return o.reshape(rows, self.heads * self.head_dim)
 
 
