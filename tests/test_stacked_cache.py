@@ -91,3 +91,23 @@ def test_a_forwards_rows_wait_for_the_next_read_where_they_are_written_in_place(
     assert before == after
     before, after = forward(StackedState(LAYERS, HEADS, D, mx.bfloat16), flush_now=True)
     assert before != after
+
+
+def test_a_states_size_counts_its_pending_rows_as_written() -> None:
+    """A state's bytes with rows pending are those it holds once they are written (what the planner prices,
+    tests/test_gpu_mode.py): the array's where its capacity has room for them, the grown array's where it has not;
+    never the array's plus the rows'."""
+    state = StackedState(LAYERS, HEADS, D, mx.bfloat16)
+    state.write_layers(0, rows(40, 5))
+    waiting = state.nbytes
+    state.stack.flush()
+    assert waiting == state.nbytes  # grown for them: the grown array's
+    mx.eval(state.stack.kv)
+    state.write_layers(40, rows(3, 6))  # room for them: the array's
+    assert state.nbytes == state.stack.kv.nbytes
+    capacity = state.stack.kv.shape[2]
+    state.write_layers(capacity, rows(1, 7))  # past its capacity: grown again
+    waiting = state.nbytes
+    assert waiting > state.stack.arrays()[0].nbytes
+    state.stack.flush()
+    assert waiting == state.nbytes

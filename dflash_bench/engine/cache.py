@@ -32,6 +32,12 @@ def tiles_for(length: int) -> int:
     return -(-length // KEY_TILE) * KEY_TILE
 
 
+def capacity_for(capacity: int, end: int) -> int:
+    """A cache's positions once it has room for positions up to `end` (`grown`): its own where they reach, else
+    whole key tiles and GROW more."""
+    return capacity if end <= capacity else tiles_for(end) + GROW
+
+
 def grown(caches: tuple[mx.array, ...], end: int) -> tuple[mx.array, ...]:
     """Each cache (positions along its second-to-last axis) with room for positions up to `end`: where it has
     none, grown in whole key tiles and GROW more, one zero block for all of them."""
@@ -39,7 +45,7 @@ def grown(caches: tuple[mx.array, ...], end: int) -> tuple[mx.array, ...]:
     if end <= caches[0].shape[axis]:
         return caches
     shape = list(caches[0].shape)
-    shape[axis] = tiles_for(end) + GROW - shape[axis]
+    shape[axis] = capacity_for(shape[axis], end) - shape[axis]
     pad = mx.zeros(shape, dtype=caches[0].dtype)
     return tuple(mx.concatenate([c, pad], axis=axis) for c in caches)
 

@@ -18,7 +18,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 
-from dflash_bench.engine.cache import JointCache, TargetState, grown, put_rows, tiles_for
+from dflash_bench.engine.cache import JointCache, TargetState, capacity_for, grown, put_rows, tiles_for
 
 
 @lru_cache(maxsize=256)
@@ -102,8 +102,14 @@ class Stack:
 
     @property
     def nbytes(self) -> int:
-        """The array's bytes and the pending rows' (not written here: a read of the size is no write)."""
-        return self._kv.nbytes + (0 if self.pending is None else self.pending[1].nbytes)
+        """The array's bytes once the pending rows are written (not written here: a read of the size is no write):
+        what the state holds, as the planner prices it (planner.py), where the rows waiting are a forward's output
+        until then. A drafter's absorb leaves its rows so after every prompt (tests/test_gpu_mode.py)."""
+        if self.pending is None:
+            return self._kv.nbytes
+        start, rows, _ = self.pending
+        two_layers, heads, capacity, dim = self._kv.shape
+        return two_layers * heads * dim * self._kv.dtype.size * capacity_for(capacity, start + rows.shape[2])
 
 
 class StackedLayer(JointCache):
