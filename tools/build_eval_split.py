@@ -18,17 +18,16 @@ The H200's output is docs/profiles/build-eval-split-h200.txt (its first run spli
 evaluation). On an H100 in session 51 the default model's one-row step built in 6.98 ms against mlx-lm's 1.58,
 with 278 operations against 516 (211 of ours `mx.fast.cuda_kernel` launches), where a CPU builds the same forward
 in 0.9 ms with every launch a ready array: `--profile` then splits our build: Python's profile of 20 builds (a
-`cuda_kernel` call is a nanobind function, not a C function to cProfile, so its time is its caller's own), and each
-launch of one step replayed 200 times as the engine makes it (`BakedKernel.__call__`), as MLX's kernel object
-alone and as a kernel object of an empty body on the same arrays (the call apart from its source's size), beside
-`mx.quantized_matmul` and an add on the same rows (what mlx-lm's layers call instead); then an empty kernel's
-call and evaluation by its source's size (`source_sweep`).
+`cuda_kernel` call is a nanobind function, not a C function to cProfile, so its time is its caller's own: the
+engine calls each variant's kernel object, `BakedKernel.bound`, from matmul_kernel.py's `run` and attention_kernel.py's
+`Call`), beside `mx.quantized_matmul` and an add on the same rows (what mlx-lm's layers call instead); then an
+empty kernel's call and evaluation by its source's size (`source_sweep`). (Until session 56 it also replayed each
+launch through `BakedKernel.__call__`, which the engine's launches no longer pass through: it found none.)
 """
 
 from __future__ import annotations
 
 import cProfile
-import collections
 import pstats
 import statistics
 import sys
@@ -38,7 +37,6 @@ import dflash_bench  # noqa: F401  (loads the BLAS before mlx.core)
 import mlx.core as mx
 
 from dflash_bench.checks import mlx_lm_speed
-from dflash_bench.engine.baked_kernel import BakedKernel
 from dflash_bench.engine.engine import Engine, Settings
 from dflash_bench.engine.targets.base import Segment
 from forward_ops import VIEWS, census  # tools/, the script's own folder
@@ -141,38 +139,6 @@ def profile(engine: Engine) -> None:
         finish(outs)
     print("our step's build, 20 builds under cProfile (tottime: a function's own time, its nanobind calls included):")
     pstats.Stats(prof).sort_stats("tottime").print_stats(20)
-    calls = []
-    original = BakedKernel.__call__
-
-    def recording(self, inputs, template, **launch):
-        calls.append((self, list(inputs), tuple(template), launch))
-        return original(self, inputs, template, **launch)
-
-    BakedKernel.__call__ = recording
-    try:
-        finish(step())
-    finally:
-        BakedKernel.__call__ = original
-    kinds = collections.Counter(baked.name for baked, _, _, _ in calls)
-    print(f"{len(calls)} launches a step: " + ", ".join(f"{k} {n}" for k, n in kinds.most_common()))
-    seen = set()
-    for baked, inputs, template, launch in calls:
-        key = (baked.name, template)
-        if key in seen:
-            continue
-        seen.add(key)
-        made = baked.kernel(template)
-        # the same inputs and outputs through a kernel object of an empty body (never evaluated, so never compiled):
-        # what the call costs apart from its source's size
-        empty = mx.fast.cuda_kernel(name=f"probe_empty_{len(seen)}", input_names=baked.input_names,
-                                    output_names=baked.output_names, source="")
-        engine_us = per_call_us(lambda: baked(inputs, template, **launch))
-        mlx_us = per_call_us(lambda: made(inputs=inputs, **launch))
-        empty_us = per_call_us(lambda: empty(inputs=inputs, **launch))
-        print(f"  {baked.name}{''.join(f'_{v}' for _, v in template)[:60]}: {len(inputs)} inputs, "
-              f"{len(baked.header) + len(baked.source)} bytes of source; a call {engine_us:.1f} us as the engine "
-              f"makes it, {mlx_us:.1f} us MLX's kernel object alone, {empty_us:.1f} us with an empty body",
-              flush=True)
     x = mx.zeros((1, 576), dtype=mx.bfloat16)
     w, scales, biases = mx.quantize(mx.zeros((576, 576), dtype=mx.bfloat16), group_size=32, bits=4)
     mx.eval(x, w, scales, biases)
