@@ -177,8 +177,9 @@ class AttentionCache:
 
 class JointCache(AttentionCache):
     """An AttentionCache whose keys and values lie in one array, (2, heads, capacity, head_dim): keys then
-    values, `k` and `v` views of it (with the strides a cache of its own would have). A drafter's cache
-    (drafters/dflash.py) and a target's attention layer's (targets/dense.py): every round writes each layer's
+    values, `k` and `v` views of it (with the strides a cache of its own would have). A Qwen3.5 target's attention
+    layer's (targets/qwen3_5.py), and the view of one layer that a dense target's or a drafter's state of every layer
+    in one array gives (stacked_cache.py's StackedLayer): every round writes each layer's
     rows, and at a device length a write is a scatter (`write`'s docstring), which a GPU round pays per launch
     (docs/gpu-round-profile.md): with both in one array it is one scatter a write, not two, where the rows come
     joined (`write_joint`: targets/norm_rope_kernel.py makes them so for a drafter; a target's decode joins its

@@ -70,7 +70,8 @@ CHUNK = 32  # keys per staged chunk: one per lane
 HEAD_DIMS = (32, 64, 128, 256)  # D / 32 elements a lane, each a power of two
 MAX_GROUP = 16  # query heads per kv head a block serves
 # One decode segment as the kernel takes it: q (n, Hq, D), its cache k and v (Hkv, capacity, D), start; or,
-# with v None, k one joint cache (2, Hkv, capacity, D): keys then values (cache.py's JointCache, a drafter's)
+# with v None, k one joint cache (2, Hkv, capacity, D): keys then values (cache.py's JointCache), or with a `layer`
+# every layer's (2 * layers, Hkv, capacity, D: stacked_cache.py's, a dense target's and a drafter's)
 Rows = tuple[mx.array, mx.array, mx.array | None, int]
 
 @dataclass(frozen=True)
@@ -289,7 +290,7 @@ def decode_attention(segments: list[Rows], scale: float, meta: mx.array | None =
     drafter's, targets/norm_rope_kernel.py); k and v the stream's whole cache
     arrays (Hkv, capacity, D), row j at position j (not slices: a slice along the positions is not row-
     contiguous, so MLX would copy it); or, with v None, k the stream's joint cache (2, Hkv, capacity, D), keys
-    then values (cache.py's JointCache, a drafter's): the launch reads both from it, where two views of it would
+    then values (cache.py's JointCache): the launch reads both from it, where two views of it would
     be four operations a layer and stream for the host to build and encode (docs/gpu-round-profile.md); the same
     memory read, so the same bits. Row r sits at position start + r and sees keys [0, start + r].
     Query head h reads kv head h // (Hq / Hkv). `meta` is `launch_meta`'s (made here if not given, of the

@@ -86,7 +86,7 @@ __device__ __forceinline__ void nr_turn(const __nv_bfloat16* row, const __nv_bfl
   for (int j = R + lane; j < D; j += 32) nr_store(out + j, nr_normed<NORM>(row, w, j, inv));
 }
 
-// a value row as it is, beside its key (the cache holds both in one array: drafters/dflash.py's JointCache)
+// a value row as it is, beside its key (the cache holds both in one array: stacked_cache.py's, a drafter's)
 template <int D>
 __device__ __forceinline__ void nr_copy(const __nv_bfloat16* row, __nv_bfloat16* out) {
   for (int j = threadIdx.x & 31; j < D; j += 32) out[j] = row[j];
