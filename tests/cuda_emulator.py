@@ -282,9 +282,9 @@ def install(monkeypatch) -> None:
     """Route attention_kernel.py's two launches through the emulator for one test."""
     from dflash_bench.engine.targets import attention_kernel as ak
 
-    monkeypatch.setattr(ak, "_partial_kernel", lambda s, block=False, joint=False, layered=False: Emu(
-        ak.partial_name(s, block, joint, layered), ak.partial_inputs(s, block, joint, layered), ["ml", "part_out"],
-        ak.partial_source(s, block, joint, layered), ak.HEADER))
+    monkeypatch.setattr(ak, "_partial_kernel", lambda s, block=False, joint=False, layered=False, onepass=False: Emu(
+        ak.partial_name(s, block, joint, layered, onepass), ak.partial_inputs(s, block, joint, layered),
+        ak.partial_outputs(onepass), ak.partial_source(s, block, joint, layered, onepass), ak.HEADER))
     monkeypatch.setattr(ak, "_combine_kernel", lambda: Emu("dflash_attention_combine", ["meta", "ml", "part_out"], ["out"],
                                                            ak.COMBINE, ak.HEADER))
 

@@ -116,6 +116,7 @@ def test_a_launch_shape_is_checked_and_made_once_then_kept(monkeypatch) -> None:
     check = attention_kernel.check_segments
     monkeypatch.setattr(attention_kernel, "check_segments", lambda *a: checks.append(1) or check(*a))
     monkeypatch.setattr(mx.fast, "cuda_kernel", cuda_kernel)
+    monkeypatch.setattr(attention_kernel, "ONEPASS_PARTS", 0)  # two launches a call (one: the one-pass tests)
     monkeypatch.setattr(attention_kernel, "_LAUNCHES", {})
     for cache in (attention_kernel._partial_kernel, attention_kernel._combine_kernel):
         cache.cache_clear()
@@ -318,6 +319,63 @@ def test_the_kernel_source_run_on_a_cpu_is_exact_and_right(monkeypatch) -> None:
         seen = positions <= start + t
         step = decode_attention([(q[t : t + 1], mx.where(seen, k, junk_k), mx.where(seen, v, junk_v), start + t)], scale)
         assert same(step, together[t : t + 1]), f"seed {seed}: row {t}"
+
+
+ONEPASS_CASES = [  # (rows a segment, starts, causal, window, block): targets' windows and steps, a drafter's blocks
+    ([4, 1, 4], [PARTITION - 2, 9, 300], True, None, False),
+    ([16], [3 * PARTITION + 5], True, None, False),
+    ([8, 8], [40, 2 * PARTITION - 3], False, 40, True),
+    ([8], [PARTITION + 20], False, PARTITION + 3, True),
+]
+
+
+def onepass_equals_two(monkeypatch, dtype: mx.Dtype, rows: list[int], starts: list[int], causal: bool,
+                       window: int | None, block: bool) -> None:
+    """A launch run as one (every partition walked by one block, then combined: ONEPASS_PARTS) and as two (a block a
+    partition, then pass 2) gives the same bits, and the one launch is one (float32 caches: every bit of the
+    combine's float32 arithmetic reaches the output, where bf16's rounding hides most)."""
+    seed = secrets.randbits(31)
+    heads, scale = (4, 2, 64), 64**-0.5
+    segments = inputs(heads, rows, starts, dtype, seed)
+    kv = None
+    if block:  # a drafter's block: its rows' own keys and values beside the caches
+        kv = mx.random.normal((2, 2, sum(rows), 64), key=mx.random.key(seed + 1)).astype(dtype)
+    launches: list[str] = []
+    partial = attention_kernel._partial_kernel
+
+    def counted(*args, **kwargs):
+        launches.append("onepass" if kwargs.get("onepass", args[4] if len(args) > 4 else False) else "partial")
+        return partial(*args, **kwargs)
+
+    monkeypatch.setattr(attention_kernel, "_partial_kernel", counted)
+    results = {}
+    for parts in (0, 64):
+        monkeypatch.setattr(attention_kernel, "ONEPASS_PARTS", parts)
+        launches.clear()
+        results[parts] = decode_attention(segments, scale, causal=causal, window=window, block=kv)
+        assert launches == ["onepass" if parts else "partial"], launches
+    assert mx.all(mx.isfinite(results[64])).item(), f"seed {seed}: elements left unwritten"
+    assert same(results[64], results[0]), f"seed {seed}"
+
+
+@cuda_emulator.needs_gxx
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("case", ONEPASS_CASES, ids=["windows", "past-three-partitions", "blocks-window", "block-wide"])
+def test_one_launch_walking_every_partition_equals_two_bit_for_bit(monkeypatch, case, dtype) -> None:
+    """Under the emulator: the one-pass launch (a block walks every partition its rows reach, stores each one's
+    partials as pass 1 does, then each warp combines its own rows and heads with pass 2's arithmetic) equals pass 1
+    and pass 2, bit for bit, for targets' windows and steps across partitions and for a drafter's blocks with
+    their masks."""
+    cuda_emulator.install(monkeypatch)
+    onepass_equals_two(monkeypatch, dtype, *case)
+
+
+@on_cuda
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("case", ONEPASS_CASES, ids=["windows", "past-three-partitions", "blocks-window", "block-wide"])
+def test_on_the_device_one_launch_equals_two_bit_for_bit(monkeypatch, case, dtype) -> None:
+    """The one-pass launch equals the two on a CUDA GPU, bit for bit (the device's own `expf` in both)."""
+    onepass_equals_two(monkeypatch, dtype, *case)
 
 
 @cuda_emulator.needs_gxx

@@ -1,5 +1,6 @@
 """Decode attention for every decode segment of a forward at once (a launch for per-partition partials,
-one to combine them), row-independent by construction.
+one to combine them; or, where the rows reach few partitions, one launch doing both), row-independent by
+construction.
 
 What it computes: for each segment (one stream's decode rows: its pending token plus its drafts, or a
 one-row step), softmax(q k^T * scale) v over that stream's AttentionCache (cache.py), row r of a
@@ -28,7 +29,11 @@ its own query, its own position p and its stream's keys [0, p]:
   multiply-add a key (a key after p is skipped by a predicate, so stale cache rows, whatever they
   hold, never reach the sum);
 - a second launch combines a row's partitions 0 .. p / P in ascending order (max first, then the
-  rescaled sums), and divides.
+  rescaled sums), and divides. Where the launch's latest row reaches at most ONEPASS_PARTS partitions, one
+  launch does both (`partial_source`'s `onepass`): its block walks the partitions in turn, writes each one's
+  partials as pass 1's blocks do, and each warp then combines its own (row, head) pairs with pass 2's
+  arithmetic in pass 2's order. The same sums in the same order, so the same bits (tests/test_attention_kernel.py,
+  float32 and bf16, under the emulator and on a CUDA GPU), whichever a launch takes.
 
 Which warp or register slot holds a row, how many rows share its block, which row group or segment
 the block serves: none of it enters a row's arithmetic. So a 16-row verify window equals 16 one-row
@@ -45,6 +50,12 @@ per (segment, kv head, row group). Warp w holds the (row, head) pairs w, w + NW,
 registers. Queries are converted to float32 once, before the launch, not in every block. Pass 2:
 (D, Hq, rows) threads, one per output element. Partials are float32: (rows, Hq, Pmax, 2) for (max,
 weight sum), (rows, Hq, Pmax, D) for the unnormalized outputs.
+
+Why one launch up to ONEPASS_PARTS = 4 partitions (512 keys): a GPU host pays every launch twice, building it and
+encoding it (about 17 us a layer's two launches to build on session 56's H100 host, docs/gpu-round-profile.md), and
+a decode step of the default model waits on the host, not the device. One block walking 4 partitions reads what 4
+blocks did, in turn: a few microseconds of device time a layer at the benchmarks' contexts, against the host's
+cost of a launch. Past 512 keys the partitions' blocks spread a long context over the SMs again.
 
 Why P = 128 keys a block: a stream at 4,096 keys then gives 32 blocks a kv head, enough to spread a
 one-row step over the GPU's SMs, while a block's partials stay a fraction of what it reads (at
@@ -63,9 +74,12 @@ import mlx.core as mx
 
 from dflash_bench.engine.baked_kernel import BakedKernel, bind
 from dflash_bench.engine.device_values import constant, per_round
-from dflash_bench.engine.targets.attention_source import COMBINE, HEADER, partial_inputs, partial_name, partial_source
+from dflash_bench.engine.targets.attention_source import (COMBINE, HEADER, partial_inputs, partial_name, partial_outputs,
+                                                          partial_source)
 
 PARTITION = 128  # keys per pass-1 block, at absolute positions (a multiple of CHUNK)
+# A launch whose latest row reaches at most this many partitions runs as one launch (module docstring)
+ONEPASS_PARTS = 4
 CHUNK = 32  # keys per staged chunk: one per lane
 HEAD_DIMS = (32, 64, 128, 256)  # D / 32 elements a lane, each a power of two
 MAX_GROUP = 16  # query heads per kv head a block serves
@@ -109,11 +123,14 @@ def geometry(group: int, max_rows: int) -> Geometry:
 
 
 @lru_cache(maxsize=16)
-def _partial_kernel(segments: int, block: bool = False, joint: bool = False, layered: bool = False):
+def _partial_kernel(segments: int, block: bool = False, joint: bool = False, layered: bool = False,
+                    onepass: bool = False):
     """Pass 1 for `segments` caches (with the block's rows apart; joint caches; every layer's joint caches, read at
-    a layer's offset), under its own name (the source differs by segment count, block, joint and layered)."""
-    return BakedKernel(partial_name(segments, block, joint, layered), partial_inputs(segments, block, joint, layered),
-                       ["ml", "part_out"], partial_source(segments, block, joint, layered), HEADER)
+    a layer's offset; or walking every partition and combining them, `onepass`), under its own name (the source
+    differs by segment count, block, joint, layered and onepass)."""
+    return BakedKernel(partial_name(segments, block, joint, layered, onepass),
+                       partial_inputs(segments, block, joint, layered), partial_outputs(onepass),
+                       partial_source(segments, block, joint, layered, onepass), HEADER)
 
 
 @lru_cache(maxsize=1)
@@ -234,16 +251,17 @@ MAX_LAUNCHES = 64  # launch shapes kept (`_LAUNCHES`): a server's forwards take 
 
 @dataclass(frozen=True)
 class Launch:
-    """`decode_attention`'s two launches for one shape of segments (their queries', caches' and block's shapes and
-    dtypes, starts, mask): the kernel objects bound to their constants and the launch options, made once (`prepare`)
+    """`decode_attention`'s launches for one shape of segments (their queries', caches' and block's shapes and
+    dtypes, starts, mask), two or one (`combine` None: `ONEPASS_PARTS`): the kernel objects bound to their constants
+    and the launch options, made once (`prepare`)
     and kept (`_LAUNCHES`). Every attention layer of a forward launches the same shape, and checking the segments
     and making the options again cost each layer about 6 of the 12 us its launches took to build on this project's
     CPU (docs/gpu-round-profile.md, session 53)."""
 
-    kernels: tuple[BakedKernel, BakedKernel]  # pass 1's and pass 2's (a kept launch holds for these alone)
+    kernels: tuple[BakedKernel, BakedKernel | None]  # pass 1's and pass 2's (a kept launch holds for these alone)
     joint: bool
     partial: object  # pass 1's kernel object, called without constants (BakedKernel.bound)
-    combine: object
+    combine: object | None  # pass 2's, or None where pass 1 combines its partitions itself
     partial_options: dict
     combine_options: dict
 
@@ -261,7 +279,7 @@ def prepare(segments: list[Rows], causal: bool, window: int | None, block: mx.ar
     if queries is not None and (queries.shape != (rows, hq, d) or queries.dtype not in (dtype, mx.float32)):
         raise ValueError(f"packed queries are ({rows}, {hq}, {d}) in {dtype} or float32, got {queries.shape} in "
                          f"{queries.dtype}")
-    pmax = max(-(-(start + n) // PARTITION) for (_, _, _, start), n in zip(segments, lengths))
+    pmax = partitions(segments)
     group = hq // hkv
     geo = geometry(group, max(lengths))
     nt = 32 * geo.nw
@@ -270,14 +288,23 @@ def prepare(segments: list[Rows], causal: bool, window: int | None, block: mx.ar
                         ("QPW", geo.qpw), ("P", PARTITION), ("CAUSAL", int(causal)), ("WINDOW", window or 0),
                         ("BLOCK", int(block is not None)))
     caches = len(segments) * (1 if joint else 2) + (block is not None)
-    partial_outputs = [mx.float32, mx.float32]
+    onepass = kernels[1] is None
+    shapes, dtypes = [(rows, hq, pmax, 2), (rows, hq, pmax, d)], [mx.float32, mx.float32]
+    if onepass:  # the rows' attention first, then the partials it combined
+        shapes, dtypes = [(rows, hq, d), *shapes], [dtype, *dtypes]
     pass1 = bind(kernels[0], partial_template,
-                 [mx.float32, mx.int32, mx.float32] + [dtype] * caches + [mx.int32] * (layer is not None), partial_outputs)
-    pass2 = bind(kernels[1], (("T", dtype), ("D", d), ("P", PARTITION)), [mx.int32, mx.float32, mx.float32], [dtype])
+                 [mx.float32, mx.int32, mx.float32] + [dtype] * caches + [mx.int32] * (layer is not None), dtypes)
+    pass2 = None if onepass else bind(kernels[1], (("T", dtype), ("D", d), ("P", PARTITION)),
+                                      [mx.int32, mx.float32, mx.float32], [dtype])
     return Launch(kernels, joint, pass1, pass2,
-                  dict(grid=(pmax * nt, hkv * geo.rg, len(segments)), threadgroup=(nt, 1, 1),
-                       output_shapes=[(rows, hq, pmax, 2), (rows, hq, pmax, d)], output_dtypes=partial_outputs),
+                  dict(grid=((1 if onepass else pmax) * nt, hkv * geo.rg, len(segments)), threadgroup=(nt, 1, 1),
+                       output_shapes=shapes, output_dtypes=dtypes),
                   dict(grid=(d, hq, rows), threadgroup=(d, 1, 1), output_shapes=[(rows, hq, d)], output_dtypes=[dtype]))
+
+
+def partitions(segments: list[Rows]) -> int:
+    """The partitions the launch's latest row reaches (its grid's width in pass-1 blocks)."""
+    return max(-(-(start + q.shape[0]) // PARTITION) for q, _, _, start in segments)
 
 
 def decode_attention(segments: list[Rows], scale: float, meta: mx.array | None = None, causal: bool = True,
@@ -329,8 +356,9 @@ def decode_call(segments: list[Rows], scale: float, meta: mx.array | None = None
     key = (tuple((q.shape, q.dtype, k.shape, k.dtype, None if v is None else (v.shape, v.dtype), start)
                  for q, k, v, start in segments), None if block is None else (block.shape, block.dtype),
            None if queries is None else (queries.shape, queries.dtype), causal, window, layer is not None)
-    kernels = (_partial_kernel(len(segments), block is not None, segments[0][2] is None, layer is not None),
-               _combine_kernel())
+    onepass = partitions(segments) <= ONEPASS_PARTS
+    kernels = (_partial_kernel(len(segments), block is not None, segments[0][2] is None, layer is not None, onepass),
+               None if onepass else _combine_kernel())
     launch = _LAUNCHES.get(key)
     if launch is None or launch.kernels != kernels:
         launch = _LAUNCHES[key] = prepare(segments, causal, window, block, queries, kernels, layer)
@@ -373,6 +401,8 @@ class Call:
             inputs.append(block)
         if layer is not None:
             inputs.append(constant((layer,), mx.int32))
+        if self.launch.combine is None:  # one launch: its first output is the rows' attention
+            return self.launch.partial(inputs=inputs, **options)[0]
         ml, part_out = self.launch.partial(inputs=inputs, **options)
         (out,) = self.launch.combine(inputs=[self.meta, ml, part_out], **self.launch.combine_options)
         return out

@@ -80,7 +80,6 @@ PARTIAL = r"""
   const T* vbuf = SPLIT ? kbuf : vown;
   const float NEG_INF = __int_as_float(0xff800000);
 
-  const int part = blockIdx.x;
   const int hk = blockIdx.y % HKV;
   const int rg = blockIdx.y / HKV;
   const int seg = blockIdx.z;
@@ -91,12 +90,8 @@ PARTIAL = r"""
   const int r_lo = rg * RB;
   if (r_lo >= n) return;
   const int rows = min(RB, n - r_lo);
-  const int k_lo = part * P;
   // one past the last key a row here sees: its own position (causal), else its block's last
-  const int k_end = min(k_lo + P, start + (CAUSAL ? r_lo + rows : n));
-  if (k_lo >= k_end) return;
-  // the first chunk any row here sees: the first row's window starts lowest
-  const int c_lo = WINDOW ? max(k_lo, (start + r_lo - WINDOW + 1) / C * C) : k_lo;
+  const int k_last = start + (CAUSAL ? r_lo + rows : n);
   const T* kp;
   const T* vp;
 {select}
@@ -130,6 +125,16 @@ PARTIAL = r"""
     pos[i] = CAUSAL ? start + r_lo + r : start + n - 1;
     low[i] = WINDOW ? start + r_lo + r - WINDOW + 1 : 0;
     pair[i] = (long long)(row0 + r_lo + r) * HQ + hk * G + qi % G;
+  }
+
+{partitions} {
+  const int k_lo = part * P;
+  const int k_end = min(k_lo + P, k_last);
+  if (k_lo >= k_end) break;
+  // the first chunk any row here sees: the first row's window starts lowest
+  const int c_lo = WINDOW ? max(k_lo, (start + r_lo - WINDOW + 1) / C * C) : k_lo;
+#pragma unroll
+  for (int i = 0; i < QPW; ++i) {
     m[i] = NEG_INF;
     l[i] = 0.0f;
 #pragma unroll
@@ -217,6 +222,35 @@ PARTIAL = r"""
       for (int e = 0; e < E; ++e) part_out[o * D + lane * E + e] = acc[i][e];
     }
   }
+}
+{combine}"""
+
+# A one-pass launch's end (`partial_source`'s `onepass`): after its block has walked every partition and written
+# each one's partials as pass 1 does, each warp combines its own (row, head) pairs with pass 2's arithmetic, a lane
+# its own elements: partitions 0 .. p / P in ascending order, max first, then the rescaled sums, and the division.
+# Lane 0's (max, sum) stores are the warp's to read after `__syncwarp`; a lane's elements are its own stores.
+ONEPASS_COMBINE = r"""
+  __syncwarp();
+#pragma unroll
+  for (int i = 0; i < QPW; ++i) {
+    if (!live[i]) continue;
+    const int parts = meta[2 + pair[i] / HQ] / P + 1;
+    const long long base = pair[i] * pmax;
+    float top = ml[2 * base];
+    for (int j = 1; j < parts; ++j) top = fmaxf(top, ml[2 * (base + j)]);
+    float total = 0.0f;
+    float sum[E];
+#pragma unroll
+    for (int e = 0; e < E; ++e) sum[e] = 0.0f;
+    for (int j = 0; j < parts; ++j) {
+      const float w = expf(__fsub_rn(ml[2 * (base + j)], top));
+      total = __fadd_rn(total, __fmul_rn(ml[2 * (base + j) + 1], w));
+#pragma unroll
+      for (int e = 0; e < E; ++e) sum[e] = __fadd_rn(sum[e], __fmul_rn(part_out[(base + j) * D + lane * E + e], w));
+    }
+#pragma unroll
+    for (int e = 0; e < E; ++e) out[pair[i] * D + lane * E + e] = cvt_from_f<T>(__fdiv_rn(sum[e], total));
+  }
 """
 
 # Pass 2. Template constants: T (out dtype), D, P. One thread per output element (d, q head, row).
@@ -249,12 +283,14 @@ def partial_inputs(segments: int, block: bool = False, joint: bool = False, laye
     return names + ["blk"] * block + ["layer"] * layered
 
 
-def partial_source(segments: int, block: bool = False, joint: bool = False, layered: bool = False) -> str:
+def partial_source(segments: int, block: bool = False, joint: bool = False, layered: bool = False,
+                   onepass: bool = False) -> str:
     """Pass 1's body for `segments` caches: segment i's pointers are inputs k{i} and v{i}, or with `joint` the
     input kv{i} (2, Hkv, capacity, D) and its values Hkv * capacity * D elements on; with `layered`, kv{i} is every
     layer's (2 * layers, Hkv, capacity, D: stacked_cache.py's) and the launch's layer (the input `layer`) is read at
     its offset; with `block`, its keys and values from its start on are rows of `blk` (a kv head's K rows, then its
-    V rows half a block on)."""
+    V rows half a block on). With `onepass`, a block walks every partition (not the grid's one) and then combines
+    them (`ONEPASS_COMBINE`): the launch's output `out` is pass 2's."""
     if layered and not joint:
         raise ValueError("a layered launch reads joint caches")
     pick = "kp = kv{i}; vp = kv{i} + (long long)HKV * cap * D;" if joint else "kp = k{i}; vp = v{i};"
@@ -262,13 +298,21 @@ def partial_source(segments: int, block: bool = False, joint: bool = False, laye
         pick = "kp = kv{i} + (long long)layer[0] * 2 * HKV * cap * D; vp = kp + (long long)HKV * cap * D;"
     cases = "\n".join(f"    case {i}: {pick.format(i=i)} break;" for i in range(segments))
     body = PARTIAL.replace("{select}", f"  switch (seg) {{\n{cases}\n    default: return;\n  }}")
+    body = body.replace("{partitions}", "  for (int part = 0; part < pmax; ++part)" if onepass else
+                        "  for (int part = blockIdx.x; part == blockIdx.x; ++part)")
+    body = body.replace("{combine}", ONEPASS_COMBINE if onepass else "")
     if not block:
         return body.replace("{block_k}", "nullptr").replace("{block_v}", "nullptr")
     return (body.replace("{block_k}", "blk + (long long)hk * rows_all * D")
             .replace("{block_v}", "blk + (long long)(HKV + hk) * rows_all * D"))
 
 
-def partial_name(segments: int, block: bool, joint: bool, layered: bool = False) -> str:
+def partial_name(segments: int, block: bool, joint: bool, layered: bool = False, onepass: bool = False) -> str:
     """Pass 1's kernel name for a source variant (tests/cuda_emulator.py names its stand-ins alike)."""
     return f"dflash_attention_partial_{segments}{'_block' if block else ''}{'_joint' if joint else ''}" + (
-        "_layered" if layered else "")
+        "_layered" if layered else "") + ("_onepass" if onepass else "")
+
+
+def partial_outputs(onepass: bool = False) -> list[str]:
+    """Pass 1's output names: the partials, after the rows' attention itself (`out`) in a one-pass launch."""
+    return ["out"] * onepass + ["ml", "part_out"]
