@@ -137,6 +137,38 @@ def test_a_launch_shape_is_checked_and_made_once_then_kept(monkeypatch) -> None:
         cache.cache_clear()
 
 
+def test_a_short_context_takes_one_launch_and_split_launches_makes_it_two(monkeypatch) -> None:
+    """Rows reaching at most ONEPASS_PARTS partitions take one launch (its block walking them all: one block along
+    x) and more take two (a block a partition, then pass 2); `split_launches` makes even a short context's two, as
+    the warm-up builds its decode shapes so that a long context's variants are compiled before ready (warmup.py)."""
+    calls = []
+
+    def cuda_kernel(**spec):
+        return lambda **launch: calls.append((spec["name"], launch["grid"][0] // launch["threadgroup"][0])) or [
+            mx.zeros(s, dtype=d) for s, d in zip(launch["output_shapes"], launch["output_dtypes"])]
+
+    monkeypatch.setattr(mx.fast, "cuda_kernel", cuda_kernel)
+    monkeypatch.setattr(attention_kernel, "_LAUNCHES", {})
+    for cache in (attention_kernel._partial_kernel, attention_kernel._combine_kernel):
+        cache.cache_clear()
+    q, kv = mx.zeros((1, 8, 64), dtype=mx.bfloat16), mx.zeros((2, 2, 1024, 64), dtype=mx.bfloat16)
+    parts = attention_kernel.ONEPASS_PARTS
+    short, long = PARTITION * parts - 1, PARTITION * parts
+    decode_attention([(q, kv, None, short)], 0.125, queries=q)
+    assert [("onepass" in name, blocks) for name, blocks in calls] == [(True, 1)]
+    calls.clear()
+    decode_attention([(q, kv, None, long)], 0.125, queries=q)  # its row at key 512: a fifth partition
+    assert [("onepass" in name, blocks) for name, blocks in calls] == [(False, attention_kernel.ONEPASS_PARTS + 1),
+                                                                        (False, 1)]
+    calls.clear()
+    with attention_kernel.split_launches():
+        decode_attention([(q, kv, None, short)], 0.125, queries=q)
+    assert [("onepass" in name, blocks) for name, blocks in calls] == [(False, attention_kernel.ONEPASS_PARTS), (False, 1)]
+    assert attention_kernel.ONEPASS_PARTS == parts  # put back
+    for cache in (attention_kernel._partial_kernel, attention_kernel._combine_kernel):
+        cache.cache_clear()
+
+
 def test_bad_arguments_are_refused_before_any_launch() -> None:
     """Checked on the host, so these run on a CPU too: nothing is launched."""
     q, k = mx.zeros((2, 8, 64)), mx.zeros((2, 64, 64))

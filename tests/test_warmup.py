@@ -26,8 +26,10 @@ def test_the_plan_covers_every_segment_count_row_bucket_and_prompt_chunk():
     assert warmup.window_rows(None) == [1] and warmup.window_rows(16) == [1, 2, 4, 8, 16]
     assert warmup.window_rows(6) == [1, 2, 4, 6]
     every = warmup.shapes(3, 16, 256, every=True)
-    decode = {(s.windows, s.draft) for s in every if not s.prompt}
-    assert decode == {((r,) * n, r == 16) for n in (1, 2, 3) for r in (1, 2, 4, 8, 16)}
+    decode = [(s.windows, s.draft, s.split) for s in every if not s.prompt]
+    assert len(decode) == len(set(decode)) == 30
+    assert set(decode) == {((r,) * n, r == 16, split) for n in (1, 2, 3) for r in (1, 2, 4, 8, 16)
+                           for split in (False, True)}  # each again with its attention in two launches
     assert {(s.windows, s.prompt, s.after, s.draft) for s in every if s.prompt} == {
         ((16,) * n, p, 0, False) for n in (0, 1, 2) for p in (1, 16, 256)} | {((), 256, 256, False)}
     assert warmup.shapes(3, None, 256, every=False) == [warmup.Shape((1,)), warmup.Shape((1,), 16)]
@@ -57,7 +59,7 @@ def test_every_shape_warmed_changes_no_output_and_leaves_nothing_behind(pair, ba
     done = warmup.warm(engine.target, engine.drafter, 2, engine.settings.chunk, every=True)  # a GPU's whole plan
     assert 2 in runs  # two streams' windows verified together, as lanes.py verifies a round of them
     assert done.shapes == len(warmup.shapes(2, engine.drafter.block, engine.settings.chunk, True))
-    assert done.drafter_passes == 2
+    assert done.drafter_passes == 4  # full windows of 1 and 2 streams, each also with its attention in two launches
     assert mx.get_active_memory() <= before  # every scratch state released
     assert engine.lanes.prompt_cache.nbytes == 0 and not engine.lanes.busy and engine.lanes.rounds == 0
     for draft in (True, False):
@@ -167,3 +169,31 @@ def test_the_engine_hands_a_check_that_runs_the_build_ahead_and_names_its_second
     assert "s of it compiling its kernels ahead)" in engine.startup_line()
     Engine(*pair, Settings(parallel=3, context=256, backend="gpu", warm=False, fresh_selfcheck=True))
     assert handed == [2], "an engine that does not warm up built ahead of its check"
+
+
+def test_the_split_shapes_build_their_attention_in_two_launches(pair, monkeypatch):
+    """Each decode shape's twin (`Shape.split`) is built inside attention_kernel.split_launches, so on a GPU the
+    two-launch variants a long context takes compile before ready; the other shapes are built outside it."""
+    from contextlib import contextmanager
+
+    from dflash_bench.engine.targets import attention_kernel
+
+    engine = Engine(*pair, Settings(parallel=2, context=256, warm=False))
+    inside, forwards = [], []
+    split = attention_kernel.split_launches
+
+    @contextmanager
+    def counted():
+        inside.append(True)
+        with split():
+            yield
+        inside.pop()
+
+    forward = engine.target.forward
+    monkeypatch.setattr(attention_kernel, "split_launches", counted)
+    monkeypatch.setattr(engine.target, "forward", lambda *a, **kw: forwards.append(bool(inside)) or forward(*a, **kw))
+    plan = warmup.shapes(2, engine.drafter.block, engine.settings.chunk, True)
+    warmup.run(engine.target, engine.drafter, 2, plan)
+    # a later prompt chunk's shape runs its earlier chunk first (one forward more), outside
+    assert forwards == [s.split for s in plan for _ in range(1 + (s.after > 0))]
+    assert sum(forwards) == sum(not s.prompt for s in plan) // 2 > 0

@@ -9,7 +9,8 @@ client after /health has said ready. So the engine runs, after its self-check an
 - decode rounds of 1..parallel segments, each of 1 row and of every attention row bucket up to the
   drafter's block (`window_rows`), every segment then kept to its first row as a device value, as a
   drafted round that kept no draft does (verify.py, lanes.py's `keep_verdict`, cache.py's `keep_at`), and the next
-  round's windows placed at it;
+  round's windows placed at it; each again with its attention in two launches (`Shape.split`), as a stream past
+  attention_kernel.ONEPASS_PARTS partitions of keys runs it (the scratch streams here hold a few keys);
 - rounds of 0..parallel-1 such windows beside one prompt chunk of 1, 16 and `chunk` rows (a prompt's
   last chunk has any length: these are meant to reach MLX's matrix-vector, small- and large-tile
   matmuls; the row counts MLX switches at are its own and not checked here), and a prompt's second
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -42,6 +43,7 @@ from dflash_bench.engine.backend import on_cuda
 from dflash_bench.engine.cache import TargetState, keep_windows
 from dflash_bench.engine.drafters.dflash import DFlashDrafter, Proposal
 from dflash_bench.engine.sampling import SamplingParams, accepted, choose
+from dflash_bench.engine.targets import attention_kernel
 from dflash_bench.engine.targets.base import Segment, SegmentOut, Target
 from dflash_bench.engine.targets.dense import SelfAttention
 from dflash_bench.engine.targets.qwen3_5 import GatedDeltaNet
@@ -61,6 +63,7 @@ class Shape:
     prompt: int = 0
     draft: bool = False
     after: int = 0  # the prompt chunk's first position: a later chunk attends to the keys before it too
+    split: bool = False  # decode attention in two launches, as a long context takes it (attention_kernel.split_launches)
 
 
 @dataclass(frozen=True)
@@ -98,9 +101,10 @@ def shapes(parallel: int, block: int | None, chunk: int, every: bool) -> list[Sh
     if not every:
         return [Shape((full,), draft=block is not None), Shape((1,) * min(1, parallel - 1), short)]
     decode = [Shape((r,) * n, draft=r == block) for n in range(1, parallel + 1) for r in window_rows(block)]
+    split = [Shape(s.windows, draft=s.draft, split=True) for s in decode]
     prompts = sorted({min(p, chunk) for p in (*PROMPT_ROWS, chunk)})
     later = Shape((), chunk, after=chunk)  # a long prompt's second chunk: more keys than queries
-    return decode + [Shape((full,) * n, p) for n in range(parallel) for p in prompts] + [later]
+    return decode + split + [Shape((full,) * n, p) for n in range(parallel) for p in prompts] + [later]
 
 
 def warm(target: Target, drafter: DFlashDrafter | None, parallel: int, chunk: int, every: bool) -> Warmup:
@@ -177,18 +181,19 @@ def run(target: Target, drafter: DFlashDrafter | None, parallel: int, plan: list
     states = [target.new_state() for _ in range(parallel)]
     passes = 0
     for shape in plan:
-        segments = [window(states[i], rows, bool(taps)) for i, rows in enumerate(shape.windows)]
-        if shape.prompt:
-            segments.append(prompt_chunk(target, shape.prompt, shape.after, bool(taps)))
-        outs = target.forward(segments, taps)
-        if evaluate:
-            sample(segments, outs)
-        # kept together, as lanes.py keeps a round's windows (several streams' in one rollback launch)
-        keep_windows([(seg.state, (mx.array(1, dtype=mx.int32) + seg.origin, seg.start + len(seg.tokens),
-                                   seg.start + 1)) for seg in segments[: len(shape.windows)]])
-        if drafter is not None and shape.draft:
-            propose(drafter, outs[: len(shape.windows)], read=evaluate)
-            passes += 1
+        with attention_kernel.split_launches() if shape.split else nullcontext():
+            segments = [window(states[i], rows, bool(taps)) for i, rows in enumerate(shape.windows)]
+            if shape.prompt:
+                segments.append(prompt_chunk(target, shape.prompt, shape.after, bool(taps)))
+            outs = target.forward(segments, taps)
+            if evaluate:
+                sample(segments, outs)
+            # kept together, as lanes.py keeps a round's windows (several streams' in one rollback launch)
+            keep_windows([(seg.state, (mx.array(1, dtype=mx.int32) + seg.origin, seg.start + len(seg.tokens),
+                                       seg.start + 1)) for seg in segments[: len(shape.windows)]])
+            if drafter is not None and shape.draft:
+                propose(drafter, outs[: len(shape.windows)], read=evaluate)
+                passes += 1
     return passes
 
 

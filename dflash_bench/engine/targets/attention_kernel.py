@@ -66,6 +66,8 @@ float32 V is staged into K's buffer after the scores instead).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import accumulate
@@ -300,6 +302,19 @@ def prepare(segments: list[Rows], causal: bool, window: int | None, block: mx.ar
                   dict(grid=((1 if onepass else pmax) * nt, hkv * geo.rg, len(segments)), threadgroup=(nt, 1, 1),
                        output_shapes=shapes, output_dtypes=dtypes),
                   dict(grid=(d, hq, rows), threadgroup=(d, 1, 1), output_shapes=[(rows, hq, d)], output_dtypes=[dtype]))
+
+
+@contextmanager
+def split_launches() -> Iterator[None]:
+    """Every launch made in two (pass 1 a block a partition, then pass 2) at any length, as past ONEPASS_PARTS
+    partitions: the engine's warm-up builds its decode shapes so too, so the variants a long context takes are
+    compiled before ready without running one (warmup.py)."""
+    global ONEPASS_PARTS
+    kept, ONEPASS_PARTS = ONEPASS_PARTS, 0
+    try:
+        yield
+    finally:
+        ONEPASS_PARTS = kept
 
 
 def partitions(segments: list[Rows]) -> int:
