@@ -287,13 +287,9 @@ def test_greedy_streams_draft_from_one_argmax_over_their_rows_as_each_alone(draf
     assert drafter.propose(mixed) == [drafter.propose([p])[0] for p in mixed]
 
 
-def test_a_kernel_pass_at_device_lengths_reads_each_streams_length_from_its_first_layer_only(monkeypatch, tmp_path) -> None:
-    """Every layer of a stream's drafter state holds the same positions (`absorb` writes each alike), so the block
-    pass's launch layouts take the state's device length, read from its first layer, for every layer: reading
-    another layer's adds the rows written since (cache.py's `at`), an addition a layer and stream built for
-    nothing. Streams kept at device lengths with rows absorbed since; the drafts equal those of states settled at
-    the same lengths."""
-    from dflash_bench.engine.cache import AttentionCache
+def emulated_kernel_drafter(monkeypatch, tmp_path):
+    """The 9B-shaped tiny drafter in bf16 on the kernel path (attention and norm-and-RoPE launches run by
+    tests/cuda_emulator.py), and its taps of a 40-token prompt."""
     from dflash_bench.engine.drafters.dflash import load_drafter
     from dflash_bench.fixtures.big import write_big
 
@@ -305,6 +301,18 @@ def test_a_kernel_pass_at_device_lengths_reads_each_streams_length_from_its_firs
     monkeypatch.setattr(drafter, "kernel_attention", True)
     taps = engine.target.forward([Segment(list(range(8, 48)), 0, engine.target.new_state(), want_taps=True)],
                                  drafter.taps)[0].taps
+    return drafter, taps
+
+
+def test_a_kernel_pass_at_device_lengths_reads_each_streams_length_from_its_first_layer_only(monkeypatch, tmp_path) -> None:
+    """Every layer of a stream's drafter state holds the same positions (`absorb` writes each alike), so the block
+    pass's launch layouts take the state's device length, read from its first layer, for every layer: reading
+    another layer's adds the rows written since (cache.py's `at`), an addition a layer and stream built for
+    nothing. Streams kept at device lengths with rows absorbed since; the drafts equal those of states settled at
+    the same lengths."""
+    from dflash_bench.engine.cache import AttentionCache
+
+    drafter, taps = emulated_kernel_drafter(monkeypatch, tmp_path)
 
     def states(placed: bool) -> list:
         out = []
@@ -341,23 +349,14 @@ def test_a_kernel_absorb_writes_every_layers_rows_with_one_write_a_stream(monkey
     import sys
     from pathlib import Path
 
-    from dflash_bench.engine.drafters.dflash import load_drafter
     from dflash_bench.engine.targets import norm_rope_kernel
-    from dflash_bench.fixtures.big import write_big
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
     from forward_ops import census
 
-    engine = Engine(write_big("qwen3_5-9b-4bit", tmp_path / "t", "tiny"), None,
-                    Settings(context=256, chunk=32, backend="gpu"))
-    drafter = load_drafter(write_big("dflash-9b", tmp_path / "d", "tiny"), engine.target, dtype=mx.bfloat16)
-    cuda_emulator.install(monkeypatch)
-    cuda_emulator.install_norm_rope(monkeypatch)
-    monkeypatch.setattr(drafter, "kernel_attention", True)
+    drafter, taps = emulated_kernel_drafter(monkeypatch, tmp_path)
     layers = len(drafter.layers)
     assert layers > 1
-    taps = engine.target.forward([Segment(list(range(8, 48)), 0, engine.target.new_state(), want_taps=True)],
-                                 drafter.taps)[0].taps
     made: list[mx.array] = []  # each layer's keys and values (2, heads, rows, d) as its launch made them
     keys = norm_rope_kernel.keys
     monkeypatch.setattr(norm_rope_kernel, "keys", lambda *a: made.append(keys(*a)) or made[-1])
