@@ -314,7 +314,13 @@ def test_the_self_check_tries_the_kernel_first_keys_it_and_falls_back(monkeypatc
     def broken(segments, scale):
         raise RuntimeError("nvrtc: no such device")
 
-    for impostor, why in ((skewed, "kernel window rows"), (broken, "the kernel failed")):
+    def two_launches_off(segments, scale):  # right in one launch, off where a launch takes two (a long context)
+        out = tiled(segments, scale)
+        return out + 2**-10 if attention_kernel.partitions(segments) > attention_kernel.ONEPASS_PARTS else out
+
+    far = attention_kernel.PARTITION * attention_kernel.ONEPASS_PARTS - selfcheck.WINDOW // 2
+    for impostor, why in ((skewed, "kernel window rows"), (broken, "the kernel failed"),
+                          (two_launches_off, f"kernel window rows [0, 1, 2, 3]... from position {far}")):
         monkeypatch.setattr(attention_kernel, "decode_attention", impostor)
         fault = selfcheck.attention_fault(a, mx.float32, "kernel")
         assert fault is not None and fault.startswith(why), fault

@@ -15,7 +15,8 @@ target, on the device and dtype that will serve:
   other rows, a row alone in a one-row call, a 16-row slice alone, the call repeated;
 - decode attention, per attention shape: a 16-row window whose positions cross a key tile equals
   the same queries fed one at a time; on a CUDA GPU our kernel first (attention_kernel.py: also
-  segments launched together equal each alone, and keys past a row do not move it), then the tiled
+  segments launched together equal each alone, keys past a row do not move it, and a window past the
+  one-launch bound, in two launches, equals its steps in one and two), then the tiled
   path, then the elementwise one (tiles.py);
 - qwen3_5's conv and decode recurrence, per shape: a window equals single rows, in the recurrence
   the layers run on this device (qwen3_5.py's `decode_recurrence`: the CUDA kernel on a CUDA GPU,
@@ -142,34 +143,42 @@ def attention_fault(a: SelfAttention, dtype: mx.Dtype, path: DecodePath, seed: i
 def kernel_fault(a: SelfAttention, dtype: mx.Dtype, seed: int = 0, build_only: bool = False) -> str | None:
     """attention_kernel.py on this device: a WINDOW-row window whose positions cross a partition (and so
     a chunk and a key tile) beside the same queries one at a time, each step seeing junk in the cache
-    rows after its position; and the window launched between two other streams' segments (a step, and
-    a 3-row window) beside each alone. A kernel that fails to build or run is a fault, not a crash.
-    `build_only`: the launches built, none evaluated, and None (what failed is the check's to say)."""
+    rows after its position; the same past attention_kernel.ONEPASS_PARTS partitions, where the window takes two
+    launches and its steps before that bound one (so one form is proven against the other); and the first window
+    launched between two other streams' segments (a step, and a 3-row window) beside each alone. A kernel that
+    fails to build or run is a fault, not a crash. `build_only`: the launches built, none evaluated, and None
+    (what failed is the check's to say)."""
     d, hkv, hq = a.head_dim, a.kv_heads, a.heads
     run = attention_kernel.decode_attention
-    start = attention_kernel.PARTITION - WINDOW // 2
-    cap = tiles_for(start + WINDOW)
+    starts = (attention_kernel.PARTITION - WINDOW // 2,
+              attention_kernel.PARTITION * attention_kernel.ONEPASS_PARTS - WINDOW // 2)
+    cap = tiles_for(starts[-1] + WINDOW)
     k, v = _rand((hkv, cap, d), seed, dtype), _rand((hkv, cap, d), seed + 1, dtype)
     q = _rand((WINDOW, hq, d), seed + 2, dtype)
     junk_k, junk_v = _rand((hkv, cap, d), seed + 3, dtype) * 8, _rand((hkv, cap, d), seed + 4, dtype) * 8
     other_step = (_rand((1, hq, d), seed + 5, dtype), junk_k, junk_v, 9)
-    other_window = (_rand((3, hq, d), seed + 6, dtype), v, k, start + 30)
+    other_window = (_rand((3, hq, d), seed + 6, dtype), v, k, starts[0] + 30)
     try:
-        window = run([(q, k, v, start)], a.scale)
-        steps = []
-        for t in range(WINDOW):
-            seen = (mx.arange(cap) <= start + t)[None, :, None]
-            steps.append(run([(q[t : t + 1], mx.where(seen, k, junk_k), mx.where(seen, v, junk_v), start + t)], a.scale))
-        steps = mx.concatenate(steps)
-        together = run([other_step, (q, k, v, start), other_window], a.scale)
-        alone = mx.concatenate([run([other_step], a.scale), window, run([other_window], a.scale)])
+        windows, stepped = [], []
+        for start in starts:
+            windows.append(run([(q, k, v, start)], a.scale))
+            steps = []
+            for t in range(WINDOW):
+                seen = (mx.arange(cap) <= start + t)[None, :, None]
+                steps.append(run([(q[t : t + 1], mx.where(seen, k, junk_k), mx.where(seen, v, junk_v), start + t)],
+                                 a.scale))
+            stepped.append(mx.concatenate(steps))
+        together = run([other_step, (q, k, v, starts[0]), other_window], a.scale)
+        alone = mx.concatenate([run([other_step], a.scale), windows[0], run([other_window], a.scale)])
         if build_only:
             return None
-        mx.eval(window, steps, together, alone)
+        mx.eval(windows, stepped, together, alone)
     except (RuntimeError, ValueError) as err:
         return None if build_only else f"the kernel failed: {err}"
-    if bad := _differing(window, steps):
-        return f"kernel window rows {bad[:4]}{'...' if len(bad) > 4 else ''} differ from single queries"
+    for start, window, steps in zip(starts, windows, stepped):
+        if bad := _differing(window, steps):
+            return (f"kernel window rows {bad[:4]}{'...' if len(bad) > 4 else ''} from position {start} differ from "
+                    "single queries")
     if bad := _differing(together, alone):
         return f"kernel rows {bad[:4]}{'...' if len(bad) > 4 else ''} launched beside other streams' differ from alone"
     return None
