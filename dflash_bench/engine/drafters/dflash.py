@@ -46,11 +46,10 @@ TREE_WIDTH = 4  # candidates a tree considers at each depth (tree.py); best-firs
 
 
 class DrafterState(StackedState):
-    """One stream's drafter context: every drafter layer's keys and values over the fused rows so far in one
-    array (stacked_cache.py), so `absorb` writes every layer's rows with one copy or scatter a stream (a write a
-    layer and stream was 20 operations a 4-stream round for the default model's 5 layers, each for a GPU host to
-    build and encode: docs/gpu-round-profile.md), and the block pass's launch reads a layer's keys at its offset in
-    the array. Its lengths keep, settle and snapshot as a target state's attention layers do (cache.py)."""
+    """One stream's drafter context: every layer's keys and values over the fused rows so far in one array
+    (stacked_cache.py), so `absorb` writes a stream's rows once, not once a layer (docs/gpu-round-profile.md,
+    session 56), and the block pass's launch reads a layer's keys at its offset. Its lengths keep, settle and
+    snapshot as a target state's attention layers do (cache.py)."""
 
     @property
     def start(self) -> int | mx.array:
