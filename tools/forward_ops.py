@@ -41,7 +41,7 @@ import mlx.core as mx
 from dflash_bench.engine import fused, matmul_kernel, tiles
 from dflash_bench.engine.cache import keep_windows, tiles_for
 from dflash_bench.engine.engine import Engine, Settings
-from dflash_bench.engine.targets import attention_kernel, base, delta_kernel, dense, norm_rope_kernel, qwen3_5
+from dflash_bench.engine.targets import attention_kernel, delta_kernel, dense, norm_rope_kernel, qwen3_5
 from dflash_bench.engine.targets.base import Segment, rope_rows
 from dflash_bench.engine.tiles import attention, key_mask, pad_queries, query_positions
 from dflash_bench.fixtures.big import PRESETS, write_big
