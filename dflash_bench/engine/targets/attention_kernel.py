@@ -239,7 +239,7 @@ def launch_meta(segments: list[Rows], ats: list[mx.array | None] | None = None, 
     computed on the device (`device_meta`)."""
     lengths = [q.shape[0] for q, _, _, _ in segments]
     offsets = (0, *accumulate(lengths))
-    pmax = max(-(-(start + n) // PARTITION) for (_, _, _, start), n in zip(segments, lengths))
+    pmax = partitions(segments)
     starts = [start for _, _, _, start in segments]
     seg_meta = [x for seg, n, row0 in zip(segments, lengths, offsets) for x in (row0, seg[3], n, cache_shape(seg)[1])]
     if ats is not None and any(at is not None for at in ats):
