@@ -379,30 +379,34 @@ def keep_windows(kept: list[tuple[TargetState, tuple[mx.array, int, int]]]) -> N
     one a layer and stream (lanes.py keeps a round's chain windows so; 24 layers on a Qwen3.5-9B). Each window
     still walks its own kept rows from its own state (delta_kernel.py's `rollback`), so every state is the one
     `keep_at` leaves."""
-    targets = [(state, keep) for state, keep in kept if isinstance(state, TargetState)]
-    rows: dict[int, mx.array] = {}  # a stream's kept rows, made once and only where a launch needs them
+    # each layer's launch record with its windows' kept rows and caches, in the layers' order: one walk over
+    # each state's layers (a walk a layer over every state's was 0.2 ms of a 9B drafted round's host work)
+    groups: dict[int, tuple[Together, dict[int, mx.array], list[LinearCache]]] = {}
+    for state, (kept_length, _, _) in kept:
+        if not isinstance(state, TargetState):
+            continue
+        rows = None  # the stream's kept rows, made once and only where a launch needs them
+        for c in state.layers:
+            if not isinstance(c, LinearCache) or c.together is None:
+                continue
+            group, w = c.together
+            if rows is None:
+                rows = state.kept_rows(kept_length)
+            entry = groups.get(id(group))
+            if entry is None:
+                entry = groups[id(group)] = (group, {}, [])
+            entry[1][w] = rows
+            entry[2].append(c)
     counts: dict[tuple, mx.array] = {}  # the launch's counts, once a round: every layer's windows lie alike
     jobs: list[tuple[Together, mx.array, dict[int, mx.array]]] = []
-    holders: list[list[LinearCache]] = []
-    for i in range(len(targets[0][0].layers) if targets else 0):
-        shared = [(j, c) for j, c in enumerate(state.layers[i] for state, _ in targets)
-                  if isinstance(c, LinearCache) and c.together is not None]
-        group = shared[0][1].together[0] if shared else None
-        members = [(j, c) for j, c in shared if c.together[0] is group]
-        if not members:
-            continue
-        for j, _ in members:
-            if j not in rows:
-                rows[j] = targets[j][0].kept_rows(targets[j][1][0])
-        by_window = {c.together[1]: rows[j] for j, c in members}
+    for group, by_window, _ in groups.values():
         key = (group.windows, *((w, id(m)) for w, m in sorted(by_window.items())))
         if key not in counts:
             zero = mx.zeros((1,), dtype=mx.int32)
             parts = [mx.reshape(by_window[w], (1,)) if w in by_window else zero for w in range(group.windows)]
             counts[key] = mx.concatenate(parts) if len(parts) > 1 else parts[0]
         jobs.append((group, counts[key], by_window))
-        holders.append([c for _, c in members])
-    for members, done in zip(holders, type(jobs[0][0]).many(jobs) if jobs else []):
+    for (_, _, members), done in zip(groups.values(), type(jobs[0][0]).many(jobs) if jobs else []):
         for c in members:
             c.conv, c.state = done[c.together[1]]
             c.redo = c.together = None
