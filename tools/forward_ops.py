@@ -242,19 +242,11 @@ def ops(counts: collections.Counter) -> int:
     return sum(c for k, c in counts.items() if k not in VIEWS and k != "Depends")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--streams", default="1,4")
-    parser.add_argument("--drafter", action="store_true", help="count the drafter's absorb and block pass")
-    parser.add_argument("--target", default="tiny", help="`tiny` (the 9B's pattern, --layers of it) or any target the "
-                        "engine loads, e.g. `default` (the default model)")
-    parser.add_argument("--layers", type=int, default=8,
-                        help="the target's layers: the 9B's pattern (3 GatedDeltaNet, 1 attention) repeated; the 9B has 32")
-    args = parser.parse_args()
-    if args.layers < 8 or args.layers % 4:
-        parser.error(f"--layers must be a multiple of 4 from 8 (the tiny drafter taps layer 7), not {args.layers}")
-    preset = "tiny" if args.layers == 8 else f"tiny-{args.layers}"
-    PRESETS.setdefault(preset, replace(PRESETS["tiny"], layers=args.layers))
+def reference_stand_ins() -> tuple:
+    """The gpu mode's kernel paths on any machine, each kernel by reference arithmetic (for the engine's load and
+    self-check; `attention_kernel`'s reference takes host starts only, so the self-check's checks at device lengths
+    fail under it, which leaves an engine undrafting). Returns the recurrence's own launches, for
+    `one_node_stand_ins`."""
     dense.kernel_runs_here = lambda heads, device, cuda: attention_kernel.fits(*heads)
     qwen3_5.decode_recurrence = lambda heads, device, cuda: "delta_kernel" if delta_kernel.fits(*heads) else "gated_delta_ops"
     tiles.available = lambda dtype: dtype == mx.bfloat16
@@ -265,13 +257,17 @@ def main() -> None:
     launches = delta_kernel.delta_packed, delta_kernel.rollback
     delta_kernel.delta_packed = reference_packed
     delta_kernel.rollback = reference_rollback  # a rollback to device lengths (qwen3_5.py's redo_fn, PackedRedo)
-    root = Path(tempfile.mkdtemp())
-    path = write_big("qwen3_5-9b-4bit", root / "target", preset) if args.target == "tiny" else args.target
-    target = Engine(path, None, Settings(parallel=4, context=256, chunk=32, backend="gpu")).target
+    return launches
+
+
+def one_node_stand_ins(launches: tuple) -> None:
+    """Each CUDA kernel one node, as a launch is on a GPU, and MLX's norms, RoPE and fused chains as many nodes as
+    they are there (after an engine loaded under `reference_stand_ins`, whose return is `launches`)."""
     stand_in = Launch(one_node=True)
     matmul_kernel._kernel = lambda parts=0, rope=False: stand_in
     attention_kernel.decode_attention, attention_kernel.decode_call = attention_launch, attention_call
     norm_rope_kernel.queries_and_keys = joint_launch  # one node, as on a GPU
+    norm_rope_kernel.keys = keys_launch  # a drafter's keys alone (bf16 keys and values, 2, heads, rows, d)
     # MLX's own norm and RoPE one node each, as on a GPU (`Depends` only ties an array offset in, and is not counted)
     mx.fast.rms_norm = lambda x, w, eps: mx.abs(x) if w is None else x * w
     mx.fast.rope = lambda x, dims, **kw: (mx.depends([x * 1.5], [kw["offset"]])[0] if isinstance(kw.get("offset"), mx.array)
@@ -285,9 +281,27 @@ def main() -> None:
     # the chains engine/fused.py compiles on a GPU
     tiles.swiglu, qwen3_5.conv_silu = mx.compile(fused._swiglu), mx.compile(fused._conv)
     qwen3_5.gated, dense.sigmoid_gate = mx.compile(fused._gated), mx.compile(fused._sigmoid_gate)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--streams", default="1,4")
+    parser.add_argument("--drafter", action="store_true", help="count the drafter's absorb and block pass")
+    parser.add_argument("--target", default="tiny", help="`tiny` (the 9B's pattern, --layers of it) or any target the "
+                        "engine loads, e.g. `default` (the default model)")
+    parser.add_argument("--layers", type=int, default=8,
+                        help="the target's layers: the 9B's pattern (3 GatedDeltaNet, 1 attention) repeated; the 9B has 32")
+    args = parser.parse_args()
+    if args.layers < 8 or args.layers % 4:
+        parser.error(f"--layers must be a multiple of 4 from 8 (the tiny drafter taps layer 7), not {args.layers}")
+    preset = "tiny" if args.layers == 8 else f"tiny-{args.layers}"
+    PRESETS.setdefault(preset, replace(PRESETS["tiny"], layers=args.layers))
+    launches = reference_stand_ins()
+    root = Path(tempfile.mkdtemp())
+    path = write_big("qwen3_5-9b-4bit", root / "target", preset) if args.target == "tiny" else args.target
+    target = Engine(path, None, Settings(parallel=4, context=256, chunk=32, backend="gpu")).target
+    one_node_stand_ins(launches)
     if args.drafter:
-        # one node for a norm-and-RoPE launch of keys alone (bf16 keys and values, 2, heads, rows, d)
-        norm_rope_kernel.keys = keys_launch
         drafter_ops(target, root, [int(s) for s in args.streams.split(",")], preset)
         return
     for streams in (int(s) for s in args.streams.split(",")):
