@@ -28,6 +28,7 @@ from tiny_targets import VOCAB, tiny_target
 from dflash_bench.engine.cache import TargetState
 from dflash_bench.engine.checkpoint import load_target
 from dflash_bench.engine.drafters import dflash as dflash_module
+from dflash_bench.engine.drafters.position_lattice import PositionLattice
 from dflash_bench.engine.drafters.dflash import Proposal, load_drafter
 from dflash_bench.engine.engine import Engine, Settings
 from dflash_bench.engine.request import Request
@@ -425,7 +426,7 @@ def test_the_lattice_ranks_each_depth_by_its_scores_with_the_chains_draft_first(
     scores[1, [7, 40]] = [1.0, 2.0]  # a row with two tokens left after filtering
     scores[2, [10, 20, 30]] = 50.0  # a three-way tie at the top
     picks = [int(np.argmax(scores[0])), 7, 30, 11, 0, 499]
-    lattice = dflash_module.PositionLattice(mx.array(scores), mx.array(picks), 4)
+    lattice = PositionLattice(mx.array(scores), mx.array(picks), 4)
     for row, (tokens, logps) in enumerate(lattice.depths):
         s = scores[row].astype(np.float64)
         lse = s.max() + np.log(np.exp(s - s.max()).sum())
