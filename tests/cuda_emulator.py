@@ -290,10 +290,13 @@ def install(monkeypatch) -> None:
 
 
 def install_norm_rope(monkeypatch) -> None:
-    """Route targets/norm_rope_kernel.py's launches (keys, and q/k with or without norms) through the emulator for one test."""
+    """Route targets/norm_rope_kernel.py's launches (keys, every layer's keys, and q/k with or without norms) through
+    the emulator for one test."""
     from dflash_bench.engine.targets import norm_rope_kernel as nr
 
     monkeypatch.setattr(nr, "_keys_kernel", lambda: Emu("dflash_norm_rope_keys", nr.KEYS_INPUTS, ["out"], nr._KEYS, nr._HEADER))
+    monkeypatch.setattr(nr, "_layer_keys_kernel", lambda: Emu(
+        "dflash_norm_rope_layer_keys", nr.LAYER_KEYS_INPUTS, ["out"], nr._LAYER_KEYS, nr._HEADER))
     monkeypatch.setattr(nr, "_qk_kernel", lambda norm=True: Emu(
         "dflash_norm_rope_qk" if norm else "dflash_rope_qk", nr.QK_INPUTS if norm else nr.QK_PLAIN_INPUTS,
         ["q_out", "kv_out"], nr.qk_source(norm), nr._HEADER))

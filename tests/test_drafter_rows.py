@@ -9,6 +9,7 @@ from __future__ import annotations
 import cuda_emulator
 import mlx.core as mx
 import pytest
+from gpu import on_cuda
 
 from dflash_bench.engine.drafters.dflash import Proposal
 from dflash_bench.engine.drafters.dflash2 import DFlash2Drafter
@@ -302,6 +303,86 @@ def emulated_kernel_drafter(monkeypatch, tmp_path):
     taps = engine.target.forward([Segment(list(range(8, 48)), 0, engine.target.new_state(), want_taps=True)],
                                  drafter.taps)[0].taps
     return drafter, taps
+
+
+def check_absorb_of_every_layer(drafter, taps: mx.array, monkeypatch) -> None:
+    """A drafter whose products take the row kernel and whose keys take their launch: every layer's k, v and q rows
+    are one array (`kvq_all`, each layer's kvq a view of its rows), and an absorb of two streams runs two launches
+    for every layer's keys and values where it ran two a layer: one product over that array and one `layer_keys`
+    launch. Each layer's rows in a stream's array are that layer's columns of the product, normed by its own k norm
+    and turned at the rows' positions, as that layer's own `keys` launch turns them, bit for bit."""
+    from dflash_bench.engine import tiles
+    from dflash_bench.engine.targets import norm_rope_kernel
+
+    layers, width = len(drafter.layers), sum(drafter.layers[0]["kvq"].widths)
+    assert drafter.kvq_all.out_features == layers * width
+    # each layer's own k norm weights (the fixture's are alike), still rows of one array as loading makes them
+    mx.random.seed(5)
+    drafter.k_norms = (1 + 0.5 * mx.random.normal((layers, drafter.head_dim))).astype(mx.bfloat16)
+    for i, layer in enumerate(drafter.layers):
+        layer["k_norm"] = drafter.k_norms[i]
+    for i, layer in enumerate(drafter.layers):
+        assert mx.array_equal(layer["kvq"].weights[0].w, drafter.kvq_all.w[i * width : (i + 1) * width]).item()
+    launches, keyed = [], []
+    rows_matmul, keys, layer_keys = tiles.rows_matmul, norm_rope_kernel.keys, norm_rope_kernel.layer_keys
+    monkeypatch.setattr(tiles, "rows_matmul", lambda *a, **kw: launches.append(a[1].shape[0]) or rows_matmul(*a, **kw))
+    monkeypatch.setattr(norm_rope_kernel, "keys", lambda *a: keyed.append("keys") or keys(*a))
+    monkeypatch.setattr(norm_rope_kernel, "layer_keys", lambda *a: keyed.append("layer_keys") or layer_keys(*a))
+    states = [drafter.new_state() for _ in range(2)]
+    drafter.absorb([(states[0], taps[:20]), (states[1], taps[:12])])
+    assert launches == [drafter.fc.out_features, layers * width] and keyed == ["layer_keys"]
+    monkeypatch.setattr(tiles, "rows_matmul", rows_matmul)
+    both = mx.concatenate([taps[:20], taps[:12]])
+    made = tiles.linear(tiles.linear(both, drafter.fc), drafter.kvq_all, norm=(drafter.hidden_norm, drafter.eps))
+    positions = mx.concatenate([mx.arange(20, dtype=mx.int32), mx.arange(12, dtype=mx.int32)])
+    kv_width = drafter.kv_heads * drafter.head_dim
+    for li, layer in enumerate(drafter.layers):
+        k = mx.contiguous(made[:, li * width : li * width + kv_width])
+        v = mx.contiguous(made[:, li * width + kv_width : li * width + 2 * kv_width])
+        want = keys(k, v, layer["k_norm"], positions, drafter.config.rope_theta, drafter.eps)
+        for st, lo, n in zip(states, (0, 20), (20, 12)):
+            assert mx.array_equal(st.kv[2 * li : 2 * li + 2, :, :n], want[:, :, lo : lo + n]).item(), li
+    # and the pass drafts from what it absorbed
+    drafts = drafter.propose_queued([Proposal(st, 9, 5, SamplingParams(0.0)) for st in states])
+    assert [d.shape for d in drafts] == [(5,), (5,)]
+
+
+def nine_b_shaped(tmp_path):
+    """The 9B-shaped tiny target in gpu mode, its drafter's folder, and the taps of a 40-token prompt."""
+    from dflash_bench.fixtures.big import PRESETS, write_big
+
+    engine = Engine(write_big("qwen3_5-9b-4bit", tmp_path / "t", "tiny"), None,
+                    Settings(context=256, chunk=32, backend="gpu"))
+    taps = engine.target.forward([Segment(list(range(8, 48)), 0, engine.target.new_state(), want_taps=True)],
+                                 PRESETS["tiny"].taps)[0].taps
+    return engine, write_big("dflash-9b", tmp_path / "d", "tiny"), taps
+
+
+@cuda_emulator.needs_gxx
+def test_on_the_row_kernel_an_absorb_makes_every_layers_keys_in_two_launches(monkeypatch, tmp_path) -> None:
+    """`check_absorb_of_every_layer` with the drafter's CUDA sources run by tests/cuda_emulator.py; and off the row
+    kernel (this CPU as it is) no such array is made, and the drafter holds the same bytes either way."""
+    from dflash_bench.engine import tiles
+    from dflash_bench.engine.drafters.dflash import load_drafter
+
+    engine, path, taps = nine_b_shaped(tmp_path)
+    separate = load_drafter(path, engine.target, dtype=mx.bfloat16)  # here: no kernel, one product each
+    cuda_emulator.install_matmul(monkeypatch)
+    cuda_emulator.install(monkeypatch)
+    cuda_emulator.install_norm_rope(monkeypatch)
+    monkeypatch.setattr(tiles, "available", lambda dtype: dtype == mx.bfloat16)
+    drafter = load_drafter(path, engine.target, dtype=mx.bfloat16)
+    monkeypatch.setattr(drafter, "kernel_attention", True)
+    assert separate.kvq_all is None and drafter.nbytes == separate.nbytes  # (views: counted once)
+    check_absorb_of_every_layer(drafter, taps, monkeypatch)
+
+
+@on_cuda
+def test_on_the_device_an_absorb_makes_every_layers_keys_in_two_launches(monkeypatch, tmp_path) -> None:
+    from dflash_bench.engine.drafters.dflash import load_drafter
+
+    engine, path, taps = nine_b_shaped(tmp_path)
+    check_absorb_of_every_layer(load_drafter(path, engine.target, dtype=mx.bfloat16), taps, monkeypatch)
 
 
 def test_a_kernel_pass_at_device_lengths_reads_each_streams_length_from_its_first_layer_only(monkeypatch, tmp_path) -> None:

@@ -96,6 +96,44 @@ def test_the_kernel_norms_and_turns_each_row_alone_on_the_gpu(heads: int, d: int
     check(*inputs(8, heads, d))
 
 
+def check_layers(layers: int, heads: int, d: int, extra: int) -> None:
+    """`layer_keys` on one product of every layer's weights, (rows, layers * S), each layer's S columns its keys, its
+    values, then `extra` more (a drafter's queries): each layer's keys and values are `keys` of that layer's columns
+    with that layer's norm weights, bit for bit, at 2l and 2l + 1."""
+    x, _, positions = inputs(6, layers * (2 * heads + extra), d, seed=1)
+    mx.random.seed(2)
+    w = (1 + 0.5 * mx.random.normal((layers, d))).astype(mx.bfloat16)
+    product = flat(x)
+    out = norm_rope_kernel.layer_keys(product, w, positions, THETA, EPS, heads)
+    assert out.dtype == mx.bfloat16 and out.shape == (2 * layers, heads, 6, d)
+    s = (2 * heads + extra) * d
+    for layer in range(layers):
+        k = mx.contiguous(product[:, layer * s : layer * s + heads * d])
+        v = mx.contiguous(product[:, layer * s + heads * d : layer * s + 2 * heads * d])
+        want = norm_rope_kernel.keys(k, v, w[layer], positions, THETA, EPS)
+        assert mx.array_equal(out[2 * layer : 2 * layer + 2], want).item(), layer
+    # a control: another layer's norm weights give other keys (each layer reads its own row of w)
+    swapped = norm_rope_kernel.layer_keys(product, w[::-1], positions, THETA, EPS, heads)
+    assert not mx.array_equal(swapped[0], out[0]).item()
+    with pytest.raises(ValueError, match="do not hold"):
+        norm_rope_kernel.layer_keys(product[:, : s - d], w, positions, THETA, EPS, heads)
+
+
+@cuda_emulator.needs_gxx
+@pytest.mark.parametrize("layers, heads, d, extra", [(3, 2, 32, 4), (2, 1, 64, 0)])
+def test_every_layers_keys_in_one_launch_equal_each_layers_launch_under_the_emulator(
+        layers: int, heads: int, d: int, extra: int, monkeypatch) -> None:
+    cuda_emulator.install_norm_rope(monkeypatch)
+    check_layers(layers, heads, d, extra)
+
+
+@on_cuda
+@pytest.mark.parametrize("layers, heads, d, extra", [(6, 8, 128, 32), (5, 3, 64, 9)])
+def test_every_layers_keys_in_one_launch_equal_each_layers_launch_on_the_gpu(layers: int, heads: int, d: int,
+                                                                             extra: int) -> None:
+    check_layers(layers, heads, d, extra)
+
+
 def test_it_takes_bf16_rows_of_an_even_head_dim() -> None:
     assert norm_rope_kernel.fits(128, mx.bfloat16)
     assert not norm_rope_kernel.fits(128, mx.float32)

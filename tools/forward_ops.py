@@ -199,6 +199,12 @@ def keys_launch(k, v, w, positions, theta, eps) -> mx.array:
     return mx.depends([mx.full((2, k.size // (rows * d), rows, d), 0.0, dtype=mx.bfloat16)], [k, v, w, positions])[0]
 
 
+def layer_keys_launch(x, w, positions, theta, eps, heads) -> mx.array:
+    """norm_rope_kernel.layer_keys as one node: every layer's keys and values (2 * layers, heads, rows, d)."""
+    layers, d = w.shape
+    return mx.depends([mx.full((2 * layers, heads, x.shape[0], d), 0.0, dtype=mx.bfloat16)], [x, w, positions])[0]
+
+
 def drafter_ops(target, root: Path, streams: list[int], preset: str) -> None:
     """Operations of the drafter's absorb and block pass (module docstring), each stream at a device length."""
     from dflash_bench.engine.drafters.dflash import Proposal, load_drafter
@@ -268,6 +274,7 @@ def one_node_stand_ins(launches: tuple) -> None:
     attention_kernel.decode_attention, attention_kernel.decode_call = attention_launch, attention_call
     norm_rope_kernel.queries_and_keys = joint_launch  # one node, as on a GPU
     norm_rope_kernel.keys = keys_launch  # a drafter's keys alone (bf16 keys and values, 2, heads, rows, d)
+    norm_rope_kernel.layer_keys = layer_keys_launch  # every layer's at once (a drafter's on the row kernel)
     # MLX's own norm and RoPE one node each, as on a GPU (`Depends` only ties an array offset in, and is not counted)
     mx.fast.rms_norm = lambda x, w, eps: mx.abs(x) if w is None else x * w
     mx.fast.rope = lambda x, dims, **kw: (mx.depends([x * 1.5], [kw["offset"]])[0] if isinstance(kw.get("offset"), mx.array)

@@ -133,12 +133,18 @@ class Weight:
         return self.joined([self], lambda a: a[0][index])
 
     def leading(self, rows: int) -> "Weight":
-        """Its first `rows` output rows, as views of its arrays (rows from the first are row-contiguous, so
-        a kernel launch takes them as they are): what a stacked weight's leading parts alone multiply by."""
+        """Its first `rows` output rows, as views of its arrays: what a stacked weight's leading parts alone
+        multiply by."""
+        return self.row_range(0, rows)
+
+    def row_range(self, start: int, stop: int) -> "Weight":
+        """Output rows start .. stop - 1, as views of its arrays (whole rows of a row-major array are row-contiguous,
+        so a kernel launch takes them as they are): one layer's part of a weight stacked over layers."""
         if not self.bits:
-            out = Weight(self.w[:rows])
+            out = Weight(self.w[start:stop])
         else:
-            out = Weight.packed(self.w[:rows], self.scales[:rows], self.biases[:rows], self.group_size, self.bits)
+            out = Weight.packed(self.w[start:stop], self.scales[start:stop], self.biases[start:stop], self.group_size,
+                                self.bits)
         out.kernel, out.tile_rows = self.kernel, self.tile_rows
         return out
 
@@ -221,6 +227,14 @@ class Stacked:
         self.widths = tuple(p.out_features for p in parts)
         joined = stack and len(parts) > 1 and all(parts[0].stacks_with(p) for p in parts[1:])
         self.weights = (Weight.stacked(parts),) if joined else tuple(parts)
+
+    @classmethod
+    def of(cls, weight: Weight, widths: tuple[int, ...]) -> "Stacked":
+        """Parts of `widths` whose stacked weight is `weight` as it is (e.g. a view of a larger one: a drafter's
+        every layer's k, v and q in one array, drafters/dflash.py)."""
+        out = cls.__new__(cls)
+        out.widths, out.weights = tuple(widths), (weight,)
+        return out
 
     def leading(self, parts: int) -> "Stacked":
         """Its first `parts` parts alone: on a stacked weight its leading output rows, views of its arrays. A

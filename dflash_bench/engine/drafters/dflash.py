@@ -113,19 +113,31 @@ class DFlashDrafter:
         self.fc = w("fc.weight")
         self.hidden_norm = weights["hidden_norm.weight"]
         self.norm = weights["norm.weight"]
+        # on the row kernel, every layer's k, v and q rows in one array, each layer's its rows of it (views): an
+        # absorb's products of every layer are one launch over it (`absorb`), where they were one a layer
+        names = [[f"layers.{i}.self_attn.{n}_proj.weight" for n in "kvq"] for i in range(c.num_layers)]
+        parts = [w(name) for layer in names for name in layer]
+        self.kvq_all: Weight | None = None
+        self.k_norms: mx.array | None = None  # every layer's k norm weights (layers, D), where kvq_all is
+        if all(part.kernel for part in parts) and all(parts[0].stacks_with(part) for part in parts[1:]):
+            self.kvq_all = Weight.stacked(parts)
+            self.kvq_all.kernel = self.kvq_all.fits_kernel(self.dtype)
+            self.k_norms = mx.stack([weights[f"layers.{i}.self_attn.k_norm.weight"] for i in range(c.num_layers)])
+        widths = tuple(part.out_features for part in parts[:3])
         self.layers = []
         for i in range(c.num_layers):
             p = f"layers.{i}"
-            # a pass's k, v and q in one product; `absorb` runs k and v alone on the context rows: on a stacked
-            # weight its first rows, views (`parameters` counts them once, as kvq's)
-            kvq = stacked(*(f"{p}.self_attn.{n}_proj.weight" for n in "kvq"))
+            # a pass's k, v and q in one product; `absorb` runs k and v alone on the context rows where no launch runs
+            # every layer's: on a stacked weight its first rows, views (`parameters` counts them once, as kvq's)
+            kvq = (stacked(*names[i]) if self.kvq_all is None
+                   else Stacked.of(self.kvq_all.row_range(i * sum(widths), (i + 1) * sum(widths)), widths))
             self.layers.append(
                 dict(
                     kvq=kvq,
                     kv=kvq.leading(2),
                     o=w(f"{p}.self_attn.o_proj.weight"),
                     q_norm=weights[f"{p}.self_attn.q_norm.weight"],
-                    k_norm=weights[f"{p}.self_attn.k_norm.weight"],
+                    k_norm=weights[f"{p}.self_attn.k_norm.weight"] if self.k_norms is None else self.k_norms[i],
                     pre=weights[f"{p}.input_layernorm.weight"],
                     post=weights[f"{p}.post_attention_layernorm.weight"],
                     gate_up=stacked(f"{p}.mlp.gate_proj.weight", f"{p}.mlp.up_proj.weight", glu=True),
@@ -164,7 +176,8 @@ class DFlashDrafter:
 
     def weight_bytes(self) -> int:
         """Bytes a drafted round's drafter work reads at least: every array it holds, once (its absorb's k/v products
-        read their part of kvq again), and the target's lm_head its drafts go through (`logits`)."""
+        read their part of kvq again, or on the row kernel all of every layer's kvq: `kvq_all`), and the target's
+        lm_head its drafts go through (`logits`)."""
         return self.nbytes + sum(a.nbytes for a in self.target.lm_head.arrays())
 
     def new_state(self) -> DrafterState:
@@ -182,7 +195,9 @@ class DFlashDrafter:
     def absorb(self, items: list[tuple[DrafterState, mx.array]]) -> None:
         """Fuse each stream's new tap rows and append their K/V at the stream's next positions (a device
         value while the host has not read it: lanes.py then keeps the accepted ones with `keep_at`): where the
-        keys' norm and RoPE take their launch, every layer's at once a stream (`StackedState.write_layers`)."""
+        keys' norm and RoPE take their launch, every layer's at once a stream (`StackedState.write_layers`), and on
+        the row kernel every layer's products in one launch and their keys in one more (`kvq_all`,
+        norm_rope_kernel.layer_keys), where they were two a layer."""
         if not items:
             return
         spans, total = [], 0
@@ -205,23 +220,30 @@ class DFlashDrafter:
         else:  # at a device length, each stream's write index once for every layer's write (cache.py)
             starts = [(start, at, None if rows is None else write_index(rows, state.layers[0].index_shape(
                 (2, self.kv_heads, b - a, self.head_dim)))) for (start, at, rows), (a, b), (state, _) in zip(starts, spans, items)]
-        written = []  # each layer's keys and values (2, heads, rows, d), where the launch makes them
-        for li, layer in enumerate(self.layers):
-            k, v = layer["kv"](fused, norm=norm)
-            if kernel:
-                written.append(norm_rope_kernel.keys(k[:total], v[:total], layer["k_norm"], positions,
-                                                     self.config.rope_theta, self.eps))
-                continue
-            for (state, _), (a, b), (start, at, rows) in zip(items, spans, starts):
-                n = b - a
-                ks = mx.fast.rms_norm(k[a:b].reshape(n, self.kv_heads, self.head_dim), layer["k_norm"], self.eps)
-                ks = self.rope(ks.transpose(1, 0, 2), at)
-                vs = v[a:b].reshape(n, self.kv_heads, self.head_dim).transpose(1, 0, 2)
-                state.layers[li].write(start, ks, vs, rows)
-        if kernel:  # (2 * layers, heads, rows, d), as a state's array holds every layer's
-            kv = mx.concatenate(written) if len(written) > 1 else written[0]
-            for (state, _), (a, b), (start, _, rows) in zip(items, spans, starts):
-                state.write_layers(start, kv if len(items) == 1 else kv[:, :, a:b], rows)
+        theta = self.config.rope_theta
+        if kernel and self.kvq_all is not None:
+            # every layer's k and v in one launch (and their q, unused: a product over every layer's rows of one
+            # array reads the q rows too, bytes the device can spare in a round the host bounds:
+            # docs/gpu-round-profile.md, session 57), their keys in one more
+            made = linear(fused, self.kvq_all, norm=norm)
+            kv = norm_rope_kernel.layer_keys(made if made.shape[0] == total else made[:total], self.k_norms, positions,
+                                             theta, self.eps, self.kv_heads)
+        elif kernel:  # a layer's k and v in a launch, its keys in another
+            written = [norm_rope_kernel.keys(k[:total], v[:total], layer["k_norm"], positions, theta, self.eps)
+                       for layer in self.layers for k, v in [layer["kv"](fused, norm=norm)]]
+            kv = mx.concatenate(written) if len(written) > 1 else written[0]  # (2 * layers, heads, rows, d)
+        else:
+            for li, layer in enumerate(self.layers):
+                k, v = layer["kv"](fused, norm=norm)
+                for (state, _), (a, b), (start, at, rows) in zip(items, spans, starts):
+                    n = b - a
+                    ks = mx.fast.rms_norm(k[a:b].reshape(n, self.kv_heads, self.head_dim), layer["k_norm"], self.eps)
+                    ks = self.rope(ks.transpose(1, 0, 2), at)
+                    vs = v[a:b].reshape(n, self.kv_heads, self.head_dim).transpose(1, 0, 2)
+                    state.layers[li].write(start, ks, vs, rows)
+            return
+        for (state, _), (a, b), (start, _, rows) in zip(items, spans, starts):  # as a state's array holds every layer's
+            state.write_layers(start, kv if len(items) == 1 else kv[:, :, a:b], rows)
 
     def propose(self, items: list[Proposal]) -> list[list[int]]:
         """Drafts for every drafting stream from one pass over their blocks, read back as lists."""

@@ -4,9 +4,10 @@ On a GPU a round is the host's: each operation costs it several microseconds to 
 (docs/gpu-round-profile.md). A drafter's block pass took five operations a layer before this launch (the q and
 k norms, their two RoPEs, the queries' float32 cast) and an absorb two a layer and stream (the k norm and RoPE);
 with it a pass takes one a layer (`queries_and_keys`), and an absorb one a layer for every stream's keys
-(`keys`). A target's attention layer (targets/dense.py) on the kernel path takes the same launch for its decode
-rows: its q and k norms (none for llama), the two RoPEs at each row's position, the stack of keys and values
-and the queries' float32 cast, about six operations a layer, become one.
+(`keys`), or one for every layer's where one product made them all (`layer_keys`). A target's attention layer
+(targets/dense.py) on the kernel path takes the same launch for its decode rows: its q and k norms (none for
+llama), the two RoPEs at each row's position, the stack of keys and values and the queries' float32 cast, about
+six operations a layer, become one.
 
 What it computes for a row r and head h of x (rows, H, D), as the unfused chain did and rounding where it
 rounded: n = x * rsqrt(mean(x^2) + eps) * w in float32, rounded to bf16 (`mx.fast.rms_norm`'s output), or x
@@ -45,6 +46,7 @@ from dflash_bench.engine.cuda_source import ROTATION
 from dflash_bench.engine.device_values import constant
 
 KEYS_INPUTS = ["x", "v", "w", "positions", "log2_theta", "eps"]
+LAYER_KEYS_INPUTS = ["x", "w", "positions", "log2_theta", "eps"]
 QK_INPUTS = ["q", "k", "v", "qw", "kw", "positions", "log2_theta", "eps"]
 QK_PLAIN_INPUTS = ["q", "k", "v", "positions", "log2_theta"]  # a layer without q/k norms
 
@@ -103,6 +105,19 @@ _KEYS = r"""
   nr_copy<D>(v + ((size_t)r * H + h) * D, out + ((size_t)(H + h) * rows + r) * D);
 """
 
+# every layer's keys alone (a drafter's absorb on the row kernel: one product of every layer's weights), with their
+# values: x (rows, L * S), layer l's columns from l * S its H keys then its H values (then what else its product
+# made: its queries); w (L, D), layer l's norm weights; grid (32 * rows, H, L) threads, threadgroup (32, 1, 1); out
+# (2 * L, H, rows, D) bf16, layer l's keys at 2l and values at 2l + 1, as a state of every layer holds them
+# (stacked_cache.py). A (row, head)'s arithmetic is `_KEYS`'s (`nr_turn`, `nr_copy`) whatever the layer's offset.
+_LAYER_KEYS = r"""
+  const int h = blockIdx.y, r = blockIdx.x, rows = gridDim.x, l = blockIdx.z;
+  const __nv_bfloat16* row = x + (size_t)r * L * S + (size_t)l * S;
+  nr_turn<D, D, true>(row + (size_t)h * D, w + (size_t)l * D, float(positions[r]), log2_theta[0], eps[0],
+                      out + (((size_t)2 * l * H + h) * rows + r) * D);
+  nr_copy<D>(row + (size_t)(H + h) * D, out + (((size_t)(2 * l + 1) * H + h) * rows + r) * D);
+"""
+
 # queries and keys of the same rows (a drafter's block pass layer, a target's decode rows), with the values: grid
 # (32 * rows, HQ + HKV, 1); q_out (rows, HQ, D) float32, kv_out (2, HKV, rows, D) bf16. Query head h of row r starts at
 # r * HQ * QH + h * QH of q (QH = D, or 2 * D where a gated layer's q rows hold each head's gate after it: qwen3_5).
@@ -139,6 +154,11 @@ def fits(head_dim: int, dtype: mx.Dtype) -> bool:
 @lru_cache(maxsize=1)
 def _keys_kernel():
     return BakedKernel("dflash_norm_rope_keys", KEYS_INPUTS, ["out"], _KEYS, _HEADER)
+
+
+@lru_cache(maxsize=1)
+def _layer_keys_kernel():
+    return BakedKernel("dflash_norm_rope_layer_keys", LAYER_KEYS_INPUTS, ["out"], _LAYER_KEYS, _HEADER)
 
 
 @lru_cache(maxsize=2)
@@ -199,6 +219,26 @@ def keys(k: mx.array, v: mx.array, w: mx.array, positions: mx.array, theta: floa
         grid=(32 * rows, heads, 1),
         threadgroup=(32, 1, 1),
         output_shapes=[(2, heads, rows, d)],
+        output_dtypes=[mx.bfloat16],
+    )
+    return out
+
+
+def layer_keys(x: mx.array, w: mx.array, positions: mx.array, theta: float, eps: float, heads: int) -> mx.array:
+    """Every layer's keys and values from one product of every layer's weights: x (rows, L * S) bf16, layer l's
+    `heads` key heads then its value heads from column l * S, each key (row, head) normed by w[l] (w: L, D) and
+    turned at its row's position (int32, rows), as `keys` does each layer's: bf16 (2 * L, heads, rows, D), layer l's
+    keys at 2l and values at 2l + 1, what a state of every layer's keys and values takes in one write."""
+    layers, d = w.shape
+    rows, width = x.shape
+    if width % layers or width // layers < 2 * heads * d:
+        raise ValueError(f"rows of {width} values do not hold {layers} layers' {heads} key and value heads of {d}")
+    (out,) = _layer_keys_kernel()(
+        inputs=[x, w, positions, device_log2_theta(theta), _eps(eps)],
+        template=[("H", heads), ("D", d), ("L", layers), ("S", width // layers)],
+        grid=(32 * rows, heads, layers),
+        threadgroup=(32, 1, 1),
+        output_shapes=[(2 * layers, heads, rows, d)],
         output_dtypes=[mx.bfloat16],
     )
     return out
