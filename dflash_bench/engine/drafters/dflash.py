@@ -98,12 +98,12 @@ class DFlashDrafter:
             weight.kernel = weight.fits_kernel(self.dtype)
             return weight
 
-        def stacked(*names: str, glu: bool = False) -> Stacked | SwiGLU:
-            """Projections of the same rows: on the row kernel one launch writing each part apart
-            (tiles.Stacked), or with `glu` an MLP's gate and up writing their SwiGLU (tiles.SwiGLU), elsewhere one
-            product each, as `w` (a stacked weight's bits are its own, which drafts may change: the target's
+        def stacked(*names: str | Weight, glu: bool = False) -> Stacked | SwiGLU:
+            """Projections of the same rows (by name, or made by `w`): on the row kernel one launch writing each part
+            apart (tiles.Stacked), or with `glu` an MLP's gate and up writing their SwiGLU (tiles.SwiGLU), elsewhere
+            one product each, as `w` (a stacked weight's bits are its own, which drafts may change: the target's
             choices decide every token)."""
-            parts = [w(name) for name in names]
+            parts = [name if isinstance(name, Weight) else w(name) for name in names]
             stack = all(part.kernel for part in parts)
             joined = SwiGLU(*parts, stack=stack) if glu else Stacked(parts, stack=stack)
             for weight in joined.weights:
@@ -115,8 +115,7 @@ class DFlashDrafter:
         self.norm = weights["norm.weight"]
         # on the row kernel, every layer's k, v and q rows in one array, each layer's its rows of it (views): an
         # absorb's products of every layer are one launch over it (`absorb`), where they were one a layer
-        names = [[f"layers.{i}.self_attn.{n}_proj.weight" for n in "kvq"] for i in range(c.num_layers)]
-        parts = [w(name) for layer in names for name in layer]
+        parts = [w(f"layers.{i}.self_attn.{n}_proj.weight") for i in range(c.num_layers) for n in "kvq"]
         self.kvq_all: Weight | None = None
         self.k_norms: mx.array | None = None  # every layer's k norm weights (layers, D), where kvq_all is
         if all(part.kernel for part in parts) and all(parts[0].stacks_with(part) for part in parts[1:]):
@@ -129,7 +128,7 @@ class DFlashDrafter:
             p = f"layers.{i}"
             # a pass's k, v and q in one product; `absorb` runs k and v alone on the context rows where no launch runs
             # every layer's: on a stacked weight its first rows, views (`parameters` counts them once, as kvq's)
-            kvq = (stacked(*names[i]) if self.kvq_all is None
+            kvq = (stacked(*parts[3 * i : 3 * i + 3]) if self.kvq_all is None
                    else Stacked.of(self.kvq_all.row_range(i * sum(widths), (i + 1) * sum(widths)), widths))
             self.layers.append(
                 dict(
