@@ -288,20 +288,27 @@ def test_greedy_streams_draft_from_one_argmax_over_their_rows_as_each_alone(draf
     assert drafter.propose(mixed) == [drafter.propose([p])[0] for p in mixed]
 
 
+def nine_b_shaped(tmp_path):
+    """The 9B-shaped tiny target in gpu mode, its drafter's folder, and the taps of a 40-token prompt."""
+    from dflash_bench.fixtures.big import PRESETS, write_big
+
+    engine = Engine(write_big("qwen3_5-9b-4bit", tmp_path / "t", "tiny"), None,
+                    Settings(context=256, chunk=32, backend="gpu"))
+    taps = engine.target.forward([Segment(list(range(8, 48)), 0, engine.target.new_state(), want_taps=True)],
+                                 PRESETS["tiny"].taps)[0].taps
+    return engine, write_big("dflash-9b", tmp_path / "d", "tiny"), taps
+
+
 def emulated_kernel_drafter(monkeypatch, tmp_path):
     """The 9B-shaped tiny drafter in bf16 on the kernel path (attention and norm-and-RoPE launches run by
     tests/cuda_emulator.py), and its taps of a 40-token prompt."""
     from dflash_bench.engine.drafters.dflash import load_drafter
-    from dflash_bench.fixtures.big import write_big
 
-    engine = Engine(write_big("qwen3_5-9b-4bit", tmp_path / "t", "tiny"), None,
-                    Settings(context=256, chunk=32, backend="gpu"))
-    drafter = load_drafter(write_big("dflash-9b", tmp_path / "d", "tiny"), engine.target, dtype=mx.bfloat16)
+    engine, path, taps = nine_b_shaped(tmp_path)
+    drafter = load_drafter(path, engine.target, dtype=mx.bfloat16)
     cuda_emulator.install(monkeypatch)
     cuda_emulator.install_norm_rope(monkeypatch)
     monkeypatch.setattr(drafter, "kernel_attention", True)
-    taps = engine.target.forward([Segment(list(range(8, 48)), 0, engine.target.new_state(), want_taps=True)],
-                                 drafter.taps)[0].taps
     return drafter, taps
 
 
@@ -345,17 +352,6 @@ def check_absorb_of_every_layer(drafter, taps: mx.array, monkeypatch) -> None:
     # and the pass drafts from what it absorbed
     drafts = drafter.propose_queued([Proposal(st, 9, 5, SamplingParams(0.0)) for st in states])
     assert [d.shape for d in drafts] == [(5,), (5,)]
-
-
-def nine_b_shaped(tmp_path):
-    """The 9B-shaped tiny target in gpu mode, its drafter's folder, and the taps of a 40-token prompt."""
-    from dflash_bench.fixtures.big import PRESETS, write_big
-
-    engine = Engine(write_big("qwen3_5-9b-4bit", tmp_path / "t", "tiny"), None,
-                    Settings(context=256, chunk=32, backend="gpu"))
-    taps = engine.target.forward([Segment(list(range(8, 48)), 0, engine.target.new_state(), want_taps=True)],
-                                 PRESETS["tiny"].taps)[0].taps
-    return engine, write_big("dflash-9b", tmp_path / "d", "tiny"), taps
 
 
 @cuda_emulator.needs_gxx
