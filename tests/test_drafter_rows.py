@@ -201,7 +201,7 @@ def test_on_a_cuda_gpu_a_block_pass_runs_each_layers_attention_as_one_kernel_lau
     """Where decode attention runs attention_kernel.py (a CUDA GPU; here its CUDA source run by
     tests/cuda_emulator.py), a block pass runs each layer's attention for every stream in one launch with
     the layer's own mask (causal or bidirectional inside the block, a sliding window or none), instead of
-    the tile products a stream at a time: a stream at a host start and one at a device start (cache.py's
+    the tile products a stream at a time, from a call made once a pass for each kind of layer: a stream at a host start and one at a device start (cache.py's
     keep_at), the 9B-shaped tiny drafter in bf16, each stream's context read from its joint K/V cache, the
     streams' queries handed packed. The q and k rows' norms and RoPE take one launch a layer
     (targets/norm_rope_kernel.py), and an absorb's keys one a layer. Its logits are the tile
@@ -226,12 +226,16 @@ def test_on_a_cuda_gpu_a_block_pass_runs_each_layers_attention_as_one_kernel_lau
         monkeypatch.setitem(layer, "window", window)
     taps = engine.target.forward([Segment(list(range(8, 48)), 0, engine.target.new_state(), want_taps=True)],
                                  drafter.taps)[0].taps
-    launches: list[int] = []
-    decode_attention = attention_kernel.decode_attention
-    monkeypatch.setattr(attention_kernel, "decode_attention",
-                        lambda segs, *a, **kw: launches.append((len(segs), all(v is None for _, _, v, _ in segs),
-                                                                kw.get("queries") is not None))
-                        or decode_attention(segs, *a, **kw))
+    made: list[tuple] = []  # each call made: its segments, whether each reads a joint cache, its queries packed
+    launches: list[int] = []  # each layer's launch: the layer
+    decode_call = attention_kernel.decode_call
+
+    def counted(segs, *a, **kw):
+        made.append((len(segs), all(v is None for _, _, v, _ in segs), kw.get("queries") is not None))
+        call = decode_call(segs, *a, **kw)
+        return lambda q, block, layer: launches.append(layer) or call(q, block, layer)
+
+    monkeypatch.setattr(attention_kernel, "decode_call", counted)
     turned: list[tuple[str, int]] = []  # (launch, rows) of each norm-and-RoPE launch
     for name in ("keys", "queries_and_keys"):
         launch = getattr(norm_rope_kernel, name)
@@ -256,8 +260,10 @@ def test_on_a_cuda_gpu_a_block_pass_runs_each_layers_attention_as_one_kernel_lau
     tiled = logits(False)
     assert launches == [] and turned == []
     kernel = logits(True)
-    # each stream's context read from its joint cache, every stream's queries handed packed
-    assert launches == [(2, True, True)] * len(drafter.layers)
+    # a launch a layer; each stream's context read from its joint cache, every stream's queries handed packed, in a
+    # call made once for each kind of layer (causality, window)
+    assert launches == list(range(len(drafter.layers)))
+    assert made == [(2, True, True)] * len({(layer["causal"], layer["window"]) for layer in drafter.layers}) != []
     layers = len(drafter.layers)
     # an absorb of each stream (40 and 29 rows: keys), then the pass over both blocks of 8 rows (q and k)
     assert turned == [("keys", 40)] * layers + [("keys", 29)] * layers + [("queries_and_keys", 16)] * layers

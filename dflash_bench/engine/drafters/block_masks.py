@@ -28,6 +28,10 @@ class BlockMasks:
         self.streams: dict[int, StreamBlock] = {}
         self.positions: mx.array | None = None  # every stream's rows' positions, one after another
         self.metas: dict[tuple, mx.array] = {}  # attention_kernel.py's launch layouts, by causality and capacities
+        # attention_kernel.py's calls, by (causal, window): the layers of a kind launch the same segments over the same
+        # arrays (each stream's state of every layer), each with its queries, block and layer, so the call (its
+        # launch found, its inputs checked) is made once a pass, as a dense target's forward makes its one (dense.py)
+        self.calls: dict[tuple, attention_kernel.Call] = {}
 
     def of(self, stream: int) -> StreamBlock:
         """The pass's `stream`-th stream's positions and masks."""

@@ -407,14 +407,17 @@ class DFlashDrafter:
         # the block's K/V are this pass's only: the launch reads them from kv itself, where the cache holds the
         # context (no write into the cache, one scatter a layer and stream); it reads the context's keys and
         # values from the stream's array of every layer at this layer's offset itself (its `layer`: no views of it)
-        launch = [(queries[a:b], p.state.kv, None, p.state.layers[li].length) for p, (a, b) in zip(items, spans)]
-        # every layer of a stream holds the same positions (`absorb` writes each alike), so the state's device length
-        # (its first layer's, read once a pass by `start`) stands for this layer's: reading a layer's own adds the rows
-        # written since (cache.py's `at`), an addition a layer and stream
-        meta = masks.launch_meta(launch, [p.state.at for p in items], layer["causal"])
-        o = attention_kernel.decode_attention(launch, self.scale, meta, layer["causal"], layer["window"], block=kv,
-                                              queries=queries, layer=li)
-        return o.reshape(rows, self.heads * self.head_dim)
+        kind = (layer["causal"], layer["window"])
+        call = masks.calls.get(kind)
+        if call is None:  # the pass's first layer of this kind: its launch, which the kind's other layers call too
+            launch = [(queries[a:b], p.state.kv, None, p.state.layers[li].length) for p, (a, b) in zip(items, spans)]
+            # every layer of a stream holds the same positions (`absorb` writes each alike), so the state's device
+            # length (its first layer's, read once a pass by `start`) stands for this layer's: reading a layer's own
+            # adds the rows written since (cache.py's `at`), an addition a layer and stream
+            meta = masks.launch_meta(launch, [p.state.at for p in items], layer["causal"])
+            call = masks.calls[kind] = attention_kernel.decode_call(launch, self.scale, meta, *kind, block=kv,
+                                                                    queries=queries, layer=li)
+        return call(queries, kv, li).reshape(rows, self.heads * self.head_dim)
 
 
 def firsts(items: list[Proposal]) -> list[int]:
