@@ -31,13 +31,13 @@ def test_every_committed_receipt_validates_and_shows(path):
 
 
 def test_show_prints_the_engine_speed_table_and_the_training_table():
-    """The 9B's engine-speed receipt shows ours beside mlx-lm at each level (code at 1 stream: 137.78 against
-    mlx-lm's 88.51 tok/s on session 56's H100) and that drafted == plain held at T 0.7 too; the training receipt
+    """The 9B's engine-speed receipt shows ours beside mlx-lm at each level (code at 1 stream: 153.08 against
+    mlx-lm's 106.77 tok/s on session 58's H100) and that drafted == plain held at T 0.7 too; the training receipt
     its held-out table."""
     runner = CliRunner()
     speed = runner.invoke(app, ["show", "receipts/engine-speed-qwen3.5-9b-4bit-gpu-h100.json"], env={"COLUMNS": "250"})
-    row = next(line for line in speed.output.splitlines() if "code" in line and "plain" in line and "137.78" in line)
-    assert "engine speed (tok/s" in speed.output and "88.51" in row and "1.56x" in row
+    row = next(line for line in speed.output.splitlines() if "code" in line and "plain" in line and "153.08" in line)
+    assert "engine speed (tok/s" in speed.output and "106.77" in row and "1.43x" in row
     assert "at T 0.7" in speed.output
     train = runner.invoke(app, ["show", "receipts/train-smollm2-135m-dflash-v10.json"])
     assert "held-out measurements" in train.output and "mean" in train.output
