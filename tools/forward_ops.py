@@ -98,8 +98,10 @@ def reference_rollback(parts, starts, counts, conv_starts, span):
 
 
 def one_node_launch(inputs, output_shapes, output_dtypes, **_) -> list[mx.array]:
-    """A launch of delta_kernel.py's (a forward's or a rollback's) as the one node it is, on all of its inputs:
-    its first output that node, the others views tied to it (`Depends` is not counted)."""
+    """A kernel object of ours called as the engine calls it (a BakedKernel's call: delta_kernel.py's forward and
+    rollback, attention_kernel.py's passes, norm_rope_kernel.py's launches) as the one node its launch is, on all of
+    its inputs: its first output that node, the others views tied to it (`Depends` is not counted). The Python that
+    builds the call runs as the engine's own."""
     first = mx.depends([mx.zeros(output_shapes[0], dtype=output_dtypes[0])], inputs)[0]
     return [first] + [mx.depends([mx.broadcast_to(mx.array(0, dtype=dtype), shape)], [first])[0]
                       for shape, dtype in zip(output_shapes[1:], output_dtypes[1:])]
@@ -229,14 +231,6 @@ def reference_stand_ins() -> tuple:
     return launches
 
 
-def one_node_kernel(inputs, template=(), grid=None, threadgroup=None, output_shapes=(), output_dtypes=(),
-                    **_) -> list[mx.array]:
-    """A kernel object of ours (a BakedKernel's call: attention_kernel.py's passes, norm_rope_kernel.py's launches) as
-    the one node its launch is (`one_node_launch`), so the engine's own Python above it (decode_call, its Call, the
-    launches' checks) runs and is timed as on a GPU."""
-    return one_node_launch(inputs, output_shapes, output_dtypes)
-
-
 def one_node_stand_ins(launches: tuple) -> None:
     """Each CUDA kernel one node, as a launch is on a GPU, and MLX's norms, RoPE and fused chains as many nodes as
     they are there (after an engine loaded under `reference_stand_ins`, whose return is `launches`). The row kernel's,
@@ -245,11 +239,11 @@ def one_node_stand_ins(launches: tuple) -> None:
     stand_in = Launch(one_node=True)
     matmul_kernel._kernel = lambda parts=0, rope=False: stand_in
     attention_kernel.decode_attention, attention_kernel.decode_call = ENGINE_ATTENTION
-    attention_kernel._partial_kernel = lambda *key, **kinds: one_node_kernel
-    attention_kernel._combine_kernel = lambda: one_node_kernel
+    attention_kernel._partial_kernel = lambda *key, **kinds: one_node_launch
+    attention_kernel._combine_kernel = lambda: one_node_launch
     norm_rope_kernel.queries_and_keys = ENGINE_QUERIES_AND_KEYS
     for name in ("_qk_kernel", "_keys_kernel", "_layer_keys_kernel"):
-        setattr(norm_rope_kernel, name, lambda *key: one_node_kernel)
+        setattr(norm_rope_kernel, name, lambda *key: one_node_launch)
     # MLX's own norm and RoPE one node each, as on a GPU (`Depends` only ties an array offset in, and is not counted)
     mx.fast.rms_norm = lambda x, w, eps: mx.abs(x) if w is None else x * w
     mx.fast.rope = lambda x, dims, **kw: (mx.depends([x * 1.5], [kw["offset"]])[0] if isinstance(kw.get("offset"), mx.array)
